@@ -1,0 +1,38 @@
+"""memfit: make PyTorch training fit in memory — explain, save, plan, prove.
+
+The public API is small and re-exported here; names load lazily so `import memfit` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute"
+_EXPORTS = {
+    "estimate": "memfit.measure.estimate:estimate",
+    "Estimate": "memfit.measure.estimate:Estimate",
+    "model_state_bytes": "memfit.measure.formulas:model_state_bytes",
+    "track": "memfit.measure.tracker:track",
+    "MemoryTracker": "memfit.measure.tracker:MemoryTracker",
+    "checkpoint": "memfit.apply.checkpoint:checkpoint",
+    "find_blocks": "memfit.apply.checkpoint:find_blocks",
+    "TrainingOptimizer": "memfit.apply.optimizer:TrainingOptimizer",
+    "GPT": "memfit.train.model:GPT",
+    "GPTConfig": "memfit.train.model:GPTConfig",
+    "MemfitError": "memfit.errors:MemfitError",
+    "ConfigError": "memfit.errors:ConfigError",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    target = _EXPORTS.get(name)
+    if target is None:
+        raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    module, attr = target.split(":")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

@@ -1,0 +1,3 @@
+from memfit.cli import main
+
+raise SystemExit(main())

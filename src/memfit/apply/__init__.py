@@ -1,0 +1,1 @@
+"""apply: mechanisms that carry a memory plan out (checkpointing, offload, precision, ...)."""

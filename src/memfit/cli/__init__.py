@@ -1,0 +1,51 @@
+"""The `memfit` command. Each subcommand lives in its own module here with two functions:
+`add_parser(subparsers)` and `run(args) -> int`.
+
+Errors that are the user's (memfit.errors.MemfitError) print as one line and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from memfit.errors import MemfitError
+
+# Subcommands in the order `memfit --help` lists them. A module that is not there yet is skipped.
+SUBCOMMANDS = ["estimate", "train", "track"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memfit", description="Make PyTorch training fit in memory: explain, save, plan, prove."
+    )
+    from memfit import __version__
+
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"memfit.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"memfit.cli.{name}":
+                continue
+            raise
+        p = module.add_parser(sub)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except MemfitError as exc:
+        print(f"memfit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("memfit: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""distributed: DDP, ZeRO, pipeline and tensor parallelism on torch.distributed."""

@@ -1,0 +1,1 @@
+"""plan: choose the fastest combination of techniques that fits a memory budget."""

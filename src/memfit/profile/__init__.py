@@ -1,0 +1,1 @@
+"""profile: per-block costs measured on the real machine."""

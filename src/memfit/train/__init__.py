@@ -1,0 +1,1 @@
+"""train: the readable GPT, the data pipeline and the training loop behind `memfit train`."""
