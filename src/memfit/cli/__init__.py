@@ -15,8 +15,15 @@ from memfit.errors import MemfitError
 SUBCOMMANDS = ["estimate", "train", "track"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (what was wrong, where to look), exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="memfit", description="Make PyTorch training fit in memory: explain, save, plan, prove."
     )
     from memfit import __version__

@@ -1,0 +1,95 @@
+"""`memfit estimate`: will training fit, and where does the memory go? Nothing is allocated."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from memfit.errors import ConfigError
+from memfit.measure.formulas import OPTIMIZER_STATES, PRECISIONS
+from memfit.units import format_bytes, parse_bytes, parse_count
+
+
+def _int_arg(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
+        return value
+
+    return parse
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "estimate",
+        help="predict per-device training memory without allocating",
+        description="Predict the per-device memory of one training step (steady state, after the optimizer "
+        "state exists) without allocating: model states from closed-form formulas, activations and "
+        "temporaries by tracing the real model under FakeTensorMode.",
+    )
+    p.add_argument("model", nargs="?", help="a known architecture (e.g. gpt2, llama-2-7b), a spec like "
+                   "gpt:layers=12,hidden=768,heads=12,vocab=50257, or a Hugging Face config.json path")
+    p.add_argument("--params", type=str, help="parameter count (e.g. 7B) for a model-states-only estimate")
+    p.add_argument("--batch", type=_int_arg("--batch"), default=1, help="micro-batch per device (default 1)")
+    p.add_argument("--seq", type=_int_arg("--seq"), help="sequence length (default: the model's, at most 4096)")
+    p.add_argument("--precision", default="32-true", choices=PRECISIONS, metavar="MODE",
+                   help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES), metavar="NAME",
+                   help=f"one of {', '.join(sorted(OPTIMIZER_STATES))} (default adamw)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
+    p.add_argument("--world", type=_int_arg("--world"), default=1, help="data-parallel world size (default 1)")
+    p.add_argument("--checkpoint", default="none", metavar="POLICY",
+                   help="activation checkpoint policy: none, full, every:K, sqrt, selective, ... (default none)")
+    p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu", "disk"),
+                   help="hold optimizer state off the device (default none)")
+    p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 24GiB or 80GB: says if it fits")
+    p.add_argument("--modules", type=int, default=8, metavar="N", help="show the N modules with the highest peak")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.measure.estimate import CATEGORIES, estimate
+
+    if args.model is None and args.params is None:
+        raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json) or --params N")
+    params = parse_count(args.params) if args.params is not None else None
+    budget = parse_bytes(args.device_memory) if args.device_memory else None
+    est = estimate(
+        args.model, params=params, batch=args.batch, seq=args.seq, precision=args.precision,
+        optimizer=args.optimizer, zero=args.zero, world=args.world, checkpoint=args.checkpoint,
+        offload_optimizer=args.offload_optimizer, device_memory=budget,
+    )
+    if args.json:
+        print(json.dumps(est.to_json(), indent=1))
+        return 0
+    shape = f"batch {est.batch} x seq {est.seq}, " if est.traced else ""
+    name = f"{est.model}: " if est.traced else ""
+    print(f"{name}{est.n_params / 1e6:,.1f}M parameters, {shape}{est.precision}, {est.optimizer}, "
+          f"ZeRO-{est.zero} on {est.world} device(s), checkpoint {est.checkpoint}"
+          + (f", optimizer offloaded to {est.offload_optimizer}" if est.offload_optimizer else ""))
+    print(f"\n  {'per device':<14}{'bytes':>16}{'':>12}")
+    for cat in CATEGORIES:
+        value = est.per_device[cat]
+        share = f"{100 * value / est.total:5.1f}%" if est.total else ""
+        print(f"  {cat:<14}{format_bytes(value):>16}{share:>12}")
+    print(f"  {'total (peak)':<14}{format_bytes(est.total):>16}")
+    if est.offloaded:
+        print(f"  {'(off device)':<14}{format_bytes(est.offloaded):>16}")
+    if not est.traced:
+        print("\n  activations and temporaries not estimated: give a model to trace them")
+    if est.modules and args.modules > 0:
+        print(f"\n  {'module (peak while it runs)':<40}{'peak':>14}{'saved for bwd':>16}")
+        for name, peak in list(est.modules.items())[: args.modules]:
+            act = est.module_activations.get(name, 0)
+            print(f"  {name or '(model)':<40}{format_bytes(peak):>14}{format_bytes(act):>16}")
+    if est.device_memory is not None:
+        verdict = (f"fits, {format_bytes(est.headroom)} to spare" if est.fits
+                   else f"does NOT fit: {format_bytes(-est.headroom)} over")
+        print(f"\n  device memory {format_bytes(est.device_memory)}: {verdict}")
+    if est.traced:
+        print(f"\n  traced in {est.trace_seconds:.1f} s without allocating (FakeTensorMode)")
+    return 0

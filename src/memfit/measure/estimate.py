@@ -1,0 +1,128 @@
+"""memfit.estimate(): will a training step fit, and where does the memory go? Nothing is allocated.
+
+Model states come from the closed-form formulas; activations and temporaries from tracing one
+whole training step of the real model under FakeTensorMode (memfit.measure.trace). The trace runs
+one unsharded device; ZeRO sharding and optimizer offload then scale each model-state figure *as it
+stood at the traced peak* by the formulas' sharded/unsharded ratio, so the five figures still add up
+to the peak.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from memfit.errors import ConfigError
+from memfit.measure.formulas import check_precision, model_state_bytes, optimizer_states
+from memfit.spec import ModelSpec, parse_model
+from memfit.units import parse_bytes
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+
+
+@dataclass
+class Estimate:
+    model: str
+    n_params: int
+    batch: int | None
+    seq: int | None
+    precision: str
+    optimizer: str
+    zero: int
+    world: int
+    checkpoint: str
+    offload_optimizer: str | None
+    per_device: dict[str, int]
+    """params, grads, optimizer, activations, temporaries and total (the steady-state peak), bytes."""
+    offloaded: int = 0
+    """Bytes held off the device (offloaded optimizer state)."""
+    device_memory: int | None = None
+    traced: bool = False
+    """False when only model states were estimated (no model given, just a parameter count)."""
+    trace_seconds: float = 0.0
+    modules: dict[str, int] = field(default_factory=dict)
+    """Per-module peak bytes on one unsharded device, largest first."""
+    module_activations: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.per_device["total"]
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.total <= self.device_memory
+
+    @property
+    def headroom(self) -> int | None:
+        """device_memory - total: negative means over budget by that much."""
+        return None if self.device_memory is None else self.device_memory - self.total
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["fits"], data["headroom"] = self.fits, self.headroom
+        return data
+
+
+def _positive(name: str, value: int | None) -> int | None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def estimate(
+    model: str | ModelSpec | None = None,
+    *,
+    params: int | None = None,
+    batch: int = 1,
+    seq: int | None = None,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    zero: int = 0,
+    world: int = 1,
+    checkpoint: str = "none",
+    offload_optimizer: str | None = None,
+    device_memory: int | str | None = None,
+) -> Estimate:
+    """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
+
+    With `params=N` and no model, only model states (params, grads, optimizer) are estimated.
+    """
+    check_precision(precision)
+    optimizer_states(optimizer)
+    _positive("batch", batch)
+    _positive("seq", seq)
+    _positive("world", world)
+    if offload_optimizer == "none":
+        offload_optimizer = None
+    budget = parse_bytes(device_memory) if device_memory is not None else None
+    common = dict(precision=precision, optimizer=optimizer)
+    if model is None:
+        if params is None:
+            raise ConfigError("give a model (name, spec or config.json) or --params N")
+        ms = model_state_bytes(params, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
+        per = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "activations": 0, "temporaries": 0}
+        per["total"] = sum(per.values())
+        return Estimate(f"{params:,} parameters", params, None, None, precision, optimizer, zero, world, "none",
+                        offload_optimizer, per, ms.offloaded, budget)
+
+    spec = parse_model(model) if isinstance(model, str) else model
+    n = spec.num_params()
+    if params is not None and params != n:
+        raise ConfigError(f"--params {params} contradicts {spec.name}, which has {n} parameters; give one of them")
+    # Default: the model's context length, capped at 4096 (long-context models train mostly shorter).
+    seq = seq or min(spec.seq or 1024, 4096)
+    sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
+    single = model_state_bytes(n, **common)
+
+    from memfit.measure.trace import trace_step  # heavy import (FakeTensorMode) only when tracing
+
+    tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint)
+    per = {}
+    for cat in ("params", "grads", "optimizer"):
+        full, mine = getattr(single, cat), getattr(sharded, cat)
+        per[cat] = round(getattr(tr, cat) * mine / full) if full else getattr(tr, cat)
+    per["activations"], per["temporaries"] = tr.activations, tr.temporaries
+    per["total"] = sum(per.values())
+    modules = dict(sorted(tr.modules.items(), key=lambda kv: -kv[1]))
+    return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
+                    per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
+                    module_activations=dict(tr.module_activations))

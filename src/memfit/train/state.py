@@ -1,0 +1,101 @@
+"""Atomic checkpoints that load with `torch.load(path, weights_only=True)`.
+
+A checkpoint holds only tensors and plain Python containers (dicts, lists, str, int, float, bool,
+None), so loading one never runs pickled code. It is written to a temporary file in the same folder,
+fsynced, then renamed over the old one with `os.replace`: a crash or a full disk mid-write leaves
+the previous checkpoint intact, never a torn file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.errors import ConfigError
+
+CHECKPOINT = "checkpoint.pt"
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename itself is only durable once the directory entry is on disk (POSIX).
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows cannot open directories; os.replace is still atomic there
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Any) -> Path:
+    """Call `write(file)` on a temp file beside `path`, fsync it, then atomically move it to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
+    """Write `state` (tensors and plain containers only) atomically to `path`."""
+    return atomic_write(path, lambda f: torch.save(state, f))
+
+
+def save_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    """metrics.json is rewritten while a run goes on; readers never see half a file."""
+    text = json.dumps(payload, indent=1, allow_nan=False, default=_json_default)
+    return atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint written by save_checkpoint (weights_only: no code runs while loading)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT
+    if not path.is_file():
+        raise ConfigError(f"no checkpoint at {str(path)!r}; --resume takes a run folder written by memfit train")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # unpickling errors have many types; all mean "not a usable checkpoint"
+        raise ConfigError(f"cannot load checkpoint {str(path)!r}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+
+
+def rng_state() -> dict[str, Any]:
+    """torch's global RNG streams (dropout draws from them), as tensors."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

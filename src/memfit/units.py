@@ -1,0 +1,56 @@
+"""Parsing and printing sizes: "24GiB", "80GB", "7B" parameters."""
+from __future__ import annotations
+
+import re
+
+from memfit.errors import ConfigError
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    # Bare K/M/G/T mean binary units, as memory sizes are usually quoted (an "80G" card).
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'24GiB' -> 25769803776. Accepts B, KB/MB/GB/TB (decimal), KiB/MiB/GiB/TiB and K/M/G/T (binary)."""
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        m = _NUMBER.match(text)
+        if not m or m.group(2).lower() not in _BYTE_UNITS:
+            raise ConfigError(f"cannot read memory size {text!r}; use e.g. 24GiB, 80GB, 16G or a byte count")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    n = int(value * _BYTE_UNITS[unit])
+    if n <= 0:
+        raise ConfigError(f"memory size must be positive, got {text!r}")
+    return n
+
+
+def parse_count(text: str | int | float) -> int:
+    """'7B' -> 7_000_000_000; '124M', '1.5e9' and plain integers too."""
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        m = _NUMBER.match(text)
+        if not m or m.group(2).lower() not in _COUNT_UNITS:
+            raise ConfigError(f"cannot read count {text!r}; use e.g. 7B, 124M, 350000000 or 1.5e9")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    n = int(round(value * _COUNT_UNITS[unit]))
+    if n <= 0:
+        raise ConfigError(f"count must be positive, got {text!r}")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,72 @@
+"""`memfit estimate`: JSON shape, traced estimates, and one-line errors for bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memfit.cli import main
+
+TINY = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64"
+FIELDS = {"params", "grads", "optimizer", "activations", "temporaries", "total"}
+
+
+def run_json(capsys, *argv):
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_params_only_json_shape(capsys):
+    data = run_json(capsys, "--params", "7.5B", "--precision", "16-master", "--optimizer", "adam",
+                    "--zero", "1", "--world", "64", "--device-memory", "32GB")
+    per = data["per_device"]
+    assert set(per) == FIELDS and all(isinstance(v, int) for v in per.values())
+    assert per["total"] == sum(per[k] for k in FIELDS - {"total"})
+    assert per["total"] / 1e9 == pytest.approx(31.4, abs=0.05)  # ZeRO paper, P_os, N_d = 64
+    assert data["fits"] is True and data["headroom"] == 32 * 10**9 - per["total"]
+
+
+def test_traced_estimate_adds_up_and_checkpointing_lowers_it(capsys):
+    plain = run_json(capsys, TINY, "--batch", "4", "--seq", "64")
+    per = plain["per_device"]
+    assert set(per) == FIELDS
+    assert per["total"] == sum(per[k] for k in FIELDS - {"total"})
+    assert per["activations"] > 0 and per["optimizer"] == 2 * per["params"]  # AdamW, fp32
+    full = run_json(capsys, TINY, "--batch", "4", "--seq", "64", "--checkpoint", "full")
+    assert full["per_device"]["activations"] < per["activations"]
+    assert plain["traced"] is True and plain["modules"]
+
+
+def test_zero_and_offload_scale_model_states(capsys):
+    base = run_json(capsys, TINY, "--batch", "2", "--seq", "32")["per_device"]
+    z3 = run_json(capsys, TINY, "--batch", "2", "--seq", "32", "--zero", "3", "--world", "4")["per_device"]
+    assert z3["params"] == pytest.approx(base["params"] / 4, rel=0.01)
+    assert z3["activations"] == base["activations"]
+    off = run_json(capsys, TINY, "--batch", "2", "--seq", "32", "--offload-optimizer", "cpu")
+    assert off["per_device"]["optimizer"] == 0 and off["offloaded"] > 0
+
+
+def test_table_output(capsys):
+    assert main(["estimate", TINY, "--batch", "2", "--seq", "32", "--device-memory", "1KiB"]) == 0
+    out = capsys.readouterr().out
+    for word in ("params", "grads", "optimizer", "activations", "temporaries", "total (peak)", "does NOT fit"):
+        assert word in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["no-such-model"], "unknown model"),
+    (["gpt:layers=2,hidden=64"], "missing"),
+    (["gpt:layers=two,hidden=64,heads=4,vocab=10"], "not a valid int"),
+    (["gpt:layers=2,hidden=64,heads=5,vocab=10"], "divisible"),
+    (["gpt2", "--batch", "-1"], "at least 1"),
+    (["gpt2", "--precision", "fp8"], "invalid choice"),
+    (["--params", "-3"], "positive"),
+    (["missing/config.json"], "no Hugging Face config"),
+    ([], "give a model"),
+])
+def test_bad_input_one_line_exit_2(argv, needle):
+    proc = subprocess.run([sys.executable, "-m", "memfit", "estimate", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
