@@ -68,10 +68,16 @@ class ModelSpec:
         return build_hf(self.hf_config)
 
     def num_params(self) -> int:
+        return self.counts()[0]
+
+    def counts(self) -> tuple[int, int]:
+        """(parameter elements, parameter tensors), from a build on the meta device.
+
+        Tied weights appear once in parameters(), as they occupy memory once."""
         with torch.device("meta"):
             model = self.build()
-        # Tied weights appear once in parameters(), as they occupy memory once.
-        return sum(p.numel() for p in model.parameters())
+        params = list(model.parameters())
+        return sum(p.numel() for p in params), len(params)
 
     @property
     def seq(self) -> int | None:

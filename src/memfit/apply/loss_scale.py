@@ -116,30 +116,42 @@ class InfNanLocator:
 
     Forward: a forward hook checks each module's outputs; modules finish in execution order, so the
     first hit is the innermost module that produced the first non-finite value. Backward: a tensor
-    hook on each output sees the gradient arriving at that module; the first hit is where backward
-    first carried inf/NaN. Costly (a reduction per module output), so it is only armed on demand.
+    hook on each module input sees the gradient the module's backward produced for it; the first
+    non-finite one names the module whose backward first produced inf/NaN (when nested modules share
+    an input, the innermost, whose hook is registered last, wins). Costly (a reduction per module
+    output), so it is only armed on demand.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.first_forward: str | None = None
         self.first_backward: str | None = None
-        self._handles = [
-            m.register_forward_hook(self._forward_hook(name or type(model).__name__))
-            for name, m in model.named_modules()
-        ]
+        self._first_grad: torch.Tensor | None = None
+        self._handles = []
+        for name, m in model.named_modules():
+            name = name or type(model).__name__
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook(name)))
+            self._handles.append(m.register_forward_hook(self._forward_hook(name)))
 
-    def _forward_hook(self, name: str):
-        def hook(module, args, output):
-            for t in _tensors(output):
-                if self.first_forward is None and _nonfinite(t.detach()):
-                    self.first_forward = name
+    def _pre_hook(self, name: str):
+        def hook(module, args):
+            for t in _tensors(args):
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(name))
         return hook
 
+    def _forward_hook(self, name: str):
+        def hook(module, args, output):
+            if self.first_forward is None and any(_nonfinite(t.detach()) for t in _tensors(output)):
+                self.first_forward = name
+        return hook
+
     def _grad_hook(self, name: str):
         def hook(grad):
-            if self.first_backward is None and grad is not None and _nonfinite(grad):
+            if grad is None:
+                return
+            if self.first_backward is None and _nonfinite(grad):
+                self.first_backward, self._first_grad = name, grad
+            elif self._first_grad is grad:  # same gradient, a module registered later: more inner
                 self.first_backward = name
         return hook
 
@@ -147,6 +159,7 @@ class InfNanLocator:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._first_grad = None
 
 
 def overflow_message(scaler: LossScaler, bad_grads: list[str], locator: InfNanLocator | None) -> str:
@@ -154,7 +167,7 @@ def overflow_message(scaler: LossScaler, bad_grads: list[str], locator: InfNanLo
     if locator is not None and locator.first_forward:
         where.append(f"forward output of {locator.first_forward!r}")
     if locator is not None and locator.first_backward:
-        where.append(f"gradient at {locator.first_backward!r}")
+        where.append(f"backward of {locator.first_backward!r}")
     if bad_grads:
         shown = ", ".join(bad_grads[:5]) + (", ..." if len(bad_grads) > 5 else "")
         where.append(f"parameter grads {shown}")

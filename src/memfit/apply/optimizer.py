@@ -1,13 +1,14 @@
 """TrainingOptimizer: everything between a loss and updated weights, behind one small interface.
 
-    opt = TrainingOptimizer(model, "adamw", lr=3e-4, precision="bf16-mixed", clip=1.0)
+    opt = TrainingOptimizer(model, "adamw", lr=3e-4, precision="bf16-master", clip=1.0, offload="cpu")
     with opt.autocast():
         logits, loss_sum, n = model(x, y)
     opt.backward(loss_sum / total_tokens)
-    result = opt.step()          # unscale, check, clip, update, zero grads
+    result = opt.step()          # check overflow, unscale, clip, update, zero grads
 
-Foundation version: 32-true and the autocast modes (bf16-mixed, 16-mixed without loss scaling yet)
-over a plain torch optimizer. Master weights, loss scaling and offload build on this interface.
+Behind it: the precision mode (memfit.apply.precision casts the model), dynamic loss scaling for
+fp16 (memfit.apply.loss_scale), and master weights / optimizer offload (memfit.apply.optim_offload).
+Without master weights and offload the torch optimizer updates the parameters directly.
 """
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from memfit.apply.loss_scale import InfNanLocator, LossScaler, overflow_message, warn_overflow
+from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
+from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
 from memfit.errors import ConfigError
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16-master", "16-master")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+OFFLOADS = ("none", "cpu", "disk")
+__all__ = ["TrainingOptimizer", "StepResult", "make_torch_optimizer", "PRECISIONS", "OPTIMIZERS", "OFFLOADS"]
 
 
 @dataclass
@@ -29,8 +34,11 @@ class StepResult:
     stepped: bool
     """False when the step was skipped (fp16 overflow)."""
     grad_norm: float | None = None
-    """Total gradient norm before clipping (None when clipping is off)."""
+    """Total gradient norm before clipping, unscaled (None when clipping is off)."""
     loss_scale: float | None = None
+    """The loss scale used for this step's backward (fp16 modes)."""
+    message: str | None = None
+    """Set when fp16 overflows persist: where inf/NaN appeared first, and what to try."""
 
 
 def make_torch_optimizer(name: str, params, lr: float, weight_decay: float = 0.0, **kw: Any) -> torch.optim.Optimizer:
@@ -40,9 +48,11 @@ def make_torch_optimizer(name: str, params, lr: float, weight_decay: float = 0.0
     if name == "momentum":
         return torch.optim.SGD(params, lr=lr, momentum=kw.get("momentum", 0.9), weight_decay=weight_decay)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=kw.get("betas", (0.9, 0.999)), weight_decay=weight_decay)
+        return torch.optim.Adam(params, lr=lr, betas=kw.get("betas", (0.9, 0.999)), eps=kw.get("eps", 1e-8),
+                                weight_decay=weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=kw.get("betas", (0.9, 0.95)), weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, betas=kw.get("betas", (0.9, 0.95)), eps=kw.get("eps", 1e-8),
+                                 weight_decay=weight_decay)
     raise ConfigError(f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
 
 
@@ -57,49 +67,189 @@ class TrainingOptimizer:
         clip: float | None = None,
         offload: str | None = None,
         spill_dir: str | None = None,
+        *,
+        chunk_bytes: int | None = None,
+        loss_scale: LossScaler | dict | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ConfigError(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}")
-        if precision not in ("32-true", "bf16-mixed", "16-mixed") or offload:
-            raise ConfigError(f"precision {precision!r} with offload={offload!r} is not supported yet")
-        self.model, self.precision, self.clip = model, precision, clip
-        self.device_type = next(model.parameters()).device.type
-        self.optimizer = make_torch_optimizer(optimizer, model.parameters(), lr, weight_decay, **optimizer_kwargs)
+        """precision: one of PRECISIONS (memfit.apply.precision); the model is cast in place.
+        offload: None / "none" (state beside the model), "cpu" or "disk" (state in host memory or in
+        files under spill_dir, gradients moved off the device during backward).
+        chunk_bytes: master bytes per streamed chunk (master / offload modes); None: 16 MiB offloaded,
+            one tensor at a time on the device.
+        loss_scale: LossScaler or its keyword arguments (fp16 modes), e.g. {"hysteresis": 2}."""
+        self.mode = precision_mode(precision)
+        self.precision = self.mode.name
+        offload = None if offload in (None, "none") else offload
+        if offload not in (None, "cpu", "disk"):
+            raise ConfigError(f"unknown optimizer offload {offload!r}; accepted: {', '.join(OFFLOADS)}")
+        if clip is not None and not clip > 0:
+            raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
+        if optimizer.lower() not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+        if spill_dir is not None and offload != "disk":
+            raise ConfigError("spill_dir is only used with offload='disk'")
+        self.model, self.clip, self.offload = model, clip, offload
+        cast_model(model, self.mode)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError(f"{type(model).__name__} has no trainable parameters")
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.device_type = self.params[0].device.type
+        if self.mode.state_dtype == torch.float16 and optimizer.lower() in ("adam", "adamw"):
+            # fp16 moments: eps=1e-8 is 0 in fp16 and g*g underflows for |g| < 1e-3, so the update
+            # lr * m / (sqrt(v) + eps) explodes; eps=1e-4 keeps it bounded (the usual fp16 Adam fix).
+            optimizer_kwargs.setdefault("eps", 1e-4)
 
+        self.scaler: LossScaler | None = None
+        if self.mode.loss_scaling:
+            self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else LossScaler(**(loss_scale or {}))
+        self._locator: InfNanLocator | None = None
+
+        def make(ps):
+            return make_torch_optimizer(optimizer, ps, lr, weight_decay, **optimizer_kwargs)
+
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.streamed: StreamedOptimizer | None = None
+        if self.mode.master_dtype is not None or offload:
+            self.streamed = StreamedOptimizer(
+                self.params, make, self.mode.state_dtype, offload or "device", spill_dir, chunk_bytes,
+                check_finite=self.scaler is not None,
+            )
+        else:
+            self.optimizer = make(self.params)
+
+    # ------------------------------------------------------------------ training-loop interface
     @property
     def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
+        """The torch param groups (several when streamed in chunks); set "lr" on each for a schedule."""
+        return self.streamed.param_groups if self.streamed else self.optimizer.param_groups
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "bf16-mixed":
-            return torch.autocast(self.device_type, dtype=torch.bfloat16)
-        if self.precision == "16-mixed":
-            return torch.autocast(self.device_type, dtype=torch.float16)
-        return contextlib.nullcontext()
+        return autocast(self.mode, self.device_type)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), with the loss multiplied by the loss scale in fp16 modes."""
+        if self.scaler is not None:
+            loss = loss.float() * self.scaler.scale
         loss.backward()
 
     def step(self) -> StepResult:
+        scale = self.scaler.scale if self.scaler is not None else None
+        if self.scaler is not None:
+            finite, bad = self._grads_finite()
+            if not self.scaler.update(not finite):
+                return StepResult(stepped=False, loss_scale=scale, message=self._after_overflow(bad))
+            self._disarm_locator()
+        inv = 1.0 / scale if scale is not None else None
+        if self.streamed is not None:
+            norm, factor = None, inv
+            if self.clip is not None:
+                total = self.streamed.grad_norm()
+                if inv is not None:
+                    total = total * inv
+                # Same expression as torch.nn.utils.clip_grad_norm_, so fp32 offload stays bit-identical.
+                coef = torch.clamp(self.clip / (total + 1e-6), max=1.0)
+                factor = coef if inv is None else coef * inv
+                norm = float(total)
+            self.streamed.step(factor)
+            self._mark_host()
+            return StepResult(stepped=True, grad_norm=norm, loss_scale=scale)
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if inv is not None:
+            torch._foreach_mul_(grads, inv)  # unscale in place: clipping and the update see true gradients
         norm = None
         if self.clip is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip))
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(stepped=True, grad_norm=norm)
+        return StepResult(stepped=True, grad_norm=norm, loss_scale=scale)
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.streamed is not None:
+            self.streamed.discard_grads()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ fp16 overflow handling
+    def _grads_finite(self) -> tuple[bool, list[int]]:
+        if self.streamed is not None:
+            return self.streamed.grads_finite()
+        bad = [i for i, p in enumerate(self.params) if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        return not bad, bad
+
+    def _after_overflow(self, bad: list[int]) -> str | None:
+        """Skip this step; when overflows persist, report where inf/NaN came from (the locator was
+        armed one step earlier so this step's forward and backward were watched)."""
+        self.zero_grad()
+        s = self.scaler
+        message = None
+        if s.overflows_in_a_row >= s.warn_after and s.overflows_in_a_row % s.warn_after == 0:
+            message = overflow_message(s, [self.names[i] for i in bad], self._locator)
+            warn_overflow(message)
+            self._disarm_locator()
+        if s.overflows_in_a_row % s.warn_after == s.warn_after - 1 and self._locator is None:
+            self._locator = InfNanLocator(self.model)
+        return message
+
+    def _disarm_locator(self) -> None:
+        if self._locator is not None:
+            self._locator.remove()
+            self._locator = None
+
+    # ------------------------------------------------------------------ memory and state
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the optimizer keeps between steps: master weights and optimizer state.
+        Host-resident ones (offload) are (re)marked for the memory tracker on each call, so a
+        tracker that starts after this optimizer still excludes them from device figures."""
+        if self.streamed is not None:
+            self._mark_host()
+            return self.streamed.state_tensors()
+        return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+
+    def _mark_host(self) -> None:
+        if self.streamed is not None and self.streamed.where != "device":
+            for t in self.streamed.state_tensors():
+                mark_host(t)
+
+    @property
+    def io_stats(self) -> IOStats | None:
+        """Disk offload: bytes and seconds of spill-file I/O so far."""
+        return self.streamed.io if self.streamed is not None and self.streamed.where == "disk" else None
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        """Plain containers and tensors only (loads with torch.load(weights_only=True))."""
+        state: dict[str, Any] = {"precision": self.precision, "offload": self.offload or "none"}
+        if self.streamed is not None:
+            state["streamed"] = self.streamed.state_dict()
+        else:
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("precision", self.precision) != self.precision:
+            raise ConfigError(
+                f"optimizer checkpoint is for precision {state['precision']!r}, this run uses {self.precision!r}"
+            )
+        if self.streamed is not None:
+            if "streamed" not in state:
+                raise ConfigError("optimizer checkpoint has no master weights; resume with the precision it was written with")
+            self.streamed.load_state_dict(state["streamed"])
+        else:
+            if "optimizer" not in state:
+                raise ConfigError("optimizer checkpoint holds master/offloaded state; resume with the same precision and offload")
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
     def close(self) -> None:
-        """Release resources (spill files, worker threads). Safe to call twice."""
+        """Release resources (spill files, worker threads, hooks). Safe to call twice."""
+        self._disarm_locator()
+        if self.streamed is not None:
+            self.streamed.close()
 
     def __enter__(self) -> "TrainingOptimizer":
         return self

@@ -2,7 +2,7 @@
 
     mode = precision_mode("bf16-master")
     cast_model(model, mode)          # parameters become bfloat16 on the device
-    with autocast(mode, "cpu"): ...  # no-op except for the *-mixed modes
+    with autocast(mode, "cpu"): ...  # no-op for 32-true
 
 Per parameter, bytes on the device (weights / grads / optimizer, K = optimizer state bytes in fp32):
 
@@ -47,12 +47,6 @@ class PrecisionMode:
         """dtype of the optimizer's moment buffers: the master's when there is one, else the parameter's."""
         return self.master_dtype or self.param_dtype
 
-    @property
-    def low_precision(self) -> torch.dtype | None:
-        """The 16-bit dtype the mode computes in, if any."""
-        if self.autocast_dtype is not None:
-            return self.autocast_dtype
-        return self.param_dtype if self.param_dtype != torch.float32 else None
 
 
 _F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
@@ -63,10 +57,12 @@ MODES: dict[str, PrecisionMode] = {
         PrecisionMode("32-true", _F32, None, None, False),
         PrecisionMode("bf16-mixed", _F32, _BF16, None, False),
         PrecisionMode("16-mixed", _F32, _F16, None, True),
-        PrecisionMode("bf16-true", _BF16, None, None, False),
-        PrecisionMode("16-true", _F16, None, None, True),
-        PrecisionMode("bf16-master", _BF16, None, _F32, False),
-        PrecisionMode("16-master", _F16, None, _F32, True),
+        # The 16-bit-weight modes autocast too: weights need no cast, but autocast's fp32 op list runs
+        # losses and softmax reductions in fp32, so a summed token loss cannot overflow fp16.
+        PrecisionMode("bf16-true", _BF16, _BF16, None, False),
+        PrecisionMode("16-true", _F16, _F16, None, True),
+        PrecisionMode("bf16-master", _BF16, _BF16, _F32, False),
+        PrecisionMode("16-master", _F16, _F16, _F32, True),
     )
 }
 PRECISIONS = tuple(MODES)

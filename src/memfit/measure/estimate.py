@@ -105,11 +105,12 @@ def estimate(
                         offload_optimizer, per, ms.offloaded, budget)
 
     spec = parse_model(model) if isinstance(model, str) else model
-    n = spec.num_params()
+    n, n_tensors = spec.counts()
     if params is not None and params != n:
         raise ConfigError(f"--params {params} contradicts {spec.name}, which has {n} parameters; give one of them")
     # Default: the model's context length, capped at 4096 (long-context models train mostly shorter).
     seq = seq or min(spec.seq or 1024, 4096)
+    common["n_tensors"] = n_tensors
     sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
     single = model_state_bytes(n, **common)
 

@@ -32,6 +32,10 @@ OPTIMIZER_STATES = {
     "lion": 1,  # exp_avg
 }
 
+# Optimizers whose torch implementation keeps a 0-dim fp32 `step` counter per parameter tensor.
+STEP_COUNTERS = {"adam", "adamw", "adagrad", "rmsprop"}
+STEP_BYTES = 4
+
 OFFLOAD_TARGETS = (None, "none", "cpu", "disk")
 
 
@@ -88,10 +92,13 @@ def model_state_bytes(
     zero: int = 0,
     world: int = 1,
     offload_optimizer: str | None = None,
+    n_tensors: int = 0,
 ) -> ModelStateBytes:
     """Parameter, gradient and optimizer bytes held on one device.
 
     A shard holds ceil(n_params / world) elements, as sharding pads to a multiple of the world size.
+    `n_tensors` (the number of parameter tensors) adds the 4-byte step counters that torch's
+    Adam-family optimizers keep per tensor; 0 leaves them out, as the ZeRO paper does.
     """
     if not isinstance(n_params, int) or n_params <= 0:
         raise ConfigError(f"number of parameters must be a positive integer, got {n_params!r}")
@@ -106,6 +113,8 @@ def model_state_bytes(
     params = b.weights * (shard if zero >= 3 else n_params)
     grads = b.grads * (shard if zero >= 2 else n_params)
     opt = b.optimizer * (shard if zero >= 1 else n_params)
+    if optimizer.lower() in STEP_COUNTERS:
+        opt += STEP_BYTES * n_tensors
     if offload_optimizer in ("cpu", "disk"):
         return ModelStateBytes(params, grads, 0, offloaded=opt)
     return ModelStateBytes(params, grads, opt)

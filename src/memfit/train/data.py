@@ -153,7 +153,7 @@ def windows(data: torch.Tensor, starts: torch.Tensor, seq: int) -> tuple[torch.T
     """(x, y) int64 of shape (len(starts), seq): y is x shifted by one byte."""
     offsets = starts[:, None] + torch.arange(seq + 1)
     chunk = data[offsets].long()
-    return chunk[:, :-1], chunk[:, 1:]
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # the model views targets flat
 
 
 class WindowSampler:

@@ -20,6 +20,16 @@ from memfit.errors import ConfigError
 CHECKPOINT = "checkpoint.pt"
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates files readable by the owner only; a run folder's files should read like any other.
+_FILE_MODE = 0o666 & ~_umask()
+
+
 def _fsync_dir(folder: Path) -> None:
     # The rename itself is only durable once the directory entry is on disk (POSIX).
     try:
@@ -40,6 +50,8 @@ def atomic_write(path: str | os.PathLike, write: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

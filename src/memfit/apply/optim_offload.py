@@ -1,0 +1,546 @@
+"""Master weights and optimizer state kept apart from the model: on the device, in CPU memory, or on disk.
+
+`StreamedOptimizer` holds a master copy of every parameter (fp32 in the *-master modes, the
+parameter's own dtype otherwise) and runs a torch optimizer over the masters, chunk by chunk
+(`chunk_bytes` of master weights per chunk, each chunk with its own torch optimizer so a step over
+one chunk does not loop over all parameters):
+
+    where="device"  masters and state beside the model (the in-memory *-master modes)
+    where="cpu"     masters and state in host memory; the update runs on the CPU
+    where="disk"    masters and state in private files under a spill folder; per chunk the step
+                    reads [master | state] in one read, updates, writes it back in one write
+
+With "cpu" and "disk" the gradients are ephemeral on the device: a post-accumulate-grad hook
+moves each gradient to the host as soon as backward has produced it (accumulating over
+micro-batches in a host buffer, or in a per-chunk gradient file for "disk"), then frees the device
+copy. The gradient files are deleted after each step; the whole spill folder on `close()`, on
+garbage collection and at interpreter exit.
+
+Per-element math is torch's own optimizer on the same fp32 values, so an offloaded fp32 run is
+bit-identical to an in-memory one.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from memfit.errors import ConfigError
+
+WHERE = ("device", "cpu", "disk")
+
+
+def mark_host(t: torch.Tensor) -> None:
+    """Tell the memory tracker (when there is one) that `t` is an offloaded host copy."""
+    try:
+        from memfit.measure.tracker import mark_host as _mark
+    except ImportError:  # the tracker is optional
+        return
+    _mark(t)
+
+
+@dataclass
+class IOStats:
+    """Bytes moved to and from the spill folder and the seconds spent inside read/write calls."""
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_s: float = 0.0
+    write_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, read: int = 0, written: int = 0, read_s: float = 0.0, write_s: float = 0.0) -> None:
+        with self._lock:
+            self.bytes_read += read
+            self.bytes_written += written
+            self.read_s += read_s
+            self.write_s += write_s
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second while doing I/O (reads and writes together)."""
+        t = self.read_s + self.write_s
+        return (self.bytes_read + self.bytes_written) / t if t > 0 else 0.0
+
+
+def _as_bytes(t: torch.Tensor):
+    """A writable memoryview of a contiguous CPU tensor's bytes (any dtype, no copy)."""
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _write_at(fd: int, t: torch.Tensor, offset: int) -> int:
+    view, done = _as_bytes(t), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def _read_at(fd: int, t: torch.Tensor, offset: int) -> int:
+    view, done = _as_bytes(t), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"spill file ended early at byte {offset + done}")
+        done += n
+    return done
+
+
+def _host_empty(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A host staging buffer of n elements, flagged for the memory tracker as host bytes.
+
+    Made with Python dispatch off so no dispatch mode sees it being born: a memory tracker would
+    otherwise count it as a device allocation (on CPU training) for the instant before mark_host()."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    with torch._C._DisableTorchDispatch():
+        t = torch.from_numpy(np.empty(n * itemsize, dtype=np.uint8))
+    mark_host(t)
+    return t.view(dtype)
+
+
+def open_spill_folder(spill_dir: str | os.PathLike | None, need_bytes: int) -> str:
+    """Create a private (0700) folder for spill files under `spill_dir`; ConfigError if unusable."""
+    root = os.fspath(spill_dir) if spill_dir is not None else tempfile.gettempdir()
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"spill folder {root!r} is a file; pass --spill-dir a writable folder")
+    try:
+        os.makedirs(root, exist_ok=True)
+        folder = tempfile.mkdtemp(prefix="memfit-spill-", dir=root)
+    except OSError as e:
+        raise ConfigError(f"spill folder {root!r} is not usable ({e.strerror}); pass a writable folder") from None
+    free = shutil.disk_usage(folder).free
+    if free < need_bytes:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ConfigError(
+            f"spill folder {root!r} has {free / 2**30:.2f} GiB free but optimizer offload needs "
+            f"{need_bytes / 2**30:.2f} GiB; pass a folder on a larger disk"
+        )
+    return folder
+
+
+def _chunks(numels: list[int], itemsize: int, chunk_bytes: int) -> list[list[int]]:
+    """Consecutive parameter indices grouped so each group holds about chunk_bytes of masters."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for i, n in enumerate(numels):
+        if out[-1] and size + n * itemsize > chunk_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n * itemsize
+    return out if out[0] else []
+
+
+class _Chunk:
+    """One chunk: its parameter indices, its torch optimizer, and (disk) its file layout."""
+
+    def __init__(self, idx: list[int], optimizer: torch.optim.Optimizer) -> None:
+        self.idx = idx
+        self.optimizer = optimizer
+        # disk only: [(param index, state key or "" for the master, dtype, shape, byte offset)]
+        self.layout: list[tuple[int, str, torch.dtype, torch.Size, int]] = []
+        self.nbytes = 0
+        self.small: dict[int, dict] = {}  # disk only: scalar state (e.g. Adam's step) kept in RAM
+        self.grad_offsets: dict[int, int] = {}
+        self.grad_nbytes = 0
+
+
+def _grad_hook(ref: "weakref.ref[StreamedOptimizer]", i: int, p: torch.Tensor) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._take_grad(i, p)
+
+
+class StreamedOptimizer:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        master_dtype: torch.dtype,
+        where: str = "cpu",
+        spill_dir: str | os.PathLike | None = None,
+        chunk_bytes: int | None = None,
+        check_finite: bool = False,
+    ) -> None:
+        """chunk_bytes: master bytes per chunk; None = 16 MiB for cpu/disk (large sequential I/O) and one
+        tensor per chunk on the device (so only one fp32 gradient copy exists at a time).
+        check_finite: look for inf/NaN in each gradient as it leaves the device (fp16 loss scaling)."""
+        if where not in WHERE:
+            raise ConfigError(f"unknown optimizer offload {where!r}; accepted: none, cpu, disk")
+        if chunk_bytes is None:
+            chunk_bytes = 1 if where == "device" else 16 << 20
+        if chunk_bytes <= 0:
+            raise ConfigError(f"chunk_bytes={chunk_bytes} must be positive")
+        self.params = params
+        self.where = where
+        self.master_dtype = master_dtype
+        self.io = IOStats()
+        self.folder: str | None = None
+        self._host_grads: dict[int, torch.Tensor] = {}  # cpu: gradient accumulated on the host
+        self._grad_written: set[int] = set()              # disk: params whose grad file slot holds this step's grad
+        self._grad_fds: dict[int, int] = {}
+        self._pending: list[Future] = []
+        self._hooks = []
+        self.found_inf = False                             # cpu/disk: inf/NaN seen in a grad moved to the host
+        self.bad_grads: set[int] = set()
+        self.check_finite = check_finite
+        self._closed = False
+
+        store = params[0].device if where == "device" else torch.device("cpu")
+        itemsize = self._itemsize = torch.empty((), dtype=master_dtype).element_size()
+        self.masters: list[nn.Parameter] = []
+        # With where="cpu", a CPU parameter already in the master dtype *is* its own master: sharing
+        # the storage avoids a second copy (the update then writes the parameter in place).
+        self._shared: set[int] = set()
+        for i, p in enumerate(params):
+            share = where == "cpu" and p.device.type == "cpu" and p.dtype == master_dtype
+            m = nn.Parameter(p.detach() if share else p.detach().to(store, master_dtype, copy=True))
+            if share:
+                self._shared.add(i)
+            self.masters.append(m)
+        self.chunks = [
+            _Chunk(idx, make_optimizer([self.masters[i] for i in idx]))
+            for idx in _chunks([p.numel() for p in params], itemsize, chunk_bytes)
+        ]
+        self._chunk_of = {i: c for c in self.chunks for i in c.idx}
+        if where == "disk":
+            # masters + fp32 state (up to 2 per parameter for Adam) + one gradient per parameter
+            need = sum(p.numel() for p in params) * itemsize * 4
+            self.folder = open_spill_folder(spill_dir, need)
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, True)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="memfit-spill")
+            for k, c in enumerate(self.chunks):
+                off = 0
+                for i in c.idx:
+                    n = self.masters[i].numel() * itemsize
+                    c.layout.append((i, "", master_dtype, self.masters[i].shape, off))
+                    c.grad_offsets[i] = off
+                    off += n
+                c.nbytes = c.grad_nbytes = off
+                self._save_chunk(k, self._pack(c))
+                for i in c.idx:
+                    self.masters[i].data = torch.empty(0, dtype=master_dtype)
+        if where in ("cpu", "disk"):
+            for i, m in enumerate(self.masters):
+                if i not in self._shared:
+                    mark_host(m)
+            ref = weakref.ref(self)  # the hooks must not keep an abandoned optimizer alive
+            for i, p in enumerate(params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, i)))
+
+    # ---------------------------------------------------------------- gradients leave the device
+    def _take_grad(self, i: int, p: torch.Tensor) -> None:
+        if p.grad is None or self._closed:  # another hook took it already
+            return
+        # No copy when the gradient already is a CPU tensor of the master dtype: it is handed over.
+        g = p.grad.detach()
+        if g.device.type != "cpu" or g.dtype != self.master_dtype:
+            g = _host_empty(g.numel(), self.master_dtype).view(g.shape).copy_(g)
+        p.grad = None  # the device gradient is ephemeral
+        mark_host(g)
+        if self.check_finite and not bool(torch.isfinite(g).all()):
+            self.found_inf = True
+            self.bad_grads.add(i)
+        if self.where == "cpu":
+            acc = self._host_grads.get(i)
+            if acc is None:
+                self._host_grads[i] = g
+            else:
+                acc.add_(g)
+        else:
+            self._pending.append(self._pool.submit(self._spill_grad, i, g))
+
+    def _grad_fd(self, k: int) -> int:
+        fd = self._grad_fds.get(k)
+        if fd is None:
+            path = os.path.join(self.folder, f"grad_{k}.bin")
+            fd = self._grad_fds[k] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        return fd
+
+    def _spill_grad(self, i: int, g: torch.Tensor) -> None:
+        c = self._chunk_of[i]
+        k = self.chunks.index(c)
+        fd, off = self._grad_fd(k), c.grad_offsets[i]
+        if i in self._grad_written:  # accumulate over micro-batches: read, add, write back
+            prev = _host_empty(g.numel(), g.dtype).view(g.shape)
+            t0 = time.perf_counter()
+            n = _read_at(fd, prev, off)
+            self.io.add(read=n, read_s=time.perf_counter() - t0)
+            g = prev.add_(g)
+        t0 = time.perf_counter()
+        n = _write_at(fd, g, off)
+        self.io.add(written=n, write_s=time.perf_counter() - t0)
+        self._grad_written.add(i)
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()  # re-raises a failed write here, in the training thread
+
+    # ---------------------------------------------------------------- disk layout of a chunk
+    def _pack(self, c: _Chunk) -> torch.Tensor:
+        buf = _host_empty(c.nbytes)
+        for i, key, dtype, shape, off in c.layout:
+            src = self.masters[i] if key == "" else c.optimizer.state[self.masters[i]][key]
+            n = src.numel() * src.element_size()
+            buf[off:off + n].view(dtype).view(shape).copy_(src.detach())
+        return buf
+
+    def _save_chunk(self, k: int, buf: torch.Tensor) -> None:
+        path = os.path.join(self.folder, f"state_{k}.bin")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            t0 = time.perf_counter()
+            n = _write_at(fd, buf, 0)
+            self.io.add(written=n, write_s=time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+
+    def _load_chunk(self, k: int) -> torch.Tensor:
+        c = self.chunks[k]
+        buf = _host_empty(c.nbytes)
+        fd = os.open(os.path.join(self.folder, f"state_{k}.bin"), os.O_RDONLY)
+        try:
+            t0 = time.perf_counter()
+            n = _read_at(fd, buf, 0)
+            self.io.add(read=n, read_s=time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+        return buf
+
+    def _attach(self, c: _Chunk, buf: torch.Tensor) -> None:
+        """Point masters and optimizer state of chunk c at views of its loaded buffer."""
+        for i in c.idx:
+            c.optimizer.state[self.masters[i]] = dict(c.small.get(i, {}))
+        for i, key, dtype, shape, off in c.layout:
+            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            view = buf[off:off + n].view(dtype).view(shape)
+            if key == "":
+                self.masters[i].data = view
+            else:
+                c.optimizer.state[self.masters[i]][key] = view
+
+    def _detach(self, c: _Chunk, buf: torch.Tensor) -> torch.Tensor:
+        """After an update: fold state back into the chunk's buffer (growing the layout when the
+        optimizer created new state), drop it from RAM, and return the buffer to write."""
+        known = {(i, key) for i, key, *_ in c.layout}
+        grew = False
+        for i in c.idx:
+            m = self.masters[i]
+            for key, v in c.optimizer.state[m].items():
+                big = torch.is_tensor(v) and v.numel() > 1
+                if big and (i, key) not in known:
+                    c.layout.append((i, key, v.dtype, v.shape, c.nbytes))
+                    c.nbytes += v.numel() * v.element_size()
+                    grew = True
+                elif not big:
+                    c.small.setdefault(i, {})[key] = v
+        out = self._pack(c) if grew else buf
+        if not grew:  # state updated in place lands in buf already; copy what an optimizer replaced
+            for i, key, dtype, shape, off in c.layout:
+                src = self.masters[i] if key == "" else c.optimizer.state[self.masters[i]][key]
+                dst = buf[off:off + shape.numel() * src.element_size()].view(dtype).view(shape)
+                if src.data_ptr() != dst.data_ptr():
+                    dst.copy_(src.detach())
+        for i in c.idx:
+            c.optimizer.state.pop(self.masters[i], None)
+            self.masters[i].data = torch.empty(0, dtype=self.master_dtype)
+        return out
+
+    # ---------------------------------------------------------------- the step
+    def grads_finite(self) -> tuple[bool, list[int]]:
+        """(all gradients finite, indices of parameters whose gradient is not)."""
+        if self.where == "device":
+            bad = [i for i, p in enumerate(self.params) if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            return not bad, bad
+        self._drain()
+        return not self.found_inf, sorted(self.bad_grads)
+
+    def _grad(self, i: int, grad_buf: torch.Tensor | None, c: _Chunk) -> torch.Tensor | None:
+        if self.where == "device":
+            return self.params[i].grad
+        if self.where == "cpu":
+            return self._host_grads.get(i)
+        if i not in self._grad_written:
+            return None
+        off = c.grad_offsets[i]
+        n = self.params[i].numel() * self._itemsize
+        return grad_buf[off:off + n].view(self.master_dtype).view(self.params[i].shape)
+
+    def _load_grads(self, k: int) -> torch.Tensor | None:
+        c = self.chunks[k]
+        if not any(i in self._grad_written for i in c.idx):
+            return None
+        buf = _host_empty(c.grad_nbytes)
+        t0 = time.perf_counter()
+        n = _read_at(self._grad_fd(k), buf, 0)
+        self.io.add(read=n, read_s=time.perf_counter() - t0)
+        return buf
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of all gradients, computed as torch.nn.utils.clip_grad_norm_ does (per tensor, then
+        the norm of the norms) so that clipping stays bit-identical to an in-memory fp32 run."""
+        self._drain()
+        norms = []
+        for k, c in enumerate(self.chunks):
+            gbuf = self._load_grads(k) if self.where == "disk" else None
+            for i in c.idx:
+                g = self._grad(i, gbuf, c)
+                if g is not None:
+                    kw = {} if g.dtype == torch.float32 else {"dtype": torch.float32}
+                    norms.append(torch.linalg.vector_norm(g, 2.0, **kw).to(self.masters[i].device))
+        if not norms:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+    def step(self, grad_scale: float | torch.Tensor | None = None) -> None:
+        """Update every parameter that has a gradient: grad -> master dtype, times grad_scale (unscaling
+        and clipping folded into one factor), torch optimizer step on the master, copy back."""
+        self._drain()
+        for k, c in enumerate(self.chunks):
+            gbuf = self._load_grads(k) if self.where == "disk" else None
+            state = self._load_chunk(k) if self.where == "disk" else None
+            if state is not None:
+                self._attach(c, state)
+            have = []
+            for i in c.idx:
+                g = self._grad(i, gbuf, c)
+                if g is None:
+                    continue
+                m = self.masters[i]
+                if self.where == "device":
+                    g = g.to(m.device, m.dtype, copy=True)
+                    self.params[i].grad = None  # the 16-bit grad is not needed once converted
+                elif g.dtype != m.dtype:
+                    g = g.to(m.device, m.dtype)
+                if grad_scale is not None:
+                    g.mul_(grad_scale)
+                m.grad = g
+                have.append(i)
+            if have:
+                if self.where == "device":
+                    c.optimizer.step()
+                else:
+                    # The update runs on host memory: hide its new state and temporaries from
+                    # dispatch-mode memory trackers (on CPU training they would look like device
+                    # bytes); the state is reported as host through mark_host after the step.
+                    with torch._C._DisableTorchDispatch():
+                        c.optimizer.step()
+                    for i in have:
+                        for v in c.optimizer.state.get(self.masters[i], {}).values():
+                            if torch.is_tensor(v):
+                                mark_host(v)
+            for i in have:
+                m = self.masters[i]
+                m.grad = None
+                if i not in self._shared:
+                    self.params[i].data.copy_(m.detach())
+                if self.where == "device":
+                    self.params[i].grad = None
+                else:
+                    self._host_grads.pop(i, None)
+            if state is not None:
+                self._save_chunk(k, self._detach(c, state))
+        self.discard_grads()
+
+    def discard_grads(self) -> None:
+        """Drop this step's gradients wherever they are (skipped steps, zero_grad)."""
+        self._drain()
+        for p in self.params:
+            p.grad = None
+        self._host_grads.clear()
+        self._grad_written.clear()
+        self.found_inf = False
+        self.bad_grads.clear()
+        for k, fd in list(self._grad_fds.items()):
+            os.close(fd)
+            os.unlink(os.path.join(self.folder, f"grad_{k}.bin"))
+        self._grad_fds.clear()
+
+    # ---------------------------------------------------------------- state
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for c in self.chunks for g in c.optimizer.param_groups]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Masters and optimizer state held in memory between steps (none for disk, beyond scalars).
+        A master that shares the parameter's storage is the parameter, not optimizer state."""
+        out: list[torch.Tensor] = []
+        for c in self.chunks:
+            for i in c.idx:
+                m = self.masters[i]
+                if m.numel() and i not in self._shared:
+                    out.append(m.data)
+                for v in c.optimizer.state.get(m, {}).values():
+                    if torch.is_tensor(v):
+                        out.append(v)
+                for v in c.small.get(i, {}).values():
+                    if torch.is_tensor(v):
+                        out.append(v)
+        return out
+
+    def state_dict(self) -> dict:
+        """Masters and every chunk's optimizer state, materialised in CPU memory (plain containers)."""
+        masters, chunks = [], []
+        for k, c in enumerate(self.chunks):
+            state = self._load_chunk(k) if self.where == "disk" else None
+            if state is not None:
+                self._attach(c, state)
+            masters.extend(self.masters[i].detach().to("cpu", copy=True) for i in c.idx)
+            sd = c.optimizer.state_dict()
+            sd["state"] = {n: {key: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for key, v in s.items()}
+                           for n, s in sd["state"].items()}
+            chunks.append(sd)
+            if state is not None:
+                self._detach(c, state)
+        return {"masters": masters, "chunks": chunks, "chunk_sizes": [len(c.idx) for c in self.chunks]}
+
+    def load_state_dict(self, state: dict) -> None:
+        sizes = [len(c.idx) for c in self.chunks]
+        if list(state["chunk_sizes"]) != sizes or len(state["masters"]) != len(self.params):
+            raise ConfigError(
+                "optimizer checkpoint was written for a different model or chunking "
+                f"(chunks of {list(state['chunk_sizes'])} parameters, here {sizes})"
+            )
+        for k, c in enumerate(self.chunks):
+            if self.where == "disk":
+                for i in c.idx:
+                    self.masters[i].data = torch.empty(self.params[i].shape, dtype=self.master_dtype)
+            for i in c.idx:
+                self.masters[i].data.copy_(state["masters"][i])
+                self.params[i].data.copy_(self.masters[i].detach())
+            c.optimizer.load_state_dict(state["chunks"][k])
+            if self.where == "disk":
+                c.layout = [(i, "", self.master_dtype, self.masters[i].shape, c.grad_offsets[i]) for i in c.idx]
+                c.nbytes = c.grad_nbytes
+                c.small = {}
+                self._save_chunk(k, self._detach(c, self._pack(c)))
+        if self.where in ("cpu",):
+            for t in self.state_tensors():
+                mark_host(t)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.where == "disk":
+            try:
+                self._drain()
+            finally:
+                for fd in self._grad_fds.values():
+                    os.close(fd)
+                self._grad_fds.clear()
+                self._pool.shutdown(wait=True)
+                self._finalizer()  # removes the spill folder

@@ -1,0 +1,64 @@
+"""Selective activation checkpointing: inside a block, keep what is expensive to recompute.
+
+Built on PyTorch's selective checkpoint contexts: during the block's forward every op's output is
+either cached (MUST_SAVE) or dropped and recomputed in backward (PREFER_RECOMPUTE). The rule:
+
+- keep attention outputs (every fused scaled-dot-product-attention kernel): O(T^2) to recompute;
+- keep the outputs of *widening* matmuls (output features > input features: the fused QKV
+  projection, the MLP up/gate projection) — they are the ones the rest of the block is computed from;
+- recompute everything else: element-wise ops, norms, activation functions, dropout (RNG-exact),
+  reshapes, and the narrowing matmuls (attention output and MLP down projections).
+
+Why not keep every matmul? A block's last matmul (the MLP down projection) is never recomputed at all:
+non-reentrant recomputation stops as soon as the tensors backward needs exist, which is before that
+matmul runs, so caching its output would only waste memory. The attention output projection costs
+one C x C matmul per token to redo (about 1/12 of a GPT block's matmul FLOPs), and not caching it
+saves one more hidden-size tensor per block. The result keeps roughly half of a plain block's saved
+bytes for a few percent more step time (see docs/BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+aten = torch.ops.aten
+
+ATTENTION_OPS = {  # overload packets: every overload of each kernel
+    getattr(aten, name)
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+    if hasattr(aten, name)
+}
+MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def _widening(op: Any, args: tuple) -> bool:
+    """Output features > input features (mm(a, b): b's columns vs a's columns)."""
+    if op is aten.addmm.default or op is aten.baddbmm.default:
+        a, b = args[1], args[2]
+    else:
+        a, b = args[0], args[1]
+    return b.shape[-1] > a.shape[-1]
+
+
+def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Per-op decision used in forward (and in recomputation) of a selectively checkpointed block."""
+    if getattr(op, "overloadpacket", op) in ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    if op in MATMUL_OPS and _widening(op, args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def context_fn(policy: Callable[..., CheckpointPolicy] = policy_fn) -> Callable[[], tuple[Any, Any]]:
+    """The `context_fn` argument for torch's non-reentrant checkpoint."""
+    return functools.partial(create_selective_checkpoint_contexts, policy)

@@ -1,0 +1,215 @@
+"""Predict a whole training step's memory without allocating it, and measure the same step for real.
+
+    trace_step(parse_model("llama-2-7b"), batch=1, seq=4096, precision="bf16-mixed")   # seconds, ~no RAM
+    measure_step(parse_model("gpt:layers=2,hidden=64,heads=4,vocab=256"), batch=4, seq=64)
+
+Both build the model, apply the checkpoint policy, build memfit's TrainingOptimizer and run `steps`
+full training steps (forward under the optimizer's autocast, loss, backward, optimizer step) inside
+a MemoryTracker. `trace_step` does it under FakeTensorMode, where every tensor has a shape, dtype
+and device but no data: the tracker counts the same storages a real run would hold. The reported
+figures are the *last* step's (steady state: optimizer state exists, the previous step's gradients
+were released by its `step()`), each step running in its own frame as in a training loop, so its
+batch, logits and loss are gone before the next step begins.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import torch
+import torch.nn as nn
+
+from memfit.errors import ConfigError
+from memfit.measure.tracker import MemoryTracker
+
+ModelArg = Union["ModelSpec", Callable[[], nn.Module], str]  # noqa: F821 (ModelSpec imported lazily)
+
+
+@dataclass
+class TraceResult:
+    """Bytes on the device at the steady-state peak of a training step; the five categories sum to `peak`."""
+
+    peak: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    temporaries: int
+    modules: dict[str, int] = field(default_factory=dict)
+    """Per module (qualified name; the model under its class name): peak bytes while it ran."""
+    module_activations: dict[str, int] = field(default_factory=dict)
+    """Per module: bytes saved for backward by ops run inside it."""
+    seconds: float = 0.0
+    """Wall time of the trace or measurement."""
+    host_peak: int = 0
+    """Peak bytes of offloaded host copies (not part of `peak`)."""
+    allocator_peak: int | None = None
+    """measure_step only: the allocator-level peak over the same step (profiler memory events),
+    which also sees workspaces that kernels allocate internally."""
+
+    def breakdown(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "temporaries": self.temporaries, "total": self.peak}
+
+
+def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true", optimizer: str = "adamw",
+               checkpoint: "str | list" = "none", device: str = "cpu", steps: int = 2) -> TraceResult:
+    """Predict the steady-state peak of one training step under FakeTensorMode (nothing is allocated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    build = _builder(model, seq)
+    _check(batch, seq, steps)
+    t0 = time.perf_counter()
+    # allow_non_fake_inputs: libraries keep a few real constants at module level (e.g. HF masks).
+    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
+        result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps, window=None)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def measure_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true", optimizer: str = "adamw",
+                 checkpoint: "str | list" = "none", device: str = "cpu", steps: int = 2,
+                 allocator: bool = True, seed: int = 0) -> TraceResult:
+    """Run the same steps for real and measure them: the tracker's figures, plus (allocator=True)
+    the allocator-level peak of the last step from profiler memory events."""
+    from memfit.measure.allocator import AllocatorProfile
+
+    build = _builder(model, seq)
+    _check(batch, seq, steps)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    # The profile starts before the model exists, so it knows every block freed inside the window.
+    prof = AllocatorProfile(device) if allocator else None
+    with prof if prof is not None else contextlib.nullcontext():
+        result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps,
+                      window=prof.window("step") if prof is not None else None)
+    if prof is not None:
+        result.allocator_peak = prof.peak("step")
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+# ---------------------------------------------------------------------------- internals
+@contextlib.contextmanager
+def _unpacked_batches():
+    """Tell Hugging Face masking that the traced batches hold one sequence per row.
+
+    A real run reads the position ids, finds no packed sequences and lets SDPA use `is_causal`.
+    Fake tensors have no data to read, so transformers assumes packing might be present and builds
+    an explicit (B, 1, T, T) mask instead, which the real run never allocates. memfit's batches are
+    unpacked, so the trace answers the question the way the real run does."""
+    if "transformers" not in sys.modules:  # no HF model can be built without importing it first
+        yield
+        return
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _check(batch: int, seq: int, steps: int) -> None:
+    for name, value in (("batch", batch), ("seq", seq), ("steps", steps)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _builder(model: ModelArg, seq: int) -> Callable[[], nn.Module]:
+    from memfit.spec import ModelSpec, parse_model
+
+    if isinstance(model, str):
+        model = parse_model(model)
+    if isinstance(model, ModelSpec):
+        spec = model
+        if spec.hf_config is not None:
+            import transformers  # noqa: F401  (imported before tracing: see _unpacked_batches)
+        return lambda: spec.build(seq=seq)
+    if isinstance(model, nn.Module):
+        raise ConfigError("pass a ModelSpec or a function that builds the model, not a built module: "
+                          "tracing must create the parameters itself to avoid allocating them")
+    if not callable(model):
+        raise ConfigError(f"model must be a ModelSpec, a model name or a callable returning nn.Module, "
+                          f"got {type(model).__name__}")
+    return model
+
+
+def _vocab(model: nn.Module) -> int:
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and hasattr(cfg, "vocab"):
+        return cfg.vocab
+    config = getattr(model, "config", None)
+    if config is not None:
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is None and hasattr(config, "get_text_config"):
+            vocab = config.get_text_config().vocab_size
+        if vocab is not None:
+            return int(vocab)
+    raise ConfigError(f"cannot find the vocabulary size of {type(model).__name__}: expected model.cfg.vocab "
+                      "(memfit GPT) or model.config.vocab_size (Hugging Face)")
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from memfit.train.model import GPT
+
+    if isinstance(model, GPT):
+        _, loss_sum, n = model(x, x)
+        return loss_sum / n
+    return model(input_ids=x, labels=x).loss
+
+
+def _train_step(model: nn.Module, opt, batch: int, seq: int, vocab: int, device: torch.device) -> None:
+    # Its own frame, as in a training loop: batch, logits and loss die before the next step.
+    x = torch.randint(0, vocab, (batch, seq), device=device)
+    with opt.autocast():
+        loss = _loss(model, x)
+    opt.backward(loss)
+    opt.step()
+
+
+def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, optimizer: str,
+         checkpoint: "str | list", device: str, steps: int, window) -> TraceResult:
+    from memfit.apply.checkpoint import checkpoint as apply_checkpoint
+    from memfit.apply.optimizer import TrainingOptimizer
+
+    dev = torch.device(device)
+    with torch.device(dev):
+        model = build()
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and getattr(model, "pos", None) is not None and seq > cfg.seq:
+        raise ConfigError(f"seq={seq} exceeds the model's position table ({cfg.seq}); use seq <= {cfg.seq}")
+    model.train()
+    apply_checkpoint(model, checkpoint)
+    opt = TrainingOptimizer(model, optimizer, precision=precision)
+    vocab = _vocab(model)
+    tracker = MemoryTracker(model, opt, dev)
+    try:
+        with tracker:
+            for i in range(steps):
+                if i < steps - 1:
+                    _train_step(model, opt, batch, seq, vocab, dev)
+                    continue
+                tracker.reset_peak()
+                with window if window is not None else contextlib.nullcontext():
+                    _train_step(model, opt, batch, seq, vocab, dev)
+    finally:
+        opt.close()
+    b = tracker.breakdown
+    return TraceResult(
+        peak=tracker.peak_bytes, params=b["params"], grads=b["grads"], optimizer=b["optimizer"],
+        activations=b["activations"], temporaries=b["temporaries"],
+        modules=dict(sorted(tracker.module_peaks.items(), key=lambda kv: -kv[1])),
+        module_activations=dict(sorted(tracker.module_activations.items(), key=lambda kv: -kv[1])),
+        host_peak=tracker.host_peak_bytes,
+    )

@@ -1,0 +1,176 @@
+"""Offload of saved activations to CPU memory and to a spill folder: files, errors, prefetch, tracing."""
+import errno
+import gc
+import os
+import stat
+import sys
+
+import pytest
+import torch
+
+import memfit
+from memfit.apply import offload
+from memfit.apply.checkpoint import applied, remove
+from memfit.apply.offload import ActivationStore, SpillError, validate_spill_dir
+from memfit.errors import ConfigError, MemfitError
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_apply_checkpoint import tiny  # noqa: E402
+
+
+def files(folder):
+    return sorted(os.listdir(folder)) if folder is not None and os.path.isdir(folder) else []
+
+
+def test_spill_files_private_and_gone_after_a_step(tmp_path):
+    model = tiny(dropout=0.0)
+    memfit.checkpoint(model, "none+offload:disk", spill_dir=str(tmp_path))
+    store = applied(model).store
+    x = torch.randint(0, 64, (2, 16))
+    _, loss, _ = model(x, x)
+    folder = store.spill_folder
+    assert folder.parent == tmp_path
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    store.disk().pool.submit(lambda: None).result()  # let queued writes land
+    for f in files(folder):
+        assert stat.S_IMODE(os.stat(folder / f).st_mode) == 0o600
+    loss.backward()
+    assert files(folder) == []
+    assert store.stats.spilled_bytes > 0 and store.stats.read_bytes == store.stats.spilled_bytes
+    remove(model)  # removing the policy removes the private folder
+    assert not folder.exists()
+
+
+def test_spill_files_gone_after_an_exception_in_forward_and_in_backward(tmp_path):
+    model = tiny(dropout=0.0)
+    memfit.checkpoint(model, "keep+offload:disk*3,recompute+offload:disk", spill_dir=str(tmp_path))
+    folder = lambda: applied(model).store.spill_folder  # noqa: E731
+    x = torch.randint(0, 64, (2, 16))
+
+    def boom(*a):
+        raise RuntimeError("boom")
+
+    model.blocks[2].mlp.forward = boom  # forward dies after two blocks spilled
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x, x)
+    del model.blocks[2].mlp.forward
+    gc.collect()
+    applied(model).store.disk().pool.submit(lambda: None).result()
+    assert files(folder()) == []
+
+    def failing_hook(module, grad_in, grad_out):
+        raise RuntimeError("boom in backward")
+
+    h = model.blocks[2].register_full_backward_hook(failing_hook)
+
+    def run():
+        _, loss, _ = model(x, x)
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        run()
+    h.remove()
+    gc.collect()
+    applied(model).store.disk().pool.submit(lambda: None).result()
+    assert files(folder()) == []
+
+
+def test_spill_folder_checked_before_training(tmp_path, monkeypatch):
+    model = tiny()
+    with pytest.raises(ConfigError, match="does not exist"):
+        memfit.checkpoint(model, "full+offload:disk", spill_dir=str(tmp_path / "nope"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        memfit.checkpoint(model, "full+offload:disk", spill_dir=str(tmp_path / "file"))
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with monkeypatch.context() as m:
+        m.setattr(offload.tempfile, "mkdtemp", denied)
+        with pytest.raises(ConfigError, match="is not writable"):
+            memfit.checkpoint(model, "full+offload:disk", spill_dir=str(tmp_path))
+    with monkeypatch.context() as m:
+        m.setattr(offload.shutil, "disk_usage", lambda p: os.statvfs_result((0,) * 10) and type("U", (), {"free": 10 * 2**20})())
+        with pytest.raises(ConfigError, match="has only 10 MiB free; need at least 256 MiB"):
+            memfit.checkpoint(model, "full+offload:disk", spill_dir=str(tmp_path))
+    assert validate_spill_dir(tmp_path) == tmp_path
+    assert applied(model) is None  # nothing was applied by the failed calls
+
+
+def test_disk_filling_up_mid_step_is_a_clear_error_and_leaves_no_files(tmp_path, monkeypatch):
+    model = tiny(dropout=0.0)
+    memfit.checkpoint(model, "none+offload:disk", spill_dir=str(tmp_path))
+    real_open = os.open
+    calls = {"n": 0}
+
+    def filling(path, flags, mode=0o777):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(offload.os, "open", filling)
+    x = torch.randint(0, 64, (2, 16))
+    with pytest.raises(MemfitError, match="is full"):
+        _, loss, _ = model(x, x)
+        loss.backward()
+    monkeypatch.setattr(offload.os, "open", real_open)
+    gc.collect()
+    assert files(applied(model).store.spill_folder) == []
+    assert "is full" in applied(model).store.disk().error
+
+
+def test_backward_reads_ahead_the_previous_block(tmp_path, monkeypatch):
+    model = tiny(dropout=0.0)
+    memfit.checkpoint(model, "none+offload:disk", spill_dir=str(tmp_path))
+    log = []
+    real_prefetch, real_get = offload._Offloaded.prefetch, offload._Offloaded.get
+    monkeypatch.setattr(offload._Offloaded, "prefetch", lambda self: (log.append(("prefetch", self.group)), real_prefetch(self))[1])
+    monkeypatch.setattr(offload._Offloaded, "get", lambda self: (log.append(("get", self.group)), real_get(self))[1])
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x)[1].backward()
+    first_get = {g: log.index(("get", g)) for g in range(4)}
+    assert sorted(first_get, key=first_get.get) == [3, 2, 1, 0]  # backward order
+    for g in (2, 1, 0):  # read-ahead of block g starts as block g+1 is first unpacked, not earlier
+        started = log.index(("prefetch", g))
+        assert first_get.get(g + 2, -1) < started < first_get[g + 1]
+
+
+def test_pinning_unavailable_falls_back_to_pageable_memory():
+    store = ActivationStore()
+    if torch.cuda.is_available():
+        pytest.skip("pinning works on CUDA builds")
+    with pytest.warns(UserWarning, match="pinned memory is unavailable"):
+        host = store.host_empty_like(torch.ones(4, 4))
+    assert not host.is_pinned() and store.stats.pinned is False
+
+
+def test_parameters_and_leaves_are_never_offloaded():
+    lin = torch.nn.Linear(8, 8)
+    store = ActivationStore(lin)
+    packed = []
+    x = torch.randn(64, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(store.pack(t, 0, "cpu", None)) or packed[-1],
+                                                  store.unpack):
+        y = torch.tanh(lin(x))
+    kinds = [type(p).__name__ for p in packed]
+    # linear saves x (a leaf requiring grad) and the weight: both stay; tanh's output is moved
+    assert kinds.count("_Offloaded") == 1 and kinds.count("Tensor") == 2
+    y.sum().backward()
+    assert lin.weight.grad is not None and x.grad is not None
+
+
+def test_trace_predicts_offload_without_io(tmp_path, monkeypatch):
+    from memfit.measure.trace import trace_step
+    from memfit.train.model import GPT, GPTConfig
+
+    monkeypatch.setattr(offload.tempfile, "gettempdir", lambda: str(tmp_path))
+    build = lambda: GPT(GPTConfig(layers=4, hidden=64, heads=4, vocab=128, seq=64))  # noqa: E731
+    none = trace_step(build, 2, 64, checkpoint="none")
+    cpu = trace_step(build, 2, 64, checkpoint="none+offload:cpu")
+    disk = trace_step(build, 2, 64, checkpoint="full+offload:disk")
+    assert cpu.peak < none.peak and cpu.host_peak > 0
+    assert disk.peak < none.peak and disk.host_peak == 0
+    spilled = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert spilled == []
