@@ -12,6 +12,7 @@ difference is the largest absolute difference from the unsplit batch's grads on 
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import sys
 import time
@@ -38,6 +39,7 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, batch: int) -> list[tuple[to
 
 
 def main() -> None:
+    load_before = os.getloadavg()[0]  # other jobs on the machine slow every contender; say how busy it was
     torch.manual_seed(0)
     corpus = load_corpus(min_split_bytes=SEQ + 1)
     x, y = WindowSampler(corpus.train, TOTAL, SEQ, seed=0).next()
@@ -77,8 +79,17 @@ def main() -> None:
         })
         print(f"{batch:>3} x {accum}: peak {fmt_bytes(r['peak'])}, {TOTAL * SEQ / sec:,.0f} tok/s, grad diff {diff:.1e}")
     path = save(NAME, {"model": DEFAULT_MODEL, "seq": SEQ, "sequences_per_step": TOTAL, "repeats": REPEATS,
-                       "threads": torch.get_num_threads(), "rows": rows})
+                       "threads": torch.get_num_threads(), "load_avg": [load_before, os.getloadavg()[0]],
+                       "rows": rows})
     print(f"wrote {path}")
+
+
+def _load_note(result: dict) -> str:
+    if "load_avg" not in result:
+        return ""
+    a, b = result["load_avg"]
+    return (f"The machine's 1-minute load average was {a:.1f} before and {b:.1f} after (other jobs shared its "
+            f"{result['machine']['cores']} cores), which lowers every tokens/s figure alike.")
 
 
 def render(result: dict) -> str:
@@ -95,7 +106,7 @@ def render(result: dict) -> str:
         "",
         f"Model `{result['model']}`, {result['sequences_per_step']} sequences x {result['seq']} bytes per "
         f"optimizer step, AdamW, fp32; peak = memfit tracker, one steady-state step; time = median of "
-        f"{result['repeats']} alternating repeats.",
+        f"{result['repeats']} alternating repeats. {_load_note(result)}",
         "",
         "| micro-batch x accum | peak | activations | peak vs 1 step | tokens/s | max abs grad diff vs unsplit |",
         "|---|---:|---:|---:|---:|---:|",

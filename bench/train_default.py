@@ -8,6 +8,7 @@ steps, tokens/s, the tracked step's memory breakdown and the process's peak RSS.
 """
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -16,18 +17,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fmt_bytes, save  # noqa: E402
 
 from memfit.train.loop import TrainConfig, train  # noqa: E402
+from memfit.train.report import format_summary  # noqa: E402
 
 NAME = "train_default"
 
 
 def main() -> None:
+    load_before = os.getloadavg()[0]  # other jobs on the machine slow the run; say how busy it was
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(out=str(Path(tmp) / "run"))
         result = train(cfg, progress=True)
     m = result.metrics
+    print(format_summary(m, Path("runs/<timestamp>"), result.stopped))  # what `memfit train` prints at the end
     payload = {"config": {k: v for k, v in m["config"].items() if k != "out"}, "run": m["run"],
                "summary": m["summary"], "stopped": result.stopped, "memory": m["memory"],
-               "val": m["val"]}
+               "val": m["val"], "load_avg": [load_before, os.getloadavg()[0]]}
     path = save(NAME, payload)
     s = m["summary"]
     print(f"loss {s['start_loss']:.3f} -> {s['end_loss']:.3f}, val {s['start_val_loss']:.3f} -> "
@@ -63,7 +67,9 @@ def render(result: dict) -> str:
         "",
         f"Loss is cross-entropy in nats per byte (ln 256 = 5.55 untrained); the validation loss falls from "
         f"{s['start_val_loss']:.2f} to {s['end_val_loss']:.2f} in {s['seconds']:.0f} seconds. Speed depends on "
-        "how busy the machine's cores were during the run.",
+        "how busy the machine's cores were during the run" + (
+            f" (1-minute load average {result['load_avg'][0]:.1f} before and {result['load_avg'][1]:.1f} after, on "
+            f"{result['machine']['cores']} cores)." if "load_avg" in result else "."),
     ]
     return "\n".join(lines)
 

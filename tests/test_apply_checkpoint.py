@@ -162,6 +162,8 @@ def test_recomputed_forward_flops_match_each_policy(arch):
     block = _flops(lambda: model.blocks[0](h))
     down = _flops(lambda: model.blocks[0].mlp.proj(torch.randn(2, 16, model.cfg.ffn)))
     attn_out = _flops(lambda: model.blocks[0].attn.proj(h))
+    q = torch.randn(2, 4, 16, 8)
+    attn_out += _flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
 
     def total(policy):
         m = tiny(arch, dropout=0.0, layers=L)
@@ -235,7 +237,7 @@ def test_cuda_bit_equal_with_dropout(policy, tmp_path):
         for _ in range(2):
             x = torch.randint(0, 64, (2, 32), device="cuda")
             m(x, x)[1].backward()
-        return {k: v.grad.clone() for k, v in m.named_parameters()}, torch.cuda.FloatTensor(1).uniform_().item()
+        return {k: v.grad.clone() for k, v in m.named_parameters()}, torch.rand(1, device="cuda").item()
 
     ref, r_ref = run("none")
     got, r_got = run(policy)

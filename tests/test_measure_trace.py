@@ -119,3 +119,11 @@ def test_trace_bad_input_raises_config_error():
         trace_step(GPT_SPEC, batch=1, seq=4096)
     with pytest.raises(ConfigError, match="sometimes"):
         trace_step(GPT_SPEC, batch=1, seq=16, checkpoint="sometimes")
+
+
+def test_trace_unsupported_device_raises_config_error():
+    with pytest.raises(ConfigError, match="device"):
+        trace_step(GPT_SPEC, batch=1, seq=16, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA build"):
+            trace_step(GPT_SPEC, batch=1, seq=16, device="cuda")

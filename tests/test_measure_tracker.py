@@ -267,3 +267,34 @@ def test_cuda_tracker_matches_memory_allocated():
     peak = torch.cuda.max_memory_allocated() - offset
     # Kernel-internal scratch (never a tensor) can only add to the allocator's figure.
     assert t.peak_bytes <= peak <= 1.10 * t.peak_bytes
+
+
+def test_cli_track_reports_measured_and_predicted(capsys):
+    from memfit.cli import main
+
+    rc = main(["track", "gpt:layers=2,hidden=32,heads=2,vocab=128,seq=32", "--batch", "2", "--seq", "32", "--json"])
+    assert rc == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    m, p = data["measured"], data["predicted"]
+    assert m["peak"] == p["peak"] > 0
+    assert m["allocator_peak"] >= m["peak"]
+    assert sum(m[k] for k in ("params", "grads", "optimizer", "activations", "temporaries")) == m["peak"]
+    assert main(["track", "gpt:layers=2,hidden=32,heads=2,vocab=128", "--checkpoint", "sometimes"]) == 2
+    assert "sometimes" in capsys.readouterr().err
+
+
+def test_tracking_does_not_change_the_numbers():
+    """The saved-tensor hooks and the dispatch mode only observe: grads are bit-identical."""
+    grads = []
+    for tracked in (False, True):
+        torch.manual_seed(0)
+        model = checkpoint(tiny_gpt(dropout=0.1), "full")
+        x = torch.randint(0, 256, (2, 32))
+        torch.manual_seed(1)
+        with track(model) if tracked else torch.device("cpu"):
+            _, loss, n = model(x, x)
+            (loss / n).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -106,3 +106,21 @@ def test_lr_schedule_warms_up_then_decays_by_cosine():
     assert all(a >= b for a, b in zip(after, after[1:]))
     assert lr_at(50, base, warmup=10, horizon=None) == base  # horizon not yet fitted: hold the peak
     assert lr_at(0, base, warmup=10, horizon=20) == pytest.approx(base / 4)  # warm-up capped at 20 // 5 steps
+
+
+def test_accumulation_lowers_the_tracked_peak():
+    track = pytest.importorskip("memfit.measure.tracker").track
+    x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
+    base = GPT(GPTConfig(layers=2, hidden=64, heads=2, vocab=256, seq=16))
+    peaks, acts = {}, {}
+    for micro in (8, 2):
+        model = copy.deepcopy(base)
+        opt = TrainingOptimizer(model, "adamw", lr=1e-3)
+        batches = [(x[i:i + micro], y[i:i + micro]) for i in range(0, 8, micro)]
+        accumulate_step(model, opt, batches)  # the optimizer state exists from here on
+        with track(model, opt) as t:
+            accumulate_step(model, opt, batches)
+        peaks[micro], acts[micro] = t.peak_bytes, t.breakdown["activations"]
+    # Activations held at the peak scale with the micro-batch: 4x smaller micro-batches, ~4x fewer.
+    assert acts[2] < 0.4 * acts[8]
+    assert peaks[2] < peaks[8]

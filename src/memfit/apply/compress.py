@@ -108,7 +108,7 @@ def decode(p: Packed | torch.Tensor) -> torch.Tensor:
         flat = (q.float() * scale).view(-1)[: p.shape.numel()]
     elif p.codec == "int8-channel":
         q, scale = p.tensors
-        flat = (q.float() * scale).view(-1)
+        flat = (q.float() * scale).reshape(-1)  # logical order (q may carry a permuted layout)
     elif p.codec == "fp8":
         q, scale = p.tensors
         flat = q.float() * scale
@@ -116,7 +116,7 @@ def decode(p: Packed | torch.Tensor) -> torch.Tensor:
         flat = p.tensors[0]
     if p.codec == "int8-channel":
         # reshape(-1, C) took the elements in logical order: rebuild logically, then restore strides.
-        logical = flat.to(p.dtype).view(p.shape)
+        logical = flat.to(p.dtype).reshape(p.shape)
         if tuple(p.stride) == _contiguous_stride(p.shape):
             return logical
         return torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=flat.device).copy_(logical)

@@ -170,6 +170,12 @@ class DiskSpill:
         return buf.view(dtype).as_strided(shape, stride)
 
 
+def _discard(write: Future, path: str) -> None:
+    """Drop a spill file that will never be read, also if its write is still queued or running."""
+    if not write.cancel():
+        write.add_done_callback(lambda _: _remove(path))
+
+
 def _remove(path: str) -> None:
     try:
         os.unlink(path)
@@ -255,7 +261,7 @@ class _DiskCopy:
         self.path = spill.new_path()
         self.write_future = spill.pool.submit(spill.write, self.path, src, ready)
         # Removes the file if this saved tensor is dropped without being unpacked (exception, no backward).
-        self._finalizer = weakref.finalize(self, _remove, self.path)
+        self._finalizer = weakref.finalize(self, _discard, self.write_future, self.path)
 
     def prefetch(self) -> None:
         if self.consumed:
@@ -291,12 +297,23 @@ class _DiskCopy:
 
 
 class _Offloaded:
-    """What a pack hook returns for one saved tensor: its (compressed) parts, each possibly moved."""
+    """One tensor's (compressed) parts, each possibly moved off the device."""
 
-    __slots__ = ("parts", "packed", "group", "__weakref__")
+    __slots__ = ("parts", "packed", "group", "_cached", "__weakref__")
 
     def __init__(self, parts: list, packed: codecs.Packed | None, group: int) -> None:
         self.parts, self.packed, self.group = parts, packed, group
+        self._cached: torch.Tensor | None = None
+
+    @property
+    def moved(self) -> bool:
+        return any(not isinstance(p, torch.Tensor) for p in self.parts)
+
+    def get_cached(self) -> torch.Tensor:
+        """Restored once, shared by every saved view of it (freed with the last view)."""
+        if self._cached is None:
+            self._cached = self.get()
+        return self._cached
 
     def prefetch(self) -> None:
         for p in self.parts:
@@ -309,6 +326,54 @@ class _Offloaded:
             return tensors[0]
         p = self.packed
         return codecs.decode(codecs.Packed(p.codec, tensors, p.shape, p.stride, p.dtype))
+
+
+class _View:
+    """What a pack hook returns: a view of a whole storage that was packed once.
+
+    Autograd often saves several views of one storage (an attention output and the same bytes
+    reshaped as the next matmul's input); packing the storage once avoids compressing, copying or
+    writing the same bytes twice, and restores each view with its exact original strides.
+    """
+
+    __slots__ = ("base", "shape", "stride", "offset", "__weakref__")
+
+    def __init__(self, base: _Offloaded, t: torch.Tensor) -> None:
+        self.base, self.shape, self.stride, self.offset = base, t.shape, t.stride(), t.storage_offset()
+
+    def get(self) -> torch.Tensor:
+        return self.base.get_cached().as_strided(self.shape, self.stride, self.offset)
+
+
+def _whole_storage(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view over t's entire storage when t's elements are exactly the storage's, else None."""
+    try:
+        n = t.untyped_storage().nbytes() // t.element_size()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if t.numel() != n or not codecs.is_dense(t):
+        return None
+    return t.detach().as_strided((n,), (1,), 0)
+
+
+class _Hooks:
+    """saved_tensors_hooks that also forget the storages seen while they were active."""
+
+    def __init__(self, store: "ActivationStore", group: int, offload: str | None, compress: str | None) -> None:
+        self.store = store
+        self.inner = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: store.pack(t, group, offload, compress), store.unpack
+        )
+
+    def __enter__(self) -> "_Hooks":
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            self.store._seen.clear()
 
 
 class ActivationStore:
@@ -324,6 +389,7 @@ class ActivationStore:
         self._pin_ok: bool | None = None
         self._groups: dict[int, list[weakref.ref]] = {}
         self._prefetched_for: int | None = None
+        self._seen: dict[int, tuple[_Offloaded, Any]] = {}  # storage -> its packed form, within one block
         # Model-owned tensors stay put: they are alive regardless of what we do with a saved copy.
         self._owned = weakref.WeakValueDictionary()
         if model is not None:
@@ -383,6 +449,27 @@ class ActivationStore:
     def pack(self, t: torch.Tensor, group: int, offload: str | None, compress: str | None) -> Any:
         if self._stays(t) or t.numel() * t.element_size() < self.min_bytes:
             return t
+        # int8-channel needs the tensor's own last dimension, so it packs each saved tensor as is.
+        whole = _whole_storage(t) if compress != "int8-channel" else None
+        if whole is None:
+            return self._pack_one(t, group, offload, compress)
+        st = t.untyped_storage()
+        hit = self._seen.get(st._cdata)
+        if hit is not None and not hit[1].expired():
+            return _View(hit[0], t)
+        base = self._pack_one(whole, group, offload, compress)
+        if isinstance(base, torch.Tensor):
+            return t
+        try:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            # A weak reference: a freed storage whose address is reused must not match.
+            self._seen[st._cdata] = (base, StorageWeakRef(st))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            pass
+        return _View(base, t)
+
+    def _pack_one(self, t: torch.Tensor, group: int, offload: str | None, compress: str | None) -> Any:
         packed = None
         parts: list = [t]
         if compress and codecs.compressible(t, compress):
@@ -403,9 +490,10 @@ class ActivationStore:
     def unpack(self, h: Any) -> torch.Tensor:
         if isinstance(h, torch.Tensor):
             return h
-        if h.group != self._prefetched_for and h.parts and not isinstance(h.parts[0], torch.Tensor):
-            self._prefetched_for = h.group
-            self._prefetch_before(h.group)
+        root = h.base if isinstance(h, _View) else h
+        if root.group != self._prefetched_for and root.moved:
+            self._prefetched_for = root.group
+            self._prefetch_before(root.group)
         return h.get()
 
     def _prefetch_before(self, group: int) -> None:
@@ -420,11 +508,10 @@ class ActivationStore:
                 return
             del self._groups[g]
 
-    def hooks(self, group: int, offload: str | None, compress: str | None) -> torch.autograd.graph.saved_tensors_hooks:
+    def hooks(self, group: int, offload: str | None, compress: str | None) -> _Hooks:
+        """The saved-tensor hooks context for one block (group = block index, for prefetch order)."""
         if compress:
             codecs.check_codec(compress)
         if offload == "disk":
             self.disk()  # validates the folder now, not in the middle of a step
-        return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self.pack(t, group, offload, compress), self.unpack
-        )
+        return _Hooks(self, group, offload, compress)

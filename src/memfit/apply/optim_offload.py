@@ -154,6 +154,13 @@ class _Chunk:
         self.grad_nbytes = 0
 
 
+def _mark_state_host(opt: torch.optim.Optimizer, *_: object) -> None:
+    for state in opt.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                mark_host(v)
+
+
 def _grad_hook(ref: "weakref.ref[StreamedOptimizer]", i: int, p: torch.Tensor) -> None:
     opt = ref()
     if opt is not None:
@@ -189,6 +196,14 @@ class StreamedOptimizer:
         self._grad_written: set[int] = set()              # disk: params whose grad file slot holds this step's grad
         self._grad_fds: dict[int, int] = {}
         self._pending: list[Future] = []
+        self._staging: dict[int, tuple[torch.Tensor, set[int]]] = {}  # disk: chunk -> (buffer, params in it)
+        self._early = False            # updating chunks during this backward (begin_backward)
+        self._arrived: dict[int, set[int]] = {}
+        self._updated: set[int] = set()  # chunks already updated this step
+        self.early_updates = 0           # chunk updates that ran overlapped with a backward
+        self._pool: ThreadPoolExecutor | None = None
+        self._free: list[torch.Tensor] = []  # reusable host staging buffers (see _acquire)
+        self._pool_lock = threading.Lock()
         self._hooks = []
         self.found_inf = False                             # cpu/disk: inf/NaN seen in a grad moved to the host
         self.bad_grads: set[int] = set()
@@ -203,24 +218,34 @@ class StreamedOptimizer:
         self._shared: set[int] = set()
         for i, p in enumerate(params):
             share = where == "cpu" and p.device.type == "cpu" and p.dtype == master_dtype
-            m = nn.Parameter(p.detach() if share else p.detach().to(store, master_dtype, copy=True))
             if share:
+                m = nn.Parameter(p.detach())
                 self._shared.add(i)
+            elif where == "disk":  # filled chunk by chunk below, so RAM never holds all masters
+                m = nn.Parameter(torch.empty(0, dtype=master_dtype))
+            else:
+                m = nn.Parameter(p.detach().to(store, master_dtype, copy=True))
             self.masters.append(m)
         self.chunks = [
             _Chunk(idx, make_optimizer([self.masters[i] for i in idx]))
             for idx in _chunks([p.numel() for p in params], itemsize, chunk_bytes)
         ]
-        self._chunk_of = {i: c for c in self.chunks for i in c.idx}
+        self._chunk_index = {i: k for k, c in enumerate(self.chunks) for i in c.idx}
+        if where != "device":
+            # Instance post-hooks run before global ones, so state an optimizer step creates is
+            # flagged as host before a memory tracker's global step hook rescans the optimizer.
+            for c in self.chunks:
+                c.optimizer.register_step_post_hook(_mark_state_host)
         if where == "disk":
             # masters + fp32 state (up to 2 per parameter for Adam) + one gradient per parameter
             need = sum(p.numel() for p in params) * itemsize * 4
             self.folder = open_spill_folder(spill_dir, need)
             self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, True)
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="memfit-spill")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="memfit-offload")
             for k, c in enumerate(self.chunks):
                 off = 0
                 for i in c.idx:
+                    self.masters[i].data = params[i].detach().to("cpu", master_dtype, copy=True)
                     n = self.masters[i].numel() * itemsize
                     c.layout.append((i, "", master_dtype, self.masters[i].shape, off))
                     c.grad_offsets[i] = off
@@ -241,23 +266,75 @@ class StreamedOptimizer:
     def _take_grad(self, i: int, p: torch.Tensor) -> None:
         if p.grad is None or self._closed:  # another hook took it already
             return
-        # No copy when the gradient already is a CPU tensor of the master dtype: it is handed over.
         g = p.grad.detach()
+        if self.where == "disk":
+            # Gather the chunk's gradients in one host staging buffer; a chunk whose gradients are
+            # all in goes to its file in one write on the spill thread while backward continues.
+            k = self._chunk_index[i]
+            c = self.chunks[k]
+            stage = self._staging.get(k)
+            if stage is None:
+                stage = self._staging[k] = (self._acquire(c.grad_nbytes), set())
+            slot = self._grad_slot(stage[0], c, i)
+            # a chunk left partly filled by an earlier micro-batch may already hold this gradient
+            slot.add_(g) if i in stage[1] else slot.copy_(g)
+            p.grad = None  # the device gradient is ephemeral
+            self._check(i, slot)
+            stage[1].add(i)
+            if len(stage[1]) == len(c.idx):
+                del self._staging[k]
+                self._pending.append(self._pool.submit(self._spill_grads, k, *stage))
+                self._chunk_complete(k)
+            return
+        # cpu: no copy when the gradient already is a CPU tensor of the master dtype: it is handed over.
         if g.device.type != "cpu" or g.dtype != self.master_dtype:
             g = _host_empty(g.numel(), self.master_dtype).view(g.shape).copy_(g)
         p.grad = None  # the device gradient is ephemeral
         mark_host(g)
+        self._check(i, g)
+        acc = self._host_grads.get(i)
+        if acc is None:
+            self._host_grads[i] = g
+        else:
+            acc.add_(g)
+        if self._early:
+            k = self._chunk_index[i]
+            arrived = self._arrived.setdefault(k, set())
+            arrived.add(i)
+            if len(arrived) == len(self.chunks[k].idx):
+                self._chunk_complete(k)
+
+    def _check(self, i: int, g: torch.Tensor) -> None:
         if self.check_finite and not bool(torch.isfinite(g).all()):
             self.found_inf = True
             self.bad_grads.add(i)
-        if self.where == "cpu":
-            acc = self._host_grads.get(i)
-            if acc is None:
-                self._host_grads[i] = g
-            else:
-                acc.add_(g)
-        else:
-            self._pending.append(self._pool.submit(self._spill_grad, i, g))
+
+    def _grad_slot(self, buf: torch.Tensor, c: _Chunk, i: int) -> torch.Tensor:
+        off = c.grad_offsets[i]
+        n = self.params[i].numel() * self._itemsize
+        return buf[off:off + n].view(self.master_dtype).view(self.params[i].shape)
+
+    # Host staging buffers are reused: a fresh buffer's pages fault in on first touch, which costs
+    # as much as the copy itself; a few chunk-sized buffers are kept (taken and given back from the
+    # training thread and the spill thread, hence the lock).
+    _POOL_SIZE = 4
+
+    def _acquire(self, n: int) -> torch.Tensor:
+        with self._pool_lock:
+            fits = [j for j, b in enumerate(self._free) if b.numel() >= n]
+            if fits:
+                best = self._free.pop(min(fits, key=lambda j: self._free[j].numel()))
+                return best[:n]
+        return _host_empty(n)
+
+    def _release(self, buf: torch.Tensor) -> None:
+        base = buf if buf._base is None else buf._base
+        with self._pool_lock:
+            if any(b is base for b in self._free):
+                return
+            self._free.append(base)
+            if len(self._free) > self._POOL_SIZE:  # drop the smallest (tensors compare by value: use indices)
+                self._free.pop(min(range(len(self._free)), key=lambda j: self._free[j].numel()))
 
     def _grad_fd(self, k: int) -> int:
         fd = self._grad_fds.get(k)
@@ -266,22 +343,33 @@ class StreamedOptimizer:
             fd = self._grad_fds[k] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         return fd
 
-    def _spill_grad(self, i: int, g: torch.Tensor) -> None:
-        c = self._chunk_of[i]
-        k = self.chunks.index(c)
-        fd, off = self._grad_fd(k), c.grad_offsets[i]
-        if i in self._grad_written:  # accumulate over micro-batches: read, add, write back
-            prev = _host_empty(g.numel(), g.dtype).view(g.shape)
+    def _spill_grads(self, k: int, buf: torch.Tensor, fresh: set[int]) -> None:
+        """Write chunk k's staged gradients (params `fresh`) to its file in one write; over
+        micro-batches, first read what earlier ones wrote and add it (or keep it, for params that
+        got no gradient this time)."""
+        c = self.chunks[k]
+        fd = self._grad_fd(k)
+        earlier = [i for i in c.idx if i in self._grad_written]
+        if earlier:
+            prev = self._acquire(c.grad_nbytes)
             t0 = time.perf_counter()
-            n = _read_at(fd, prev, off)
+            n = _read_at(fd, prev, 0)
             self.io.add(read=n, read_s=time.perf_counter() - t0)
-            g = prev.add_(g)
+            for i in earlier:
+                slot, old = self._grad_slot(buf, c, i), self._grad_slot(prev, c, i)
+                slot.add_(old) if i in fresh else slot.copy_(old)
+            self._release(prev)
         t0 = time.perf_counter()
-        n = _write_at(fd, g, off)
+        n = _write_at(fd, buf, 0)
         self.io.add(written=n, write_s=time.perf_counter() - t0)
-        self._grad_written.add(i)
+        self._grad_written.update(fresh)
+        self._release(buf)
 
     def _drain(self) -> None:
+        """Flush partly filled chunks (parameters without a gradient) and wait for every spill write."""
+        for k, stage in list(self._staging.items()):
+            del self._staging[k]
+            self._pending.append(self._pool.submit(self._spill_grads, k, *stage))
         pending, self._pending = self._pending, []
         for f in pending:
             f.result()  # re-raises a failed write here, in the training thread
@@ -307,7 +395,7 @@ class StreamedOptimizer:
 
     def _load_chunk(self, k: int) -> torch.Tensor:
         c = self.chunks[k]
-        buf = _host_empty(c.nbytes)
+        buf = self._acquire(c.nbytes)
         fd = os.open(os.path.join(self.folder, f"state_{k}.bin"), os.O_RDONLY)
         try:
             t0 = time.perf_counter()
@@ -372,15 +460,13 @@ class StreamedOptimizer:
             return self._host_grads.get(i)
         if i not in self._grad_written:
             return None
-        off = c.grad_offsets[i]
-        n = self.params[i].numel() * self._itemsize
-        return grad_buf[off:off + n].view(self.master_dtype).view(self.params[i].shape)
+        return self._grad_slot(grad_buf, c, i)
 
     def _load_grads(self, k: int) -> torch.Tensor | None:
         c = self.chunks[k]
         if not any(i in self._grad_written for i in c.idx):
             return None
-        buf = _host_empty(c.grad_nbytes)
+        buf = self._acquire(c.grad_nbytes)
         t0 = time.perf_counter()
         n = _read_at(self._grad_fd(k), buf, 0)
         self.io.add(read=n, read_s=time.perf_counter() - t0)
@@ -398,59 +484,90 @@ class StreamedOptimizer:
                 if g is not None:
                     kw = {} if g.dtype == torch.float32 else {"dtype": torch.float32}
                     norms.append(torch.linalg.vector_norm(g, 2.0, **kw).to(self.masters[i].device))
+            if gbuf is not None:
+                self._release(gbuf)
         if not norms:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
     def step(self, grad_scale: float | torch.Tensor | None = None) -> None:
         """Update every parameter that has a gradient: grad -> master dtype, times grad_scale (unscaling
-        and clipping folded into one factor), torch optimizer step on the master, copy back."""
+        and clipping folded into one factor), torch optimizer step on the master, copy back.
+        Chunks already updated during the final backward (see begin_backward) are not updated again."""
         self._drain()
-        for k, c in enumerate(self.chunks):
-            gbuf = self._load_grads(k) if self.where == "disk" else None
-            state = self._load_chunk(k) if self.where == "disk" else None
-            if state is not None:
-                self._attach(c, state)
-            have = []
-            for i in c.idx:
-                g = self._grad(i, gbuf, c)
-                if g is None:
-                    continue
-                m = self.masters[i]
-                if self.where == "device":
-                    g = g.to(m.device, m.dtype, copy=True)
-                    self.params[i].grad = None  # the 16-bit grad is not needed once converted
-                elif g.dtype != m.dtype:
-                    g = g.to(m.device, m.dtype)
-                if grad_scale is not None:
-                    g.mul_(grad_scale)
-                m.grad = g
-                have.append(i)
-            if have:
-                if self.where == "device":
-                    c.optimizer.step()
-                else:
-                    # The update runs on host memory: hide its new state and temporaries from
-                    # dispatch-mode memory trackers (on CPU training they would look like device
-                    # bytes); the state is reported as host through mark_host after the step.
-                    with torch._C._DisableTorchDispatch():
-                        c.optimizer.step()
-                    for i in have:
-                        for v in c.optimizer.state.get(self.masters[i], {}).values():
-                            if torch.is_tensor(v):
-                                mark_host(v)
-            for i in have:
-                m = self.masters[i]
-                m.grad = None
-                if i not in self._shared:
-                    self.params[i].data.copy_(m.detach())
-                if self.where == "device":
-                    self.params[i].grad = None
-                else:
-                    self._host_grads.pop(i, None)
-            if state is not None:
-                self._save_chunk(k, self._detach(c, state))
+        for k in range(len(self.chunks)):
+            if k not in self._updated:
+                self._update_chunk(k, grad_scale)
+        self._updated.clear()
         self.discard_grads()
+
+    def _update_chunk(self, k: int, grad_scale: float | torch.Tensor | None) -> None:
+        c = self.chunks[k]
+        gbuf = self._load_grads(k) if self.where == "disk" else None
+        state = self._load_chunk(k) if self.where == "disk" else None
+        if state is not None:
+            self._attach(c, state)
+        have = []
+        for i in c.idx:
+            g = self._grad(i, gbuf, c)
+            if g is None:
+                continue
+            m = self.masters[i]
+            if self.where == "device":
+                g = g.to(m.device, m.dtype, copy=True)
+                self.params[i].grad = None  # the 16-bit grad is not needed once converted
+            elif g.dtype != m.dtype:
+                g = g.to(m.device, m.dtype)
+            if grad_scale is not None:
+                g.mul_(grad_scale)
+            m.grad = g
+            have.append(i)
+        if have:
+            if self.where == "device":
+                c.optimizer.step()
+            else:
+                # The update runs on host memory: hide its new state and temporaries from
+                # dispatch-mode memory trackers (on CPU training they would look like device
+                # bytes); the state is reported as host through mark_host after the step.
+                with torch._C._DisableTorchDispatch():
+                    c.optimizer.step()
+        for i in have:
+            m = self.masters[i]
+            m.grad = None
+            if i not in self._shared:
+                self.params[i].data.copy_(m.detach())
+            if self.where == "device":
+                self.params[i].grad = None
+            else:
+                self._host_grads.pop(i, None)
+        if state is not None:
+            out = self._detach(c, state)
+            self._save_chunk(k, out)
+            self._release(out)
+            if out is not state:
+                self._release(state)
+        if gbuf is not None:
+            self._release(gbuf)
+
+    # ---------------------------------------------------------------- updates overlapped with backward
+    def begin_backward(self, final: bool) -> None:
+        """Called before each backward. With final=True (the last micro-batch before step(), and
+        no clipping or loss scaling, which need every gradient first) a chunk whose gradients are
+        all in is updated on the worker thread while backward goes on: a leaf's gradient is final
+        once its accumulation hook ran, and every op that read the parameter has run by then."""
+        self._early = final and self.where in ("cpu", "disk")
+        self._arrived = {}
+        if self._early and self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="memfit-offload")
+
+    def end_backward(self) -> None:
+        self._early = False
+
+    def _chunk_complete(self, k: int) -> None:
+        if self._early and k not in self._updated:
+            self._updated.add(k)
+            self.early_updates += 1
+            self._pending.append(self._pool.submit(self._update_chunk, k, None))
 
     def discard_grads(self) -> None:
         """Drop this step's gradients wherever they are (skipped steps, zero_grad)."""
@@ -501,7 +618,7 @@ class StreamedOptimizer:
                            for n, s in sd["state"].items()}
             chunks.append(sd)
             if state is not None:
-                self._detach(c, state)
+                self._release(self._detach(c, state))
         return {"masters": masters, "chunks": chunks, "chunk_sizes": [len(c.idx) for c in self.chunks]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -535,12 +652,14 @@ class StreamedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self.where == "disk":
-            try:
-                self._drain()
-            finally:
-                for fd in self._grad_fds.values():
-                    os.close(fd)
-                self._grad_fds.clear()
+        try:
+            self._staging.clear()  # gradients of an unfinished step are not worth writing
+            self._drain()
+        finally:
+            for fd in self._grad_fds.values():
+                os.close(fd)
+            self._grad_fds.clear()
+            if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            if self.where == "disk":
                 self._finalizer()  # removes the spill folder

@@ -128,11 +128,21 @@ class TrainingOptimizer:
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.mode, self.device_type)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), with the loss multiplied by the loss scale in fp16 modes."""
+    def backward(self, loss: torch.Tensor, *, final: bool = False) -> None:
+        """loss.backward(), with the loss multiplied by the loss scale in fp16 modes.
+
+        final: this is the last micro-batch before step(). With optimizer offload (and no clipping
+        or fp16 loss scaling, which need every gradient before any update) the update of each chunk
+        then starts on a worker thread as soon as backward has produced all of its gradients."""
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
-        loss.backward()
+        if self.streamed is not None:
+            self.streamed.begin_backward(final and self.clip is None and self.scaler is None)
+        try:
+            loss.backward()
+        finally:
+            if self.streamed is not None:
+                self.streamed.end_backward()
 
     def step(self) -> StepResult:
         scale = self.scaler.scale if self.scaler is not None else None

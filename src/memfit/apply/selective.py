@@ -3,9 +3,10 @@
 Built on PyTorch's selective checkpoint contexts: during the block's forward every op's output is
 either cached (MUST_SAVE) or dropped and recomputed in backward (PREFER_RECOMPUTE). The rule:
 
-- keep attention outputs (every fused scaled-dot-product-attention kernel): O(T^2) to recompute;
 - keep the outputs of *widening* matmuls (output features > input features: the fused QKV
   projection, the MLP up/gate projection) — they are the ones the rest of the block is computed from;
+- keep attention outputs (fused scaled-dot-product-attention kernels) when the sequence is longer
+  than the model width (T > C); recompute them for shorter sequences;
 - recompute everything else: element-wise ops, norms, activation functions, dropout (RNG-exact),
   reshapes, and the narrowing matmuls (attention output and MLP down projections).
 
@@ -13,8 +14,14 @@ Why not keep every matmul? A block's last matmul (the MLP down projection) is ne
 non-reentrant recomputation stops as soon as the tensors backward needs exist, which is before that
 matmul runs, so caching its output would only waste memory. The attention output projection costs
 one C x C matmul per token to redo (about 1/12 of a GPT block's matmul FLOPs), and not caching it
-saves one more hidden-size tensor per block. The result keeps roughly half of a plain block's saved
-bytes for a few percent more step time (see docs/BENCHMARKS.md).
+saves one more hidden-size tensor per block.
+
+Why attention depends on T: per element of its output, recomputing causal attention costs about 2*T
+multiply-adds (QK^T and AV over T/2 keys on average, times D, per D outputs), while the C x C output
+projection we already recompute costs C per element. Below T = C attention is the cheaper of the two to
+redo per byte saved, so keeping it would be inconsistent; above, it is kept. For GPT-2 small at T=512
+this keeps about 45% of a plain block's saved bytes for a few percent more step time (see
+docs/BENCHMARKS.md); at T=1024 and beyond about 53%.
 """
 from __future__ import annotations
 
@@ -53,7 +60,9 @@ def _widening(op: Any, args: tuple) -> bool:
 def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Per-op decision used in forward (and in recomputation) of a selectively checkpointed block."""
     if getattr(op, "overloadpacket", op) in ATTENTION_OPS:
-        return CheckpointPolicy.MUST_SAVE
+        q = args[0]  # (B, H, T, D): keep when T > C = H * D (see the module docstring)
+        keep = q.shape[-2] > q.shape[-3] * q.shape[-1]
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     if op in MATMUL_OPS and _widening(op, args):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

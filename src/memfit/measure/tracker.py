@@ -84,8 +84,9 @@ class MemoryTracker(TorchDispatchMode):
         module_peaks: per module, the peak total bytes seen while its forward or backward ran.
             Keys are qualified names as in `model.named_modules()`; the model itself is listed
             under its class name (e.g. "GPT").
-        module_activations: per module, bytes saved for backward by ops run inside it (each
-            storage counted once, in the modules active when it was first saved).
+        module_activations: per module, bytes saved for backward by ops run inside it since
+            enter / `reset_peak()` (each storage counted once, in the modules active when it was
+            first saved; storages kept for backward outside the hooks count where they were made).
         host_peak_bytes: peak of bytes marked with `mark_host()` (not in the device figures).
     """
 
@@ -107,6 +108,7 @@ class MemoryTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self._peak_cats = [0] * len(CATEGORIES)
+        self._at_peak = False  # the current state is the peak's (no allocation or free since)
         self._host_cur = 0
         self.host_peak_bytes = 0
         self.module_peaks: dict[str, int] = {}
@@ -143,6 +145,7 @@ class MemoryTracker(TorchDispatchMode):
         self._rescan()
         self.peak_bytes = self.current_bytes
         self._peak_cats = list(self._cur)
+        self._at_peak = True
         self.host_peak_bytes = self._host_cur
         self.module_peaks = {}
         self.module_activations = {}
@@ -239,11 +242,16 @@ class MemoryTracker(TorchDispatchMode):
         elif e.device:
             self._cur[e.cat] += n
             self.current_bytes += n
+            self._at_peak = False
 
     def _recat(self, e: _Entry, cat: int) -> None:
         if e.device and not e.host:
             self._cur[e.cat] -= e.nbytes
             self._cur[cat] += e.nbytes
+            if self._at_peak:
+                # Nothing was allocated or freed since the peak: this is still the peak's state,
+                # now better labelled (e.g. a new gradient only becomes p.grad after its op).
+                self._peak_cats = list(self._cur)
         e.cat = cat
 
     def _on_free(self, key: int) -> None:
@@ -256,6 +264,7 @@ class MemoryTracker(TorchDispatchMode):
         if cur > self.peak_bytes:
             self.peak_bytes = cur
             self._peak_cats = list(self._cur)
+            self._at_peak = True
         peaks = self.module_peaks
         for name in self._current_mods():
             if cur > peaks.get(name, 0):

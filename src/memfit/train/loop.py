@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import sys
 import threading
@@ -37,9 +38,8 @@ DEFAULT_TIME_LIMIT = 120.0
 """Seconds for `memfit train` with neither --steps nor --time-limit."""
 CALIBRATION_STEPS = 6
 """Steps timed before a time-limited run first fits its schedule length (the first is warm-up)."""
-REFIT_EVERY = 10
-"""A time-limited run refits its schedule length every this many steps, from the last RECENT steps."""
 RECENT = 30
+"""A time-limited run refits its schedule length after every step from the last RECENT step times."""
 RESUMABLE = ("steps", "time_limit", "eval_every", "eval_batches", "save_every", "out", "device", "track")
 """Options a resumed run may change: they decide how long and how it reports, not what it computes."""
 
@@ -150,7 +150,7 @@ def accumulate_grads(model: nn.Module, opt, micro_batches: Iterable[tuple[torch.
     a short micro-batch more than one in a long one.
     """
     micro_batches = list(micro_batches)
-    total = sum(int((y != -1).sum()) for _, y in micro_batches)
+    total = int(sum((y != -1).sum() for _, y in micro_batches))  # one host sync, not one per micro-batch
     denom = max(total, 1)  # an all-padding batch has zero loss and zero grads, not NaN
     running = None
     for x, y in micro_batches:
@@ -285,14 +285,16 @@ def live_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     try:
-        with open("/proc/self/statm") as f:
-            import os
-
+        with open("/proc/self/statm") as f:  # Linux: resident pages now (ru_maxrss below is a peak)
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
+        pass
+    try:
         import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # peak, Linux reports KiB
+    except ImportError:  # Windows
+        return 0
+    # The peak RSS: in bytes on macOS, in KiB elsewhere.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
 
 
 def _enter_tracker(model: nn.Module, opt, device: torch.device, log: Callable[[str], None]):
@@ -368,8 +370,8 @@ def train(
     history = report.new_history()
     step, horizon, breakdown = 0, cfg.steps, None
     # Without --steps the schedule length is fitted to the time limit: first after a few timed steps,
-    # then refitted every REFIT_EVERY steps from the recent speed (a shared machine's speed drifts),
-    # until 90% of the time is spent. A resumed run keeps the length its checkpoint fixed.
+    # then refitted after every step from the recent speed (a shared machine's speed drifts) until
+    # 90% of the time is spent. A resumed run keeps the length its checkpoint fixed.
     auto_horizon = cfg.steps is None and (checkpoint is None or checkpoint["horizon"] is None)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
@@ -444,7 +446,7 @@ def train(
                     out = accumulate_step(model, opt, micro)
                 finally:
                     tracker.__exit__(None, None, None)
-                breakdown = report.tracker_breakdown(tracker, step)
+                breakdown = report.tracker_breakdown(tracker, step + 1)  # steps count from 1 in the history
             else:
                 out = accumulate_step(model, opt, micro)
             if device.type == "cuda":
@@ -458,7 +460,7 @@ def train(
                                memory=live_memory(device), grad_norm=getattr(out.result, "grad_norm", None))
             if tracker is None:  # the tracked step runs slower; keep it out of the speed estimate
                 step_seconds.append(seconds)
-            if auto_horizon and len(step_seconds) >= CALIBRATION_STEPS and (horizon is None or step % REFIT_EVERY == 0):
+            if auto_horizon and len(step_seconds) >= CALIBRATION_STEPS:
                 elapsed = time.perf_counter() - started
                 if horizon is None or elapsed < 0.9 * cfg.time_limit:  # type: ignore[operator]
                     horizon = _fit_horizon(step, cfg, elapsed, step_seconds, eval_seconds)

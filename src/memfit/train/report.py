@@ -91,7 +91,7 @@ def metrics_payload(config: dict[str, Any], run: dict[str, Any], history: dict[s
 
 
 def plot(metrics: dict[str, Any], path: str | Path) -> Path:
-    """Loss (train and validation) and memory over steps, side by side, as a PNG.
+    """Loss (train and validation) and memory over steps, plus the tracked step's breakdown, as a PNG.
 
     Uses matplotlib's Agg canvas directly (no pyplot) so it needs no display and leaves the
     caller's global backend alone.
@@ -100,9 +100,11 @@ def plot(metrics: dict[str, Any], path: str | Path) -> Path:
     from matplotlib.figure import Figure
 
     steps, val = metrics["steps"], metrics["val"]
-    fig = Figure(figsize=(11, 4), dpi=110)
+    bd = metrics["memory"].get("step_breakdown")
+    fig = Figure(figsize=(15 if bd else 11, 4), dpi=110)
     FigureCanvasAgg(fig)
-    ax_loss, ax_mem = fig.subplots(1, 2)
+    axes = fig.subplots(1, 3 if bd else 2, gridspec_kw={"width_ratios": [3, 3, 2] if bd else [1, 1]})
+    ax_loss, ax_mem = axes[0], axes[1]
     ax_loss.plot(steps["step"], steps["loss"], lw=0.8, alpha=0.6, label="train (per step)")
     if val["step"]:
         ax_loss.plot(val["step"], val["loss"], "o-", ms=3, label="validation")
@@ -112,14 +114,22 @@ def plot(metrics: dict[str, Any], path: str | Path) -> Path:
     mib = [m / 2**20 for m in steps["memory_bytes"]]
     label = {"cpu_rss": "process RSS", "cuda_max_allocated": "CUDA peak allocated"}[metrics["memory"]["per_step"]]
     ax_mem.plot(steps["step"], mib, lw=1.0, label=label)
-    bd = metrics["memory"].get("step_breakdown")
     if bd:
         ax_mem.axhline(bd["peak_bytes"] / 2**20, color="C3", ls="--", lw=1.0,
                        label=f"tracked step peak ({format_bytes(bd['peak_bytes'])})")
-    ax_mem.set(xlabel="step", ylabel="MiB", title="memory")
+    ax_mem.set(xlabel="step", ylabel="MiB", title="memory per step")
     ax_mem.set_ylim(bottom=0)
     ax_mem.grid(alpha=0.3)
     ax_mem.legend()
+    if bd:
+        ax_bd = axes[2]
+        values = [bd["breakdown"].get(k, 0) / 2**20 for k in CATEGORIES]
+        bars = ax_bd.barh(CATEGORIES, values, color=[f"C{i}" for i in range(len(CATEGORIES))])
+        ax_bd.bar_label(bars, labels=[format_bytes(v * 2**20) for v in values], padding=2, fontsize=8)
+        ax_bd.invert_yaxis()
+        ax_bd.set(xlabel="MiB", title=f"step {bd['step']} at its peak (tracker)")
+        ax_bd.set_xlim(right=max(values + [1e-9]) * 1.35)
+        ax_bd.grid(alpha=0.3, axis="x")
     fig.suptitle(f"memfit train: {metrics['config']['model']} ({metrics['run']['device']}, {metrics['run']['precision']})",
                  fontsize=9)
     fig.tight_layout()

@@ -1,0 +1,98 @@
+"""`memfit track`: run real training steps, measure their memory, and compare with the prediction."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from memfit.errors import ConfigError
+from memfit.units import format_bytes
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
+        return value
+
+    return parse
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "track",
+        help="measure real training steps' memory and compare it with the prediction",
+        description="Build the model with random weights, run real training steps (forward, backward, "
+        "optimizer step) and report the last step's peak as memfit's tracker sees it (by category and "
+        "module) and as the allocator saw it (profiler memory events), next to the no-allocation "
+        "prediction of `memfit estimate`. Allocates for real: use a size that fits.",
+    )
+    p.add_argument("model", help="a known architecture, a spec like gpt:layers=2,hidden=64,heads=4,vocab=256, "
+                   "or a Hugging Face config.json path")
+    p.add_argument("--batch", type=_positive("--batch"), default=1, help="micro-batch (default 1)")
+    p.add_argument("--seq", type=_positive("--seq"), default=None, help="sequence length (default: min(model's, 1024))")
+    p.add_argument("--precision", default="32-true", metavar="MODE", help="precision mode (default 32-true)")
+    p.add_argument("--optimizer", default="adamw", metavar="NAME", help="sgd, momentum, adam, adamw (default adamw)")
+    p.add_argument("--checkpoint", default="none", metavar="POLICY", help="activation checkpoint policy (default none)")
+    p.add_argument("--device", default="cpu", help="device to train on (default cpu)")
+    p.add_argument("--steps", type=_positive("--steps"), default=2, help="steps to run; the last is reported (default 2)")
+    p.add_argument("--no-predict", action="store_true", help="skip the FakeTensorMode prediction")
+    p.add_argument("--modules", type=int, default=8, metavar="N", help="show the N modules with the highest peak")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from memfit.measure.trace import measure_step, trace_step
+    from memfit.spec import parse_model
+
+    spec = parse_model(args.model)
+    seq = args.seq or min(spec.seq or 1024, 1024)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {args.device!r}; accepted: cpu, cuda, cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda given but CUDA is not available; use --device cpu")
+    common = dict(batch=args.batch, seq=seq, precision=args.precision, optimizer=args.optimizer,
+                  checkpoint=args.checkpoint, device=str(device), steps=args.steps)
+    real = measure_step(spec, **common)
+    pred = None if args.no_predict else trace_step(spec, **common)
+    if args.json:
+        print(json.dumps({"model": spec.name, **common, "measured": asdict(real),
+                          "predicted": asdict(pred) if pred else None}, indent=1))
+        return 0
+    print(f"{spec.name}: batch {args.batch} x seq {seq}, {args.precision}, {args.optimizer}, "
+          f"checkpoint {args.checkpoint}, {device}; step {args.steps} of {args.steps}")
+    head = f"  {'at the peak':<14}{'measured':>14}" + (f"{'predicted':>14}" if pred else "")
+    print("\n" + head)
+    for cat in (*CATEGORIES, "total"):
+        m = real.breakdown()[cat]
+        line = f"  {cat:<14}{format_bytes(m):>14}"
+        if pred:
+            line += f"{format_bytes(pred.breakdown()[cat]):>14}"
+        print(line)
+    if real.allocator_peak is not None:
+        print(f"  {'allocator':<14}{format_bytes(real.allocator_peak):>14}   (profiler memory events: "
+              "also counts kernel workspaces that are never tensors)")
+    if real.host_peak:
+        print(f"  {'host copies':<14}{format_bytes(real.host_peak):>14}   (offloaded, not in the total)")
+    if pred:
+        err = 100.0 * (pred.peak - real.peak) / real.peak
+        print(f"\n  prediction error: {err:+.2f}% vs tracker"
+              + (f", {100.0 * (pred.peak - real.allocator_peak) / real.allocator_peak:+.2f}% vs allocator"
+                 if real.allocator_peak else ""))
+    if real.modules and args.modules > 0:
+        print(f"\n  {'module (peak while it runs)':<40}{'peak':>14}{'saved for bwd':>16}")
+        for name, peak in list(real.modules.items())[: args.modules]:
+            act = real.module_activations.get(name, 0)
+            print(f"  {name:<40}{format_bytes(peak):>14}{format_bytes(act):>16}")
+    return 0
