@@ -1,6 +1,5 @@
 """Optimizer offload to CPU and disk: bit-identical to in-memory, gradients leave the device,
 device memory goes down, private spill files that are cleaned up, clear errors."""
-import copy
 import os
 import stat
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memfit.errors import ConfigError
 
@@ -107,8 +108,15 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True when t holds no inf/NaN. Under FakeTensorMode (memfit's no-allocation step trace) values
+    do not exist: the same ops run (so their memory is predicted) and the step is taken as clean."""
+    ok = torch.isfinite(t).all()
+    return True if is_fake(ok) else bool(ok)
+
+
 def _nonfinite(t: torch.Tensor) -> bool:
-    return t.is_floating_point() and not bool(torch.isfinite(t).all())
+    return t.is_floating_point() and not all_finite(t)
 
 
 class InfNanLocator:

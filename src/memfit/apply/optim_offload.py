@@ -11,10 +11,13 @@ one chunk does not loop over all parameters):
                     reads [master | state] in one read, updates, writes it back in one write
 
 With "cpu" and "disk" the gradients are ephemeral on the device: a post-accumulate-grad hook
-moves each gradient to the host as soon as backward has produced it (accumulating over
-micro-batches in a host buffer, or in a per-chunk gradient file for "disk"), then frees the device
-copy. The gradient files are deleted after each step; the whole spill folder on `close()`, on
-garbage collection and at interpreter exit.
+moves each gradient to the host as soon as backward has produced it, then frees the device copy.
+"cpu" accumulates them (over micro-batches) in host buffers; "disk" gathers a chunk's gradients in
+a staging buffer and, once the chunk is complete, a worker thread writes it to the chunk's
+gradient file in one write (adding what earlier micro-batches wrote) while backward goes on. On
+the last micro-batch (`begin_backward(final=True)`) a complete chunk is also *updated* on that
+worker during backward. Gradient files are deleted after each step; the whole spill folder on
+`close()`, on garbage collection and at interpreter exit.
 
 Per-element math is torch's own optimizer on the same fp32 values, so an offloaded fp32 run is
 bit-identical to an in-memory one.
@@ -36,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from memfit.apply.loss_scale import all_finite
 from memfit.errors import ConfigError
 
 WHERE = ("device", "cpu", "disk")
@@ -305,7 +309,7 @@ class StreamedOptimizer:
                 self._chunk_complete(k)
 
     def _check(self, i: int, g: torch.Tensor) -> None:
-        if self.check_finite and not bool(torch.isfinite(g).all()):
+        if self.check_finite and not all_finite(g):
             self.found_inf = True
             self.bad_grads.add(i)
 
@@ -448,7 +452,7 @@ class StreamedOptimizer:
     def grads_finite(self) -> tuple[bool, list[int]]:
         """(all gradients finite, indices of parameters whose gradient is not)."""
         if self.where == "device":
-            bad = [i for i, p in enumerate(self.params) if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            bad = [i for i, p in enumerate(self.params) if p.grad is not None and not all_finite(p.grad)]
             return not bad, bad
         self._drain()
         return not self.found_inf, sorted(self.bad_grads)

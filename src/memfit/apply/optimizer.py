@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
-from memfit.apply.loss_scale import InfNanLocator, LossScaler, overflow_message, warn_overflow
+from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overflow_message, warn_overflow
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
 from memfit.errors import ConfigError
@@ -56,6 +57,11 @@ def make_torch_optimizer(name: str, params, lr: float, weight_decay: float = 0.0
     raise ConfigError(f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
 
 
+def _value(t: torch.Tensor) -> float | None:
+    """A 0-dim tensor's value; None under FakeTensorMode (memory prediction), where there is none."""
+    return None if is_fake(t) else float(t)
+
+
 class TrainingOptimizer:
     def __init__(
         self,
@@ -88,7 +94,8 @@ class TrainingOptimizer:
         if optimizer.lower() not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
         if spill_dir is not None and offload != "disk":
-            raise ConfigError("spill_dir is only used with offload='disk'")
+            raise ConfigError(f"spill_dir={spill_dir!r} is only used with offload='disk' (--offload-optimizer disk); "
+                              "drop it or offload to disk")
         self.model, self.clip, self.offload = model, clip, offload
         cast_model(model, self.mode)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -161,7 +168,7 @@ class TrainingOptimizer:
                 # Same expression as torch.nn.utils.clip_grad_norm_, so fp32 offload stays bit-identical.
                 coef = torch.clamp(self.clip / (total + 1e-6), max=1.0)
                 factor = coef if inv is None else coef * inv
-                norm = float(total)
+                norm = _value(total)
             self.streamed.step(factor)
             self._mark_host()
             return StepResult(stepped=True, grad_norm=norm, loss_scale=scale)
@@ -171,7 +178,7 @@ class TrainingOptimizer:
             torch._foreach_mul_(grads, inv)  # unscale in place: clipping and the update see true gradients
         norm = None
         if self.clip is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip))
+            norm = _value(torch.nn.utils.clip_grad_norm_(self.params, self.clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(stepped=True, grad_norm=norm, loss_scale=scale)
@@ -186,7 +193,7 @@ class TrainingOptimizer:
     def _grads_finite(self) -> tuple[bool, list[int]]:
         if self.streamed is not None:
             return self.streamed.grads_finite()
-        bad = [i for i, p in enumerate(self.params) if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        bad = [i for i, p in enumerate(self.params) if p.grad is not None and not all_finite(p.grad)]
         return not bad, bad
 
     def _after_overflow(self, bad: list[int]) -> str | None:

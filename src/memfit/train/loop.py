@@ -420,7 +420,8 @@ def train(
     track_at = max(step, 1)  # steady state: the optimizer state exists from the second step on
     bar = report.Progress(step, horizon, enabled=progress, log=log)
     stopped = "steps"
-    with opt, _StopOnInterrupt(log) as interrupt:  # opt.close() releases spill files and hooks
+    # Leaving the block closes the bar and opt (spill files, hooks), also when a step raises.
+    with opt, bar, _StopOnInterrupt(log) as interrupt:
         if not history["val"]["step"] or history["val"]["step"][-1] != step:
             run_eval()
         while horizon is None or step < horizon:

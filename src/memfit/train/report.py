@@ -138,13 +138,17 @@ def plot(metrics: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
+
+
 def format_summary(metrics: dict[str, Any], run_dir: Path, stopped: str) -> str:
     """The few lines printed when a run ends: did it learn, how fast, how much memory, where it is."""
     s = metrics["summary"]
     if not s["steps"]:
         return f"memfit train: no steps run; run folder {run_dir}"
     why = {"steps": "", "time_limit": " (time limit)", "stop_at": " (stopped early)", "interrupted": " (interrupted)"}[stopped]
-    lines = [f"memfit train: {s['steps']} steps, {s['tokens'] / 1e6:.2f}M tokens in {s['seconds']:.0f} s{why}"]
+    lines = [f"memfit train: {s['steps']} steps, {_count(s['tokens'])} tokens in {s['seconds']:.0f} s{why}"]
     val = f"   val {s['start_val_loss']:.3f} -> {s['end_val_loss']:.3f}" if s.get("end_val_loss") is not None else ""
     lines.append(f"  loss     {s['start_loss']:.3f} -> {s['end_loss']:.3f}{val}   (nats per byte)")
     lines.append(f"  speed    {s['tokens_per_s']:,.0f} tokens/s (median step)")
@@ -200,3 +204,9 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
