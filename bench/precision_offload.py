@@ -11,8 +11,9 @@ torch.amp and DeepSpeed ZeRO-Offload on CPU.
    fitting depth is confirmed by measuring it and the next depth (which must not fit).
 2. Offload overhead. A 4-layer, hidden-256 GPT (3.3M parameters, 4 x 128 tokens), AdamW without
    clipping; in-memory, CPU and disk offload with the default 16 MiB chunks (one chunk here: it is
-   updated after backward) and with 4 MiB chunks updated during backward (see OFFLOADS), in 32-true
-   and bf16-master, alternating within each round after a warm-up; median step time. Disk throughput = spill bytes / seconds inside read and write calls, against
+   updated after backward), with 4 MiB chunks updated during backward, and with the gradient files
+   kept between steps (see OFFLOADS), in 32-true and bf16-master, alternating within each round
+   after a warm-up; median step time. Disk throughput = spill bytes / seconds inside read and write calls, against
    a plain sequential write + read of the same number of bytes in the same folder, in the same
    rounds (both go through the page cache; neither fsyncs, spill files are scratch data).
 3. Side by side (one torchrun process, world size 1, gloo, DS_ACCELERATOR=cpu): memfit bf16-master +
@@ -149,9 +150,11 @@ def raw_disk(path: str, nbytes: int) -> tuple[int, float]:
 # (label, offload target, chunk bytes): default 16 MiB chunks (one chunk here: it is complete only
 # when backward ends, so the spill I/O runs alone and its throughput is the I/O path's), and 4 MiB
 # chunks, the later ones updated on the worker thread while backward goes on.
-OFFLOADS = [("none", None, None), ("cpu", "cpu", None), ("disk", "disk", None),
-            ("cpu, 4 MiB chunks during backward", "cpu", 4 << 20),
-            ("disk, 4 MiB chunks during backward", "disk", 4 << 20)]
+# The last row keeps the gradient files between steps instead of deleting them after each one.
+OFFLOADS = [("none", None, None, False), ("cpu", "cpu", None, False), ("disk", "disk", None, False),
+            ("cpu, 4 MiB chunks during backward", "cpu", 4 << 20, False),
+            ("disk, 4 MiB chunks during backward", "disk", 4 << 20, False),
+            ("disk, gradient files kept", "disk", None, True)]
 
 
 def overhead() -> dict:
@@ -159,11 +162,12 @@ def overhead() -> dict:
     spill_root = tempfile.mkdtemp(prefix="memfit-bench-")
     runs = {}
     for precision in ("32-true", "bf16-master"):
-        for label, offload, chunk in OFFLOADS:
+        for label, offload, chunk, keep in OFFLOADS:
             torch.manual_seed(0)
             model = GPT(GPTConfig(**CMP_SHAPE))
             opt = TrainingOptimizer(model, "adamw", lr=1e-3, precision=precision, offload=offload,
-                                    spill_dir=spill_root if offload == "disk" else None, chunk_bytes=chunk)
+                                    spill_dir=spill_root if offload == "disk" else None, chunk_bytes=chunk,
+                                    keep_grad_files=keep)
             memfit_step(model, opt, x, y)  # warm-up; creates the optimizer state
             runs[(precision, label)] = {"model": model, "opt": opt, "times": [], "io": []}
     try:
@@ -403,13 +407,19 @@ def render(r: dict) -> str:
     parts = [f"{prec} {off} {by[(prec, off)]['overhead_pct']:+.0f}%" for prec in ("32-true", "bf16-master")
              for off in ("cpu", "disk") if (prec, off) in by]
     disk = [by[(p, "disk")]["throughput_pct_of_raw"] for p in ("32-true", "bf16-master") if (p, "disk") in by]
+    kept = [by[(p, "disk, gradient files kept")]["throughput_pct_of_raw"] for p in ("32-true", "bf16-master")
+            if (p, "disk, gradient files kept") in by]
     if parts:
         lines += ["", "Offloading the optimizer costs " + ", ".join(parts) + " per step against keeping it in memory"
                   + (f"; with the update after backward the spill I/O runs at {min(disk):.0f}-{max(disk):.0f}% of the "
-                     "raw throughput." if disk else ".")
-                  + " Updating 4 MiB chunks during backward hides most of the I/O behind backward's compute; there the "
-                  "seconds inside the spill thread's read and write calls include waiting for a core and for the "
-                  "interpreter lock while backward runs, so their throughput is not a measure of the I/O path."]
+                     "raw throughput" if disk else "")
+                  + (f", and at {min(kept):.0f}-{max(kept):.0f}% when the gradient files are kept between steps." if kept
+                     else ".")
+                  + " With 4 MiB chunks the later chunks are updated on the worker thread while backward runs, "
+                  "competing with it for this machine's cores; the seconds inside that thread's read and write calls "
+                  "then include waiting for a core and for the interpreter lock, so their throughput is not a measure "
+                  "of the I/O path. Deleting the gradient files after every step (the default) means new file pages "
+                  "on every write; the last row keeps them (`keep_grad_files=True`)."]
     lines += ["", "Spill throughput: bytes moved to and from the spill files per step over the seconds spent inside "
               "the read and write calls. Raw: a sequential overwrite + read of the same number of bytes of one file in "
               "the same folder, in 16 MiB calls, taken right after each step; % of raw is the median of the per-step "

@@ -261,3 +261,52 @@ def test_parameters_without_gradient_in_some_micro_batches(offload, tmp_path):
     train(ref)
     train(net, offload=offload, chunk_bytes=64, spill_dir=str(tmp_path) if offload == "disk" else None)
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), net.parameters()))
+
+
+def test_keep_grad_files_reuses_them_and_still_cleans_up(tmp_path):
+    ref = tiny_gpt()
+    run(ref, optimizer="adamw", lr=1e-2, offload="disk", spill_dir=str(tmp_path / "a"))
+    model = tiny_gpt()
+    opt = TrainingOptimizer(model, "adamw", lr=1e-2, offload="disk", spill_dir=str(tmp_path / "b"),
+                            keep_grad_files=True)
+    folder = opt.streamed.folder
+    for s in range(3):
+        micro = batches(2, seed=s)
+        total = sum(int(y.numel()) for _, y in micro)
+        for x, y in micro:
+            _, loss, _ = model(x, y)
+            opt.backward(loss / total)
+        opt.step()
+        assert any(f.startswith("grad_") for f in os.listdir(folder))  # kept after the step
+    opt.close()
+    assert not os.path.exists(folder)
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_cuda_offload_keeps_state_on_the_host(offload, tmp_path):
+    """On CUDA: masters and Adam state live on the CPU, the device holds 16-bit weights only between
+    steps, and the same updates as the in-memory master mode come out (to bf16 rounding)."""
+    def train(off):
+        torch.manual_seed(0)
+        model = GPT(CFG).cuda()
+        opt = TrainingOptimizer(model, "adamw", lr=1e-2, precision="bf16-master", offload=off,
+                                spill_dir=str(tmp_path) if off == "disk" else None)
+        for x, y in batches(3):
+            with opt.autocast():
+                _, loss, n = model(x.cuda(), y.cuda())
+            opt.backward(loss / n)
+            opt.step()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        assert all(t.device.type == "cpu" for t in opt.state_tensors()) or off is None
+        opt.close()
+        return model, held
+
+    ref, ref_bytes = train(None)
+    model, off_bytes = train(offload)
+    n_params = model.num_params()
+    assert off_bytes <= ref_bytes - 12 * n_params  # fp32 master + 2 Adam moments left the device
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=2e-2)

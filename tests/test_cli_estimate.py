@@ -82,3 +82,16 @@ def test_bad_input_from_the_shell_has_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "memfit", "estimate", "gpt:layers=2"], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "missing" in proc.stderr
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-master"])
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_offload_estimate_matches_measured_run(precision, offload):
+    from memfit.measure.estimate import estimate
+    from memfit.measure.trace import measure_step
+    from memfit.spec import parse_model
+
+    spec = parse_model(TINY)
+    est = estimate(spec, batch=2, seq=32, precision=precision, offload_optimizer=offload)
+    real = measure_step(spec, 2, 32, precision, offload_optimizer=offload, allocator=False)
+    assert est.per_device == real.breakdown()

@@ -181,10 +181,14 @@ class StreamedOptimizer:
         spill_dir: str | os.PathLike | None = None,
         chunk_bytes: int | None = None,
         check_finite: bool = False,
+        keep_grad_files: bool = False,
     ) -> None:
         """chunk_bytes: master bytes per chunk; None = 16 MiB for cpu/disk (large sequential I/O) and one
         tensor per chunk on the device (so only one fp32 gradient copy exists at a time).
-        check_finite: look for inf/NaN in each gradient as it leaves the device (fp16 loss scaling)."""
+        check_finite: look for inf/NaN in each gradient as it leaves the device (fp16 loss scaling).
+        keep_grad_files: disk only; keep the gradient files between steps (their content is still
+        dropped: nothing written in one step is read in the next) instead of deleting them after
+        each step. Rewriting a file's existing pages is faster than allocating new ones."""
         if where not in WHERE:
             raise ConfigError(f"unknown optimizer offload {where!r}; accepted: none, cpu, disk")
         if chunk_bytes is None:
@@ -212,6 +216,7 @@ class StreamedOptimizer:
         self.found_inf = False                             # cpu/disk: inf/NaN seen in a grad moved to the host
         self.bad_grads: set[int] = set()
         self.check_finite = check_finite
+        self.keep_grad_files = keep_grad_files
         self._closed = False
 
         store = params[0].device if where == "device" else torch.device("cpu")
@@ -582,6 +587,8 @@ class StreamedOptimizer:
         self._grad_written.clear()
         self.found_inf = False
         self.bad_grads.clear()
+        if self.keep_grad_files:
+            return
         for k, fd in list(self._grad_fds.items()):
             os.close(fd)
             os.unlink(os.path.join(self.folder, f"grad_{k}.bin"))

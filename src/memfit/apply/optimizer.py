@@ -76,6 +76,7 @@ class TrainingOptimizer:
         *,
         chunk_bytes: int | None = None,
         loss_scale: LossScaler | dict | None = None,
+        keep_grad_files: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         """precision: one of PRECISIONS (memfit.apply.precision); the model is cast in place.
@@ -83,7 +84,9 @@ class TrainingOptimizer:
         files under spill_dir, gradients moved off the device during backward).
         chunk_bytes: master bytes per streamed chunk (master / offload modes); None: 16 MiB offloaded,
             one tensor at a time on the device.
-        loss_scale: LossScaler or its keyword arguments (fp16 modes), e.g. {"hysteresis": 2}."""
+        loss_scale: LossScaler or its keyword arguments (fp16 modes), e.g. {"hysteresis": 2}.
+        keep_grad_files: offload="disk": keep the gradient files between steps instead of deleting
+            them after each step (faster rewrites; the folder is still removed on close)."""
         self.mode = precision_mode(precision)
         self.precision = self.mode.name
         offload = None if offload in (None, "none") else offload
@@ -121,7 +124,7 @@ class TrainingOptimizer:
         if self.mode.master_dtype is not None or offload:
             self.streamed = StreamedOptimizer(
                 self.params, make, self.mode.state_dtype, offload or "device", spill_dir, chunk_bytes,
-                check_finite=self.scaler is not None,
+                check_finite=self.scaler is not None, keep_grad_files=keep_grad_files,
             )
         else:
             self.optimizer = make(self.params)

@@ -20,8 +20,8 @@ Why attention depends on T: per element of its output, recomputing causal attent
 multiply-adds (QK^T and AV over T/2 keys on average, times D, per D outputs), while the C x C output
 projection we already recompute costs C per element. Below T = C attention is the cheaper of the two to
 redo per byte saved, so keeping it would be inconsistent; above, it is kept. For GPT-2 small at T=512
-this keeps about 45% of a plain block's saved bytes for a few percent more step time (see
-docs/BENCHMARKS.md); at T=1024 and beyond about 53%.
+this keeps about 50% of a plain block's saved bytes (see docs/BENCHMARKS.md); from T=1024 on, with
+attention kept, about 55%.
 """
 from __future__ import annotations
 

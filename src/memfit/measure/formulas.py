@@ -9,8 +9,9 @@ Per parameter, by precision mode (K = optimizer state bytes in the states' dtype
     bf16-master/ 16-master  2        2      4 + K32      (fp32 master weights live in the optimizer)
 
 ZeRO shards over the data-parallel world N: stage 1 the optimizer, stage 2 also gradients, stage 3
-also weights. Offloading the optimizer (to CPU or disk) moves its bytes off the device. With Adam
-in 16-master this is the ZeRO paper's (2 + 2 + K)Ψ, K = 12.
+also weights. Offloading the optimizer (to CPU or disk) moves its bytes off the device, and the
+gradients with them (as ZeRO-Offload does): each gradient leaves the device as backward produces
+it, for the host-side update. With Adam in 16-master this is the ZeRO paper's (2 + 2 + K)Ψ, K = 12.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class ModelStateBytes:
     grads: int
     optimizer: int
     offloaded: int = 0
-    """Optimizer bytes held on the host (CPU memory or disk) instead of the device."""
+    """Optimizer and gradient bytes held on the host (CPU memory or disk) instead of the device."""
 
     @property
     def total(self) -> int:
@@ -116,5 +117,5 @@ def model_state_bytes(
     if optimizer.lower() in STEP_COUNTERS:
         opt += STEP_BYTES * n_tensors
     if offload_optimizer in ("cpu", "disk"):
-        return ModelStateBytes(params, grads, 0, offloaded=opt)
+        return ModelStateBytes(params, 0, 0, offloaded=grads + opt)
     return ModelStateBytes(params, grads, opt)

@@ -73,7 +73,7 @@ def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true"
 
 def measure_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true", optimizer: str = "adamw",
                  checkpoint: "str | list" = "none", device: str = "cpu", steps: int = 2,
-                 allocator: bool = True, seed: int = 0) -> TraceResult:
+                 allocator: bool = True, seed: int = 0, offload_optimizer: str | None = None) -> TraceResult:
     """Run the same steps for real and measure them: the tracker's figures, plus (allocator=True)
     the allocator-level peak of the last step from profiler memory events."""
     from memfit.measure.allocator import AllocatorProfile
@@ -87,7 +87,7 @@ def measure_step(model: ModelArg, batch: int, seq: int, precision: str = "32-tru
     prof = AllocatorProfile(device) if allocator else None
     with prof if prof is not None else contextlib.nullcontext():
         result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps,
-                      window=prof.window("step") if prof is not None else None)
+                      window=prof.window("step") if prof is not None else None, offload=offload_optimizer)
     if prof is not None:
         result.allocator_peak = prof.peak("step")
     result.seconds = time.perf_counter() - t0
@@ -194,7 +194,7 @@ def _train_step(model: nn.Module, opt, batch: int, seq: int, vocab: int, device:
 
 
 def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, optimizer: str,
-         checkpoint: "str | list", device: str, steps: int, window) -> TraceResult:
+         checkpoint: "str | list", device: str, steps: int, window, offload: str | None = None) -> TraceResult:
     from memfit.apply.checkpoint import checkpoint as apply_checkpoint
     from memfit.apply.optimizer import TrainingOptimizer
 
@@ -206,7 +206,10 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
         raise ConfigError(f"seq={seq} exceeds the model's position table ({cfg.seq}); use seq <= {cfg.seq}")
     model.train()
     apply_checkpoint(model, checkpoint)
-    opt = TrainingOptimizer(model, optimizer, precision=precision)
+    # Optimizer offload is measured for real only: the estimate scales the traced model states by the
+    # formulas instead (the offload worker threads run outside the fake-tensor mode).
+    opt = TrainingOptimizer(model, optimizer, precision=precision,
+                            offload=None if offload in (None, "none") else offload)
     vocab = _vocab(model)
     tracker = MemoryTracker(model, opt, dev)
     try:

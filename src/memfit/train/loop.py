@@ -153,10 +153,12 @@ def accumulate_grads(model: nn.Module, opt, micro_batches: Iterable[tuple[torch.
     total = int(sum((y != -1).sum() for _, y in micro_batches))  # one host sync, not one per micro-batch
     denom = max(total, 1)  # an all-padding batch has zero loss and zero grads, not NaN
     running = None
-    for x, y in micro_batches:
+    last = len(micro_batches) - 1
+    for i, (x, y) in enumerate(micro_batches):
         with opt.autocast():
             loss, _ = loss_sum(model, x, y)
-        opt.backward(loss / denom)
+        # final: with optimizer offload, updates may start while the last backward still runs.
+        opt.backward(loss / denom, final=i == last)
         running = loss.detach().float() if running is None else running + loss.detach().float()
     mean = float(running) / denom if running is not None else 0.0  # one host sync per step
     return mean, total
@@ -357,7 +359,7 @@ def train(
         raise ConfigError(f"the data of {cfg.out!r} changed since its checkpoint ({corpus.name}); "
                           "resume with the same files or start a new run")
     model = build_model(cfg).to(device)
-    apply_checkpoint(model, cfg.checkpoint)
+    apply_checkpoint(model, cfg.checkpoint, spill_dir=cfg.spill_dir)
     opt = TrainingOptimizer(
         model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, precision=precision, clip=cfg.clip,
         offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer, spill_dir=cfg.spill_dir,
