@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch
 
@@ -19,7 +17,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _seed_and_threads():
+def _seed_and_one_thread():
+    # Tests use tiny models, which gain nothing from a second thread; on a busy 2-core machine an
+    # OpenMP barrier waiting for a descheduled thread makes each op hundreds of times slower.
     torch.manual_seed(0)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)

@@ -11,16 +11,6 @@ from memfit.train.loop import accumulate_grads, accumulate_step, lr_at
 from memfit.train.model import GPT, GPTConfig
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models gain nothing from a second thread, and on a busy 2-core machine an OpenMP
-    # barrier waiting for a descheduled thread makes each op hundreds of times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tiny() -> GPT:
     return GPT(GPTConfig(layers=2, hidden=32, heads=2, vocab=256, seq=16))
 

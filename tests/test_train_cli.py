@@ -14,16 +14,6 @@ TINY = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=64"
 FAST = ["--model", TINY, "--seq", "32", "--batch", "4", "--eval-batches", "2", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models gain nothing from a second thread, and on a busy 2-core machine an OpenMP
-    # barrier waiting for a descheduled thread makes each op hundreds of times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_smoke_writes_run_folder(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["train", *FAST, "--steps", "30", "--warmup", "5", "--eval-every", "10", "--save-every", "10",

@@ -4,22 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from memfit.cli.args import positive_int
 from memfit.errors import ConfigError
 from memfit.measure.formulas import OPTIMIZER_STATES, PRECISIONS
 from memfit.units import format_bytes, parse_bytes, parse_count
-
-
-def _int_arg(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
-        return value
-
-    return parse
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -33,14 +21,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="a known architecture (e.g. gpt2, llama-2-7b), a spec like "
                    "gpt:layers=12,hidden=768,heads=12,vocab=50257, or a Hugging Face config.json path")
     p.add_argument("--params", type=str, help="parameter count (e.g. 7B) for a model-states-only estimate")
-    p.add_argument("--batch", type=_int_arg("--batch"), default=1, help="micro-batch per device (default 1)")
-    p.add_argument("--seq", type=_int_arg("--seq"), help="sequence length (default: the model's, at most 4096)")
+    p.add_argument("--batch", type=positive_int("--batch"), default=1, help="micro-batch per device (default 1)")
+    p.add_argument("--seq", type=positive_int("--seq"), help="sequence length (default: the model's, at most 4096)")
     p.add_argument("--precision", default="32-true", choices=PRECISIONS, metavar="MODE",
                    help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES), metavar="NAME",
                    help=f"one of {', '.join(sorted(OPTIMIZER_STATES))} (default adamw)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
-    p.add_argument("--world", type=_int_arg("--world"), default=1, help="data-parallel world size (default 1)")
+    p.add_argument("--world", type=positive_int("--world"), default=1, help="data-parallel world size (default 1)")
     p.add_argument("--checkpoint", default="none", metavar="POLICY",
                    help="activation checkpoint policy: none, full, every:K, sqrt, selective, ... (default none)")
     p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu", "disk"),

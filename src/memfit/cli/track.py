@@ -5,23 +5,11 @@ import argparse
 import json
 from dataclasses import asdict
 
+from memfit.cli.args import positive_int
 from memfit.errors import ConfigError
+from memfit.measure.tracker import CATEGORIES
 from memfit.units import format_bytes
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
-
-
-def _positive(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
-        return value
-
-    return parse
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,13 +23,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("model", help="a known architecture, a spec like gpt:layers=2,hidden=64,heads=4,vocab=256, "
                    "or a Hugging Face config.json path")
-    p.add_argument("--batch", type=_positive("--batch"), default=1, help="micro-batch (default 1)")
-    p.add_argument("--seq", type=_positive("--seq"), default=None, help="sequence length (default: min(model's, 1024))")
+    p.add_argument("--batch", type=positive_int("--batch"), default=1, help="micro-batch (default 1)")
+    p.add_argument("--seq", type=positive_int("--seq"), default=None, help="sequence length (default: min(model's, 1024))")
     p.add_argument("--precision", default="32-true", metavar="MODE", help="precision mode (default 32-true)")
     p.add_argument("--optimizer", default="adamw", metavar="NAME", help="sgd, momentum, adam, adamw (default adamw)")
     p.add_argument("--checkpoint", default="none", metavar="POLICY", help="activation checkpoint policy (default none)")
     p.add_argument("--device", default="cpu", help="device to train on (default cpu)")
-    p.add_argument("--steps", type=_positive("--steps"), default=2, help="steps to run; the last is reported (default 2)")
+    p.add_argument("--steps", type=positive_int("--steps"), default=2, help="steps to run; the last is reported (default 2)")
     p.add_argument("--no-predict", action="store_true", help="skip the FakeTensorMode prediction")
     p.add_argument("--modules", type=int, default=8, metavar="N", help="show the N modules with the highest peak")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
