@@ -30,13 +30,14 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from memfit.apply import compress as codecs
 from memfit.errors import ConfigError, MemfitError
+from memfit.measure.tracker import mark_host
 
 MIN_FREE_BYTES = 256 * 2**20
 """A spill folder with less free space than this is refused up front."""
@@ -46,14 +47,6 @@ MIN_OFFLOAD_BYTES = 1024
 
 class SpillError(MemfitError):
     """Writing or reading a spill file failed (for example: the disk filled up during a step)."""
-
-
-def _mark_host_fn() -> Callable[[torch.Tensor], None]:
-    try:
-        from memfit.measure.tracker import mark_host  # the tracker excludes host copies from device bytes
-    except ImportError:
-        return lambda t: None
-    return mark_host
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -395,7 +388,7 @@ class ActivationStore:
         if model is not None:
             for t in list(model.parameters()) + list(model.buffers()):
                 self._owned[id(t)] = t
-        self.mark_host = _mark_host_fn()
+        self.mark_host = mark_host  # the tracker excludes host copies from device bytes
 
     # ---- resources -------------------------------------------------------------------------
     def disk(self) -> DiskSpill:

@@ -41,17 +41,9 @@ import torch.nn as nn
 
 from memfit.apply.loss_scale import all_finite
 from memfit.errors import ConfigError
+from memfit.measure.tracker import mark_host  # host copies are not device bytes
 
 WHERE = ("device", "cpu", "disk")
-
-
-def mark_host(t: torch.Tensor) -> None:
-    """Tell the memory tracker (when there is one) that `t` is an offloaded host copy."""
-    try:
-        from memfit.measure.tracker import mark_host as _mark
-    except ImportError:  # the tracker is optional
-        return
-    _mark(t)
 
 
 @dataclass
