@@ -16,16 +16,19 @@ _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**
 _NUMBER = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
+def _scaled(text: str | int | float, units: dict[str, int], what: str, examples: str) -> float:
+    """The number in `text` times its unit's factor; a ConfigError naming `what` if unreadable."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _NUMBER.match(text)
+    if not m or m.group(2).lower() not in units:
+        raise ConfigError(f"cannot read {what} {text!r}; use e.g. {examples}")
+    return float(m.group(1)) * units[m.group(2).lower()]
+
+
 def parse_bytes(text: str | int | float) -> int:
     """'24GiB' -> 25769803776. Accepts B, KB/MB/GB/TB (decimal), KiB/MiB/GiB/TiB and K/M/G/T (binary)."""
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        m = _NUMBER.match(text)
-        if not m or m.group(2).lower() not in _BYTE_UNITS:
-            raise ConfigError(f"cannot read memory size {text!r}; use e.g. 24GiB, 80GB, 16G or a byte count")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    n = int(value * _BYTE_UNITS[unit])
+    n = int(_scaled(text, _BYTE_UNITS, "memory size", "24GiB, 80GB, 16G or a byte count"))
     if n <= 0:
         raise ConfigError(f"memory size must be positive, got {text!r}")
     return n
@@ -33,14 +36,7 @@ def parse_bytes(text: str | int | float) -> int:
 
 def parse_count(text: str | int | float) -> int:
     """'7B' -> 7_000_000_000; '124M', '1.5e9' and plain integers too."""
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        m = _NUMBER.match(text)
-        if not m or m.group(2).lower() not in _COUNT_UNITS:
-            raise ConfigError(f"cannot read count {text!r}; use e.g. 7B, 124M, 350000000 or 1.5e9")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    n = int(round(value * _COUNT_UNITS[unit]))
+    n = int(round(_scaled(text, _COUNT_UNITS, "count", "7B, 124M, 350000000 or 1.5e9")))
     if n <= 0:
         raise ConfigError(f"count must be positive, got {text!r}")
     return n
