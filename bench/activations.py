@@ -39,8 +39,8 @@ import memfit  # noqa: E402
 from common import fmt_bytes, save  # noqa: E402
 from memfit.apply.checkpoint import applied, find_blocks, remove  # noqa: E402
 from memfit.apply.optimizer import TrainingOptimizer  # noqa: E402
-from memfit.measure.tracker import MemoryTracker  # noqa: E402
-from memfit.train.model import GPT, GPTConfig  # noqa: E402
+from memfit.core.tracker import MemoryTracker  # noqa: E402
+from memfit.models.gpt import GPT, GPTConfig  # noqa: E402
 
 NAME = "activations"
 COMMAND = ".venv/bin/python bench/activations.py"

@@ -47,8 +47,8 @@ from common import fmt_bytes, save  # noqa: E402
 from memfit.apply.checkpoint import checkpoint  # noqa: E402
 from memfit.apply.optim_offload import _read_at, _write_at  # noqa: E402
 from memfit.apply.optimizer import TrainingOptimizer  # noqa: E402
-from memfit.measure.tracker import track  # noqa: E402
-from memfit.train.model import GPT, GPTConfig  # noqa: E402
+from memfit.core.tracker import track  # noqa: E402
+from memfit.models.gpt import GPT, GPTConfig  # noqa: E402
 
 NAME = "precision_offload"
 BUDGET = 32 * 2**20

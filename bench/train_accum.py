@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fmt_bytes, save  # noqa: E402
 
 from memfit.apply.optimizer import TrainingOptimizer  # noqa: E402
-from memfit.measure.tracker import track  # noqa: E402
-from memfit.spec import parse_model  # noqa: E402
+from memfit.core.tracker import track  # noqa: E402
+from memfit.models.spec import parse_model  # noqa: E402
 from memfit.train.data import WindowSampler, load_corpus  # noqa: E402
 from memfit.train.loop import DEFAULT_MODEL, accumulate_grads, accumulate_step  # noqa: E402
 

@@ -5,8 +5,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import memfit
 from memfit.apply.checkpoint import applied, find_blocks, remove
-from memfit.measure.tracker import MemoryTracker
-from memfit.train.model import GPT, GPTConfig
+from memfit.core.tracker import MemoryTracker
+from memfit.models.gpt import GPT, GPTConfig
 
 POLICIES = [
     "full", "every:2", "sqrt", "selective",

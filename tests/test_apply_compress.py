@@ -7,7 +7,7 @@ import torch
 
 import memfit
 from memfit.apply import compress as codecs
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_apply_checkpoint import block_memory, step, tiny  # noqa: E402

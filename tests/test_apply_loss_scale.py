@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from memfit.apply.loss_scale import InfNanLocator, LossScaler, OverflowWarning
 from memfit.apply.optimizer import TrainingOptimizer
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 
 # ---------------------------------------------------------------- the state machine alone

@@ -13,7 +13,7 @@ import memfit
 from memfit.apply import offload
 from memfit.apply.checkpoint import applied, remove
 from memfit.apply.offload import ActivationStore, SpillError, validate_spill_dir
-from memfit.errors import ConfigError, MemfitError
+from memfit.core.errors import ConfigError, MemfitError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_apply_checkpoint import tiny  # noqa: E402
@@ -182,7 +182,7 @@ def test_views_of_one_storage_are_packed_once():
 
 def test_trace_predicts_offload_without_io(tmp_path, monkeypatch):
     from memfit.measure.trace import trace_step
-    from memfit.train.model import GPT, GPTConfig
+    from memfit.models.gpt import GPT, GPTConfig
 
     monkeypatch.setattr(offload.tempfile, "gettempdir", lambda: str(tmp_path))
     build = lambda: GPT(GPTConfig(layers=4, hidden=64, heads=4, vocab=128, seq=64))  # noqa: E731

@@ -8,8 +8,8 @@ import torch
 
 from memfit.apply import optim_offload
 from memfit.apply.optimizer import TrainingOptimizer
-from memfit.errors import ConfigError
-from memfit.train.model import GPT, GPTConfig
+from memfit.core.errors import ConfigError
+from memfit.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=16)
 
@@ -185,8 +185,8 @@ def test_offload_state_dict_roundtrip(offload, tmp_path):
 def test_offload_lowers_device_memory(precision, offload, tmp_path):
     """Tracker-measured device bytes: no optimizer bytes (they are host copies) and no resident grads.
     (Training on CPU, host and device are the same memory; the tracker tells them apart through
-    memfit.measure.tracker.mark_host, which the offload marks its host copies with.)"""
-    tracker = pytest.importorskip("memfit.measure.tracker")
+    memfit.core.tracker.mark_host, which the offload marks its host copies with.)"""
+    tracker = pytest.importorskip("memfit.core.tracker")
     measured = {}
     for off in (None, offload):
         model = tiny_gpt()

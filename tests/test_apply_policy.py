@@ -4,7 +4,7 @@ import json
 import pytest
 
 from memfit.apply.policy import BlockAction, parse_items, resolve_policy, segments, to_json, to_string
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 K, R, S = BlockAction("keep"), BlockAction("recompute"), BlockAction("selective")
 

@@ -7,8 +7,8 @@ import torch
 
 from memfit.apply.optimizer import TrainingOptimizer
 from memfit.apply.precision import MODES, PRECISIONS, cast_model, precision_mode
-from memfit.errors import ConfigError
-from memfit.train.model import GPT, GPTConfig
+from memfit.core.errors import ConfigError
+from memfit.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=32)
 
@@ -122,7 +122,7 @@ def test_model_state_bytes_match_formulas(precision):
     Adam also keeps a 4-byte `step` counter per parameter tensor (torch.optim's implementation); the
     formulas count per-element bytes, so the counters are added here explicitly."""
     formulas = pytest.importorskip("memfit.measure.formulas")
-    tracker = pytest.importorskip("memfit.measure.tracker")
+    tracker = pytest.importorskip("memfit.core.tracker")
     model = tiny_gpt()
     opt = TrainingOptimizer(model, "adamw", precision=precision)
     n_tensors = len(list(model.parameters()))
@@ -223,7 +223,7 @@ def test_no_allocation_trace_predicts_every_mode(precision):
     there and is taken as clean) and predicts the real run's model-state bytes exactly and its
     peak within 3%."""
     trace = pytest.importorskip("memfit.measure.trace")
-    from memfit.spec import parse_model
+    from memfit.models.spec import parse_model
 
     spec = parse_model("gpt:layers=2,hidden=64,heads=2,vocab=256,seq=64")
     predicted = trace.trace_step(spec, 2, 32, precision=precision)

@@ -32,7 +32,7 @@ def test_traced_estimate_adds_up_and_checkpointing_lowers_it(capsys):
     assert set(per) == FIELDS
     assert per["total"] == sum(per[k] for k in FIELDS - {"total"})
     # AdamW in fp32: two states per element plus a 4-byte step counter per parameter tensor.
-    from memfit.spec import parse_model
+    from memfit.models.spec import parse_model
     n_tensors = parse_model(TINY).counts()[1]
     assert per["activations"] > 0 and per["optimizer"] == 2 * per["params"] + 4 * n_tensors
     full = run_json(capsys, TINY, "--batch", "4", "--seq", "64", "--checkpoint", "full")
@@ -89,7 +89,7 @@ def test_bad_input_from_the_shell_has_no_traceback():
 def test_offload_estimate_matches_measured_run(precision, offload):
     from memfit.measure.estimate import estimate
     from memfit.measure.trace import measure_step
-    from memfit.spec import parse_model
+    from memfit.models.spec import parse_model
 
     spec = parse_model(TINY)
     est = estimate(spec, batch=2, seq=32, precision=precision, offload_optimizer=offload)

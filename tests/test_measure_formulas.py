@@ -5,9 +5,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 from memfit.measure.formulas import PRECISIONS, bytes_per_param, model_state_bytes
-from memfit.units import parse_bytes, parse_count
+from memfit.core.units import parse_bytes, parse_count
 
 GB = 1e9
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 from memfit.measure.trace import TraceResult, measure_step, trace_step
-from memfit.spec import parse_model
+from memfit.models.spec import parse_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import torch
 
 from memfit.apply.optimizer import TrainingOptimizer
 from memfit.train.loop import accumulate_grads, accumulate_step, lr_at
-from memfit.train.model import GPT, GPTConfig
+from memfit.models.gpt import GPT, GPTConfig
 
 
 def _tiny() -> GPT:
@@ -99,7 +99,7 @@ def test_lr_schedule_warms_up_then_decays_by_cosine():
 
 
 def test_accumulation_lowers_the_tracked_peak():
-    track = pytest.importorskip("memfit.measure.tracker").track
+    track = pytest.importorskip("memfit.core.tracker").track
     x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
     base = GPT(GPTConfig(layers=2, hidden=64, heads=2, vocab=256, seq=16))
     peaks, acts = {}, {}

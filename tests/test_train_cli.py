@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memfit.cli import main
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 from memfit.train import loop, report
 
 TINY = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=64"

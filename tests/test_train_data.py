@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 from memfit.train import data
 
 

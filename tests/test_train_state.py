@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 from memfit.train import state
 
 

@@ -14,8 +14,8 @@ _EXPORTS = {
     "estimate": "memfit.measure.estimate:estimate",
     "Estimate": "memfit.measure.estimate:Estimate",
     "model_state_bytes": "memfit.measure.formulas:model_state_bytes",
-    "track": "memfit.measure.tracker:track",
-    "MemoryTracker": "memfit.measure.tracker:MemoryTracker",
+    "track": "memfit.core.tracker:track",
+    "MemoryTracker": "memfit.core.tracker:MemoryTracker",
     "checkpoint": "memfit.apply.checkpoint:checkpoint",
     "find_blocks": "memfit.apply.checkpoint:find_blocks",
     "TrainingOptimizer": "memfit.apply.optimizer:TrainingOptimizer",
@@ -24,10 +24,10 @@ _EXPORTS = {
     "measure_step": "memfit.measure.trace:measure_step",
     "TrainConfig": "memfit.train.loop:TrainConfig",
     "train": "memfit.train.loop:train",
-    "GPT": "memfit.train.model:GPT",
-    "GPTConfig": "memfit.train.model:GPTConfig",
-    "MemfitError": "memfit.errors:MemfitError",
-    "ConfigError": "memfit.errors:ConfigError",
+    "GPT": "memfit.models.gpt:GPT",
+    "GPTConfig": "memfit.models.gpt:GPTConfig",
+    "MemfitError": "memfit.core.errors:MemfitError",
+    "ConfigError": "memfit.core.errors:ConfigError",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

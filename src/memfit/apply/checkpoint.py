@@ -28,7 +28,7 @@ from torch.utils import checkpoint as _tc
 from memfit.apply import selective
 from memfit.apply.offload import ActivationStore, validate_spill_dir
 from memfit.apply.policy import BlockAction, resolve_policy, segments
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 # Attribute paths where well-known models keep their repeated blocks.
 _BLOCK_PATHS = ("blocks", "transformer.h", "model.layers", "transformer.layers", "layers", "h", "model.decoder.layers")

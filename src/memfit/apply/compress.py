@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 INT8_BLOCK = 64
 _FP8 = getattr(torch, "float8_e4m3fn", None)

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 
 class OverflowWarning(RuntimeWarning):

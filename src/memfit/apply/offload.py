@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 
 from memfit.apply import compress as codecs
-from memfit.errors import ConfigError, MemfitError
-from memfit.measure.tracker import mark_host
+from memfit.core.errors import ConfigError, MemfitError
+from memfit.core.tracker import mark_host
 
 MIN_FREE_BYTES = 256 * 2**20
 """A spill folder with less free space than this is refused up front."""

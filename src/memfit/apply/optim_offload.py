@@ -40,8 +40,8 @@ import torch
 import torch.nn as nn
 
 from memfit.apply.loss_scale import all_finite
-from memfit.errors import ConfigError
-from memfit.measure.tracker import mark_host  # host copies are not device bytes
+from memfit.core.errors import ConfigError
+from memfit.core.tracker import mark_host  # host copies are not device bytes
 
 WHERE = ("device", "cpu", "disk")
 

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overflow_message, warn_overflow
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 OFFLOADS = ("none", "cpu", "disk")

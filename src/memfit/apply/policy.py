@@ -23,7 +23,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 MODES = ("keep", "selective", "recompute")
 OFFLOADS = ("cpu", "disk")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The `memfit` command. Each subcommand lives in its own module here with two functions:
 `add_parser(subparsers)` and `run(args) -> int`.
 
-Errors that are the user's (memfit.errors.MemfitError) print as one line and exit with code 2.
+Errors that are the user's (memfit.core.errors.MemfitError) print as one line and exit with code 2.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from memfit.errors import MemfitError
+from memfit.core.errors import MemfitError
 
 # Subcommands in the order `memfit --help` lists them. A module that is not there yet is skipped.
 SUBCOMMANDS = ["estimate", "train", "track"]

@@ -5,9 +5,9 @@ import argparse
 import json
 
 from memfit.cli.args import positive_int
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 from memfit.measure.formulas import OPTIMIZER_STATES, PRECISIONS
-from memfit.units import format_bytes, parse_bytes, parse_count
+from memfit.core.units import format_bytes, parse_bytes, parse_count
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -6,9 +6,9 @@ import json
 from dataclasses import asdict
 
 from memfit.cli.args import positive_int
-from memfit.errors import ConfigError
-from memfit.measure.tracker import CATEGORIES
-from memfit.units import format_bytes
+from memfit.core.errors import ConfigError
+from memfit.core.tracker import CATEGORIES
+from memfit.core.units import format_bytes
 
 
 
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from memfit.measure.trace import measure_step, trace_step
-    from memfit.spec import parse_model
+    from memfit.models.spec import parse_model
 
     spec = parse_model(args.model)
     seq = args.seq or min(spec.seq or 1024, 1024)

@@ -1,6 +1,6 @@
 """Allocator-level ground truth: the peak of bytes the allocator handed out, from profiler events.
 
-The tracker (memfit.measure.tracker) counts tensor storages; this module does not trust it. With
+The tracker (memfit.core.tracker) counts tensor storages; this module does not trust it. With
 `profile_memory=True` the c10 CPU allocator (and the CUDA caching allocator) report every
 allocation and free to the profiler, including workspaces that kernels allocate and free inside
 one op and that never surface as a tensor. Replaying those events gives the live bytes at every

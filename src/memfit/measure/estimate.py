@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 from memfit.measure.formulas import check_precision, model_state_bytes, optimizer_states
-from memfit.spec import ModelSpec, parse_model
-from memfit.units import parse_bytes
+from memfit.models.spec import ModelSpec, parse_model
+from memfit.core.units import parse_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 

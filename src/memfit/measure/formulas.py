@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16-master", "16-master")
 

@@ -22,8 +22,8 @@ from typing import Callable, Union
 import torch
 import torch.nn as nn
 
-from memfit.errors import ConfigError
-from memfit.measure.tracker import MemoryTracker
+from memfit.core.errors import ConfigError
+from memfit.core.tracker import MemoryTracker
 
 ModelArg = Union["ModelSpec", Callable[[], nn.Module], str]  # noqa: F821 (ModelSpec imported lazily)
 
@@ -142,7 +142,7 @@ def _check_device(device: str) -> None:
 
 
 def _builder(model: ModelArg, seq: int) -> Callable[[], nn.Module]:
-    from memfit.spec import ModelSpec, parse_model
+    from memfit.models.spec import ModelSpec, parse_model
 
     if isinstance(model, str):
         model = parse_model(model)
@@ -176,7 +176,7 @@ def _vocab(model: nn.Module) -> int:
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    from memfit.train.model import GPT
+    from memfit.models.gpt import GPT
 
     if isinstance(model, GPT):
         _, loss_sum, n = model(x, x)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 VOCAB = 256
 VAL_FRACTION = 0.1

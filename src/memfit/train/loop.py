@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memfit.errors import ConfigError, MemfitError
+from memfit.core.errors import ConfigError, MemfitError
 from memfit.train import data as data_mod
 from memfit.train import report, state as state_mod
 
@@ -47,7 +47,7 @@ RESUMABLE = ("steps", "time_limit", "eval_every", "eval_batches", "save_every", 
 @dataclass
 class TrainConfig:
     model: str = DEFAULT_MODEL
-    """Known architecture, gpt:/llama: spec or config.json path (memfit.spec.parse_model); vocab >= 256."""
+    """Known architecture, gpt:/llama: spec or config.json path (memfit.models.spec.parse_model); vocab >= 256."""
     data: list[str] = field(default_factory=list)
     """Text files, folders or globs; empty = the default corpus (Shakespeare, else Python's stdlib)."""
     steps: int | None = None
@@ -131,7 +131,7 @@ class StepOutput(NamedTuple):
 
 def loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy, counted targets) for memfit's GPT or a Hugging Face causal LM; -1 = padding."""
-    from memfit.train.model import GPT
+    from memfit.models.gpt import GPT
 
     if isinstance(model, GPT):
         _, loss, n = model(x, y)
@@ -231,7 +231,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The model of `cfg.model` with `cfg.dropout`, checked to take byte tokens and `cfg.seq` positions."""
-    from memfit.spec import parse_model
+    from memfit.models.spec import parse_model
 
     spec = parse_model(cfg.model)
     if spec.config is not None:
@@ -302,7 +302,7 @@ def live_memory(device: torch.device) -> int:
 def _enter_tracker(model: nn.Module, opt, device: torch.device, log: Callable[[str], None]):
     """memfit's live tracker, entered; None when it is unavailable (training does not need it)."""
     try:
-        from memfit.measure.tracker import track
+        from memfit.core.tracker import track
     except ImportError:
         return None
     optimizer = opt if hasattr(opt, "state_tensors") else getattr(opt, "optimizer", opt)

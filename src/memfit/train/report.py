@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from memfit.units import format_bytes
+from memfit.core.units import format_bytes
 
 METRICS = "metrics.json"
 PLOT = "plot.png"

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from memfit.errors import ConfigError
-from memfit.train.model import GPT, GPTConfig
+from memfit.core.errors import ConfigError
+from memfit.models.gpt import GPT, GPTConfig
 
 _GPT2 = dict(vocab=50257, seq=1024, arch="gpt2")
 _LLAMA = dict(arch="llama", bias=False, tied_embeddings=False)

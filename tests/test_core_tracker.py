@@ -8,8 +8,8 @@ import memfit
 from memfit.apply.checkpoint import checkpoint
 from memfit.apply.optimizer import TrainingOptimizer
 from memfit.measure.allocator import AllocatorProfile
-from memfit.measure.tracker import MemoryTracker, mark_host, track
-from memfit.train.model import GPT, GPTConfig
+from memfit.core.tracker import MemoryTracker, mark_host, track
+from memfit.models.gpt import GPT, GPTConfig
 
 CFG = dict(layers=2, hidden=64, heads=4, vocab=256, seq=64)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from memfit.errors import ConfigError
+from memfit.core.errors import ConfigError
 
 _BYTE_UNITS = {
     "": 1, "b": 1,

@@ -1,0 +1,1 @@
+"""What every layer may use: errors, units, the live tracker and its host marks."""
