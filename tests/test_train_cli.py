@@ -88,8 +88,8 @@ def test_time_limit_fits_the_schedule_and_stops(tmp_path):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "gpt9000"], "unknown model 'gpt9000'"),
-    (["--batch", "-2"], "--batch must be a positive integer, got -2"),
-    (["--seq", "0"], "--seq must be a positive integer"),
+    (["--batch", "-2"], "argument --batch: must be a positive integer (at most 2147483647), got '-2'"),
+    (["--seq", "0"], "argument --seq: must be a positive integer"),
     (["--data", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["--checkpoint", "sometimes"], "sometimes"),
@@ -164,7 +164,7 @@ def test_hugging_face_config_model_trains(tmp_path):
                         progress=False, log=lambda msg: None)
     s = result.metrics["summary"]
     assert s["steps"] == 6 and s["end_loss"] < s["start_loss"]
-    with pytest.raises(ConfigError, match="exceeds the model's 64 positions"):
+    with pytest.raises(ConfigError, match="--seq 128 exceeds config's 64 positions"):
         loop.train(_config(tmp_path / "hf2", model=str(tmp_path / "config.json"), dropout=0.0, seq=128), progress=False)
 
 

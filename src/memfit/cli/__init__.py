@@ -1,7 +1,8 @@
 """The `memfit` command. Each subcommand lives in its own module here with two functions:
 `add_parser(subparsers)` and `run(args) -> int`.
 
-Errors that are the user's (memfit.core.errors.MemfitError) print as one line and exit with code 2.
+Errors that are the user's (memfit.core.errors.MemfitError) print as one line and exit with code 2;
+a run stopped by a signal exits with the shell's code for it (130 Ctrl-C, 143 SIGTERM).
 """
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or an argparse error (already printed as one line)
+        return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
@@ -53,6 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     except MemfitError as exc:
         print(f"memfit {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # a second Ctrl-C or SIGTERM: aborted without saving
         print("memfit: interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", 2)

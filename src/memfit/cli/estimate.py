@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from memfit.cli.args import positive_int
+from memfit.cli.args import integer
+from memfit.cli.options import add, add_model, model_of
 from memfit.core.errors import ConfigError
-from memfit.measure.formulas import OPTIMIZER_STATES, PRECISIONS
 from memfit.core.units import format_bytes, parse_bytes, parse_count
 
 
@@ -18,36 +18,37 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "state exists) without allocating: model states from closed-form formulas, activations and "
         "temporaries by tracing the real model under FakeTensorMode.",
     )
-    p.add_argument("model", nargs="?", help="a known architecture (e.g. gpt2, llama-2-7b), a spec like "
-                   "gpt:layers=12,hidden=768,heads=12,vocab=50257, or a Hugging Face config.json path")
+    add_model(p)
     p.add_argument("--params", type=str, help="parameter count (e.g. 7B) for a model-states-only estimate")
-    p.add_argument("--batch", type=positive_int("--batch"), default=1, help="micro-batch per device (default 1)")
-    p.add_argument("--seq", type=positive_int("--seq"), help="sequence length (default: the model's, at most 4096)")
-    p.add_argument("--precision", default="32-true", choices=PRECISIONS, metavar="MODE",
-                   help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
-    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES), metavar="NAME",
-                   help=f"one of {', '.join(sorted(OPTIMIZER_STATES))} (default adamw)")
+    add(p, "batch", default=1)
+    add(p, "seq", default=None, shown="the model's, at most 4096")
+    add(p, "precision", default="32-true")
+    add(p, "optimizer", default="adamw")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
-    p.add_argument("--world", type=positive_int("--world"), default=1, help="data-parallel world size (default 1)")
-    p.add_argument("--checkpoint", default="none", metavar="POLICY",
-                   help="activation checkpoint policy: none, full, every:K, sqrt, selective, ... (default none)")
-    p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu", "disk"),
-                   help="hold optimizer state off the device (default none)")
+    p.add_argument("--world", type=integer(1), default=1, help="data-parallel world size (default 1)")
+    add(p, "checkpoint", default="none")
+    add(p, "offload_optimizer", default="none")
     p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 24GiB or 80GB: says if it fits")
-    p.add_argument("--modules", type=int, default=8, metavar="N", help="show the N modules with the highest peak")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add(p, "modules", default=8)
+    add(p, "json")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from memfit.measure.estimate import CATEGORIES, estimate
+    from memfit.models.spec import parse_model
 
-    if args.model is None and args.params is None:
+    model = model_of(args, required=False)
+    if model is None and args.params is None:
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json) or --params N")
     params = parse_count(args.params) if args.params is not None else None
     budget = parse_bytes(args.device_memory) if args.device_memory else None
+    spec = None
+    if model is not None:
+        spec = parse_model(model)
+        spec.check_shape(args.batch, args.seq)  # what `memfit train` would refuse, refused here too
     est = estimate(
-        args.model, params=params, batch=args.batch, seq=args.seq, precision=args.precision,
+        spec, params=params, batch=args.batch, seq=args.seq, precision=args.precision,
         optimizer=args.optimizer, zero=args.zero, world=args.world, checkpoint=args.checkpoint,
         offload_optimizer=args.offload_optimizer, device_memory=budget,
     )

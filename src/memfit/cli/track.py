@@ -5,11 +5,9 @@ import argparse
 import json
 from dataclasses import asdict
 
-from memfit.cli.args import positive_int
-from memfit.core.errors import ConfigError
+from memfit.cli.options import add, add_model, model_of
 from memfit.core.tracker import CATEGORIES
 from memfit.core.units import format_bytes
-
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -21,35 +19,29 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "module) and as the allocator saw it (profiler memory events), next to the no-allocation "
         "prediction of `memfit estimate`. Allocates for real: use a size that fits.",
     )
-    p.add_argument("model", help="a known architecture, a spec like gpt:layers=2,hidden=64,heads=4,vocab=256, "
-                   "or a Hugging Face config.json path")
-    p.add_argument("--batch", type=positive_int("--batch"), default=1, help="micro-batch (default 1)")
-    p.add_argument("--seq", type=positive_int("--seq"), default=None, help="sequence length (default: min(model's, 1024))")
-    p.add_argument("--precision", default="32-true", metavar="MODE", help="precision mode (default 32-true)")
-    p.add_argument("--optimizer", default="adamw", metavar="NAME", help="sgd, momentum, adam, adamw (default adamw)")
-    p.add_argument("--checkpoint", default="none", metavar="POLICY", help="activation checkpoint policy (default none)")
-    p.add_argument("--device", default="cpu", help="device to train on (default cpu)")
-    p.add_argument("--steps", type=positive_int("--steps"), default=2, help="steps to run; the last is reported (default 2)")
+    add_model(p)
+    add(p, "batch", default=1)
+    add(p, "seq", default=None, shown="min(model's, 1024)")
+    add(p, "precision", default="32-true")
+    add(p, "optimizer", default="adamw")
+    add(p, "checkpoint", default="none")
+    add(p, "device", default="cpu")
+    add(p, "steps", default=2, help="steps to run; the last is reported")
     p.add_argument("--no-predict", action="store_true", help="skip the FakeTensorMode prediction")
-    p.add_argument("--modules", type=int, default=8, metavar="N", help="show the N modules with the highest peak")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add(p, "modules", default=8)
+    add(p, "json")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from memfit.measure.trace import measure_step, trace_step
     from memfit.models.spec import parse_model
+    from memfit.train.setup import resolve_device
 
-    spec = parse_model(args.model)
+    spec = parse_model(model_of(args))
+    spec.check_shape(args.batch, args.seq)
     seq = args.seq or min(spec.seq or 1024, 1024)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {args.device!r}; accepted: cpu, cuda, cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda given but CUDA is not available; use --device cpu")
+    device = resolve_device(args.device)
     common = dict(batch=args.batch, seq=seq, precision=args.precision, optimizer=args.optimizer,
                   checkpoint=args.checkpoint, device=str(device), steps=args.steps)
     real = measure_step(spec, **common)

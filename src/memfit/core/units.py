@@ -1,6 +1,7 @@
 """Parsing and printing sizes: "24GiB", "80GB", "7B" parameters."""
 from __future__ import annotations
 
+import math
 import re
 
 from memfit.core.errors import ConfigError
@@ -19,11 +20,15 @@ _NUMBER = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$",
 def _scaled(text: str | int | float, units: dict[str, int], what: str, examples: str) -> float:
     """The number in `text` times its unit's factor; a ConfigError naming `what` if unreadable."""
     if isinstance(text, (int, float)):
-        return float(text)
-    m = _NUMBER.match(text)
-    if not m or m.group(2).lower() not in units:
-        raise ConfigError(f"cannot read {what} {text!r}; use e.g. {examples}")
-    return float(m.group(1)) * units[m.group(2).lower()]
+        value = float(text) if abs(text) < 2**1023 else math.inf
+    else:
+        m = _NUMBER.match(text)
+        if not m or m.group(2).lower() not in units:
+            raise ConfigError(f"cannot read {what} {text!r}; use e.g. {examples}")
+        value = float(m.group(1)) * units[m.group(2).lower()]
+    if not math.isfinite(value):  # 1e400 reads as inf: no size or count is infinite
+        raise ConfigError(f"{what} {text!r} is not a finite number; use e.g. {examples}")
+    return value
 
 
 def parse_bytes(text: str | int | float) -> int:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -41,6 +42,15 @@ ARCHITECTURES: dict[str, GPTConfig] = {
     "mistral-7b": GPTConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, seq=32768,
                             **_LLAMA),
 }
+
+SUPPORTED = ("memfit builds decoder-only causal language models: a named architecture (gpt2, llama-2-7b, ...), "
+             "a gpt:/llama: spec, or a Hugging Face config.json whose model_type has a causal-LM class "
+             "(gpt2, llama, mistral, qwen2, gpt_neox, opt, phi, ...)")
+"""The supported families, named in every refusal of a model memfit cannot build."""
+MAX_LAYERS = 10_000
+"""Deeper than any published model by far; building more blocks (even on the meta device) takes minutes."""
+MAX_ELEMENTS = 2**63 // 8
+"""torch sizes tensors in signed 64-bit bytes: no tensor may hold more 8-byte elements than this."""
 
 _SPEC_KEYS = {
     "layers": int, "hidden": int, "heads": int, "vocab": int, "seq": int, "ffn": int,
@@ -81,9 +91,31 @@ class ModelSpec:
 
     @property
     def seq(self) -> int | None:
+        """The model's context length: its position table (memfit's GPT) or its config's positions (HF)."""
         if self.config is not None:
             return self.config.seq
-        return None
+        return _hf_positions(read_hf_config(self.hf_config)) if self.hf_config is not None else None
+
+    def check_shape(self, batch: int, seq: int | None) -> None:
+        """Refuse a (batch, seq) the model cannot take or torch cannot size, before anything is built.
+
+        seq None means the model's default (its context length, at most 4096)."""
+        positions = self.seq if (self.config is None or self.config.arch == "gpt2") else None
+        if seq is not None and positions is not None and seq > positions:
+            raise ConfigError(f"--seq {seq} exceeds {self.name}'s {positions} positions; use --seq <= {positions}")
+        seq = seq or min(self.seq or 1024, 4096)
+        _, widest, heads = self._widths()
+        largest = max(batch * seq * widest, batch * heads * seq * seq)
+        if largest > MAX_ELEMENTS:
+            raise ConfigError(f"batch {batch} x seq {seq} gives {self.name} tensors of {largest:.3g} elements, beyond "
+                              "torch's 64-bit sizes; use a smaller --batch or --seq")
+
+    def _widths(self) -> tuple[int, int, int]:
+        """(hidden, widest activation row, attention heads) from the config, without building."""
+        if self.config is not None:
+            c = self.config
+            return c.hidden, max(c.ffn or 0, c.vocab, (c.heads + 2 * (c.kv_heads or c.heads)) * c.head_dim), c.heads
+        return _hf_widths(read_hf_config(self.hf_config))
 
 
 def _parse_bool(key: str, value: str) -> bool:
@@ -112,8 +144,7 @@ def parse_custom(text: str) -> GPTConfig:
             kv[key] = _parse_bool(key, value) if typ is bool else typ(value)
         except ValueError:
             raise ConfigError(f"spec key {key}={value!r} is not a valid {typ.__name__}") from None
-        if typ in (int, float) and kv[key] <= 0 and key != "dropout":  # type: ignore[operator]
-            raise ConfigError(f"spec key {key}={value} must be positive")
+        _check_spec_value(key, kv[key], value)
     missing = [k for k in ("layers", "hidden", "heads", "vocab") if k not in kv]
     if missing:
         raise ConfigError(f"model spec {text!r} is missing {', '.join(missing)}; e.g. "
@@ -121,9 +152,31 @@ def parse_custom(text: str) -> GPTConfig:
     if "tied" in kv:
         kv["tied_embeddings"] = kv.pop("tied")
     try:
-        return GPTConfig(**{**base, **kv})  # type: ignore[arg-type]
+        cfg = GPTConfig(**{**base, **kv})  # type: ignore[arg-type]
     except ValueError as exc:
         raise ConfigError(f"model spec {text!r}: {exc}") from None
+    _check_sizes(text, cfg)
+    return cfg
+
+
+def _check_spec_value(key: str, number: object, text: str) -> None:
+    if key == "dropout":
+        if not 0 <= number < 1:  # type: ignore[operator]  (NaN fails this too)
+            raise ConfigError(f"spec key dropout={text} must be in [0, 1)")
+    elif isinstance(number, float) and not math.isfinite(number):
+        raise ConfigError(f"spec key {key}={text} must be a finite number")
+    elif isinstance(number, (int, float)) and not isinstance(number, bool) and number <= 0:
+        raise ConfigError(f"spec key {key}={text} must be positive")
+    if key == "layers" and number > MAX_LAYERS:  # type: ignore[operator]
+        raise ConfigError(f"spec key layers={text} is more than memfit builds (at most {MAX_LAYERS})")
+
+
+def _check_sizes(text: str, cfg: GPTConfig) -> None:
+    """A weight matrix torch cannot size is refused here, not as an overflow deep inside torch."""
+    widest = max(cfg.vocab, cfg.ffn or 0, cfg.seq, (cfg.heads + 2 * (cfg.kv_heads or cfg.heads)) * cfg.head_dim)
+    if cfg.hidden * widest > MAX_ELEMENTS:
+        raise ConfigError(f"model spec {text!r}: a {cfg.hidden} x {widest} weight is beyond torch's 64-bit sizes; "
+                          "use smaller hidden, ffn, vocab or seq")
 
 
 def parse_model(text: str) -> ModelSpec:
@@ -139,6 +192,7 @@ def parse_model(text: str) -> ModelSpec:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no Hugging Face config file at {path}")
+        read_hf_config(path)
         return ModelSpec(path.parent.name or path.stem, hf_config=path)
     raise ConfigError(
         f"unknown model {text!r}; accepted: one of {', '.join(ARCHITECTURES)}, a custom spec like "
@@ -146,18 +200,61 @@ def parse_model(text: str) -> ModelSpec:
     )
 
 
+def read_hf_config(path: Path | None) -> dict:
+    """The config.json as a dict, refused with one line if memfit cannot build a causal LM from it."""
+    try:
+        data = json.loads(Path(path).read_text())  # type: ignore[arg-type]
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot read Hugging Face config {path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"Hugging Face config {path} holds a JSON {type(data).__name__}, not an object; {SUPPORTED}")
+    kind = data.get("model_type")
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"Hugging Face config {path} has no model_type; {SUPPORTED}")
+    if data.get("is_encoder_decoder"):
+        raise ConfigError(f"Hugging Face config {path} is an encoder-decoder ({kind}); {SUPPORTED}")
+    return data
+
+
+def _hf_positions(data: dict) -> int | None:
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
+        if isinstance(data.get(key), int) and data[key] > 0:
+            return data[key]
+    return None
+
+
+def _hf_widths(data: dict) -> tuple[int, int, int]:
+    def first(*keys: str, default: int = 1) -> int:
+        values = [data[k] for k in keys if isinstance(data.get(k), int) and data[k] > 0]
+        return values[0] if values else default
+
+    hidden = first("hidden_size", "n_embd", "d_model", "dim")
+    ffn = first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
+    return hidden, max(ffn, first("vocab_size"), 3 * hidden), first("num_attention_heads", "n_head", "n_heads")
+
+
 def build_hf(config_path: Path | None) -> nn.Module:
     """A Hugging Face causal LM from its config.json, with random weights (never downloads)."""
     try:
         import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         raise ConfigError("a config.json model needs `transformers`: pip install 'memfit[hf]'") from None
+    data = read_hf_config(config_path)
+    kind = data["model_type"]
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        known = kind in transformers.CONFIG_MAPPING
+        raise ConfigError(f"Hugging Face config {config_path}: model_type {kind!r} "
+                          f"{'has no causal-LM class' if known else 'is unknown to transformers'}; {SUPPORTED}")
+    hidden, widest, _ = _hf_widths(data)
+    if hidden * widest > MAX_ELEMENTS:
+        raise ConfigError(f"Hugging Face config {config_path}: a {hidden} x {widest} weight is beyond torch's sizes")
     try:
-        data = json.loads(Path(config_path).read_text())
         config = transformers.AutoConfig.for_model(**data)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"cannot read Hugging Face config {config_path}: {exc}") from None
-    return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cannot build a model from Hugging Face config {config_path}: {message}") from None
 
 
 def gpt_config_fields() -> list[str]:

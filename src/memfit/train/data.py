@@ -14,6 +14,8 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
+import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,10 +94,34 @@ def resolve_paths(specs: list[str]) -> list[Path]:
             out += files
         elif path.is_file():
             out.append(path)
+        elif path.exists():
+            raise ConfigError(_not_regular(spec, path))
         else:
             raise ConfigError(f"data path {spec!r} does not exist; pass text files, folders or globs")
     # A file named twice (a folder and a glob inside it) counts once, keeping first-seen order.
     return list(dict.fromkeys(out))
+
+
+def _not_regular(spec: str, path: Path) -> str:
+    """Why a path that exists but is no file or folder (a device, a pipe) cannot be data."""
+    mode = path.stat().st_mode
+    if stat.S_ISCHR(mode):
+        try:  # /dev/null reads nothing at once; other devices are not text either way
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            try:
+                empty = os.read(fd, 1) == b""
+            finally:
+                os.close(fd)
+        except OSError:
+            empty = False
+        if empty:
+            return f"data file {spec!r} is empty; pass files with some text in them"
+    return f"data path {spec!r} is not a regular file (a device or a pipe); pass text files, folders or globs"
+
+
+def absolute(spec: str) -> str:
+    """A data spec that means the same from any working folder (a resumed run may start elsewhere)."""
+    return str(Path(spec).expanduser().absolute())
 
 
 def _scan_dir(folder: Path) -> list[Path]:
@@ -117,13 +143,13 @@ def _read(path: Path) -> bytes:
     return data
 
 
-def load_corpus(specs: list[str] | None = None, min_split_bytes: int = 2) -> Corpus:
+def load_corpus(specs: list[str] | None = None, min_split_bytes: int = 2, name: str | None = None) -> Corpus:
     """Read the files of `specs` (None or [] = the default corpus) and split each 90/10 into train/val.
 
     `min_split_bytes` is the smallest usable split (seq + 1 for windows of `seq` tokens).
     """
     if specs:
-        name, files = ", ".join(specs), resolve_paths(list(specs))
+        name, files = name or ", ".join(specs), resolve_paths(list(specs))
     else:
         name, files = default_sources()
     digest = hashlib.sha256()
@@ -144,7 +170,7 @@ def load_corpus(specs: list[str] | None = None, min_split_bytes: int = 2) -> Cor
         train=torch.frombuffer(bytearray(train), dtype=torch.uint8),
         val=torch.frombuffer(bytearray(val), dtype=torch.uint8),
         name=name,
-        files=[str(f) for f in files],
+        files=[str(Path(f).absolute()) for f in files],
         digest=digest.hexdigest(),
     )
 
@@ -184,3 +210,18 @@ def fixed_windows(data: torch.Tensor, count: int, batch: int, seq: int, seed: in
     """The same `count` batches every time: validation loss is comparable across evaluations."""
     sampler = WindowSampler(data, batch, seq, seed)
     return [sampler.next() for _ in range(count)]
+
+
+def load_run_corpus(specs: list[str], seq: int, checkpoint: dict | None = None) -> Corpus:
+    """The corpus of a run; a resumed run reads the very files its checkpoint lists (by absolute path,
+    so it resumes from any folder) unless --data names others, and the bytes must be unchanged."""
+    saved = checkpoint["corpus"] if checkpoint is not None else {}
+    paths = saved.get("paths")
+    if paths and isinstance(paths, list) and list(specs) == checkpoint["config"].get("data"):  # type: ignore[index]
+        corpus = load_corpus(paths, min_split_bytes=seq + 1, name=saved.get("name"))
+    else:
+        corpus = load_corpus(specs, min_split_bytes=seq + 1)
+    if checkpoint is not None and saved.get("digest") != corpus.digest:
+        raise ConfigError(f"the data of this run changed since its checkpoint ({corpus.name}); "
+                          "resume with the same bytes (any path to them) or start a new run")
+    return corpus

@@ -4,11 +4,16 @@ A checkpoint holds only tensors and plain Python containers (dicts, lists, str, 
 None), so loading one never runs pickled code. It is written to a temporary file in the same folder,
 fsynced, then renamed over the old one with `os.replace`: a crash or a full disk mid-write leaves
 the previous checkpoint intact, never a torn file.
+
+The temporary file's name says who writes it (`.checkpoint.pt.<host>-<pid>.<random>.tmp`), so a
+later run can remove what a killed writer left behind (remove_stale_temps) and nothing else.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -44,11 +49,53 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_-]+)-(?P<pid>[0-9]+)\.[a-z0-9_]+\.tmp$")
+"""A temp file of atomic_write; mkstemp's random part is lower-case letters, digits and '_'."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's process, or a pid this system cannot have: leave its files alone
+    return True
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temp files in `folder` that atomic_write left when its process was killed.
+
+    Only files written on this host by a process that no longer exists: a writer still running
+    (another run saving into the same folder) or on another machine sharing the folder keeps its file.
+    """
+    removed = []
+    host = _host()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        if not m or m["host"] != host or int(m["pid"]) == os.getpid() or _alive(int(m["pid"])):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        except FileNotFoundError:
+            pass  # removed by someone else meanwhile
+    return removed
+
+
 def atomic_write(path: str | os.PathLike, write: Any) -> Path:
     """Call `write(file)` on a temp file beside `path`, fsync it, then atomically move it to `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_host()}-{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, _FILE_MODE)
@@ -94,9 +141,13 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {str(path)!r}; --resume takes a run folder written by memfit train")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        loaded = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # unpickling errors have many types; all mean "not a usable checkpoint"
         raise ConfigError(f"cannot load checkpoint {str(path)!r}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"checkpoint {str(path)!r} holds a {type(loaded).__name__}, not the dict memfit train "
+                          "writes; --resume takes a run folder written by memfit train")
+    return loaded
 
 
 def rng_state() -> dict[str, Any]:

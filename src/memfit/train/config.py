@@ -1,0 +1,111 @@
+"""What a training run is asked to do (TrainConfig) and the checks that refuse a bad request up front."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.core.errors import ConfigError
+
+DEFAULT_MODEL = "gpt:layers=4,hidden=192,heads=6,vocab=256,seq=256"
+"""A byte-level GPT (1.9M parameters) that learns visible Shakespeare in two minutes on two cores."""
+DEFAULT_TIME_LIMIT = 120.0
+"""Seconds for `memfit train` with neither --steps nor --time-limit."""
+MAX_COUNT = 2**31 - 1
+"""Largest batch, sequence, step or interval count: beyond it a count is a typo, not a request."""
+MAX_SEED = 2**64 - 1
+"""torch's generators take 64-bit seeds."""
+ADAMW_BETAS = (0.9, 0.95)
+"""`memfit train`'s AdamW betas (nanoGPT's), passed explicitly so the library's default may differ."""
+RESUMABLE = ("steps", "time_limit", "eval_every", "eval_batches", "save_every", "out", "device", "track", "data")
+"""Options a resumed run may change: they decide how long and how it reports, not what it computes
+(--data may name the same bytes another way: the corpus digest decides)."""
+
+
+@dataclass
+class TrainConfig:
+    model: str = DEFAULT_MODEL
+    """Known architecture, gpt:/llama: spec or config.json path (memfit.models.spec.parse_model); vocab >= 256."""
+    data: list[str] = field(default_factory=list)
+    """Text files, folders or globs; empty = the default corpus (Shakespeare, else Python's stdlib)."""
+    steps: int | None = None
+    """Optimizer steps; None with no time_limit means DEFAULT_TIME_LIMIT seconds."""
+    time_limit: float | None = None
+    """Seconds of training; without `steps` the schedule length is fitted to it after a few timed steps."""
+    batch: int = 16
+    """Sequences per micro-batch."""
+    seq: int = 128
+    accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation): tokens/step = batch * seq * accum."""
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+    warmup: int = 20
+    """Linear warm-up steps, at most a fifth of the run (the first step's learning rate is lr / warmup)."""
+    weight_decay: float = 0.0
+    precision: str = "auto"
+    """A TrainingOptimizer precision; auto = bf16-mixed on a CUDA device with bf16, else 32-true."""
+    optimizer: str = "adamw"
+    checkpoint: str = "none"
+    """Activation checkpoint policy, passed to memfit.checkpoint unchanged."""
+    offload_optimizer: str = "none"
+    spill_dir: str | None = None
+    """Folder for every disk offload of the run: activations (+offload:disk) and optimizer state."""
+    clip: float | None = 1.0
+    """Max total gradient norm; None turns clipping off."""
+    eval_every: int = 50
+    """Validation every N steps (and at the start and the end); 0 = only start and end."""
+    eval_batches: int = 8
+    save_every: int = 100
+    """Checkpoint every N steps (and always at the end); 0 = only at the end."""
+    seed: int = 0
+    out: str | None = None
+    """Run folder; None = runs/<timestamp> (or the resumed run's folder)."""
+    device: str | None = None
+    """cpu or cuda[:N]; None = cuda when available."""
+    dropout: float | None = None
+    """Dropout of memfit's GPT; None = the model spec's own (0 unless the spec sets dropout=)."""
+    track: bool = True
+    """Measure one step's memory breakdown with memfit's tracker (params, grads, optimizer, activations)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for the first option that cannot work, naming it as the command line does."""
+        counts = {"batch": 1, "seq": 1, "accum": 1, "eval_batches": 1, "eval_every": 0, "save_every": 0, "warmup": 0}
+        if self.steps is not None:
+            counts["steps"] = 1
+        for name, low in counts.items():
+            _check_int(name, getattr(self, name), low, MAX_COUNT)
+        _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.time_limit is not None:
+            _check_float("time_limit", self.time_limit, "a positive number of seconds", lambda v: v > 0)
+        _check_float("lr", self.lr, "a positive number", lambda v: v > 0)
+        _check_float("min_lr_ratio", self.min_lr_ratio, "in [0, 1]", lambda v: 0 <= v <= 1)
+        _check_float("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
+        if self.clip is not None:
+            _check_float("clip", self.clip, "positive (0 on the command line turns clipping off)", lambda v: v > 0)
+        if self.dropout is not None:
+            _check_float("dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
+        if self.offload_optimizer not in ("none", "cpu", "disk"):
+            raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r}; accepted: none, cpu, disk")
+        if not isinstance(self.data, (list, tuple)) or not all(isinstance(d, str) for d in self.data):
+            raise ConfigError(f"data must be a list of paths, got {self.data!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a TrainConfig field."""
+    return "--no-track" if name == "track" else "--" + name.replace("_", "-")
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        what = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise ConfigError(f"{flag(name)} must be {what} (at most {high}), got {value!r}")
+
+
+def _check_float(name: str, value: Any, what: str, ok: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ConfigError(f"{flag(name)} must be {what}, got {value!r}")

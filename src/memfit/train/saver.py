@@ -1,0 +1,63 @@
+"""Saving a run: checkpoint.pt and metrics.json, and what happens when the disk refuses.
+
+A failed save (a full disk, a folder gone read-only) never costs the run: the previous checkpoint
+is intact (atomic writes), training goes on with one warning and the next save tries again. If
+that one fails too, the run stops with one line naming the folder, its free space and the last
+step saved (SaveError: exit code 2).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from memfit.core.errors import MemfitError
+from memfit.core.units import format_bytes
+from memfit.train import report, state as state_mod
+
+
+class SaveError(MemfitError):
+    """Saving failed twice in a row (or at the end of the run): the run stopped."""
+
+
+def _free(folder: Path) -> str:
+    try:
+        return format_bytes(shutil.disk_usage(folder).free) + " free"
+    except OSError:
+        return "free space unknown"
+
+
+class Saver:
+    def __init__(self, run_dir: Path, log: Callable[[str], None], saved_step: int | None = None) -> None:
+        self.run_dir, self.log = run_dir, log
+        self.saved_step = saved_step
+        """The step of the newest checkpoint on disk (None: none yet)."""
+        self.failing = False
+
+    def save(self, step: int, checkpoint: dict[str, Any], metrics: dict[str, Any], *, last: bool) -> bool:
+        """Write both files; True if they were written. A second failure in a row, or a failure
+        of the `last` save (no later save to retry), raises SaveError."""
+        try:
+            state_mod.save_checkpoint(self.run_dir / state_mod.CHECKPOINT, checkpoint)
+            self.saved_step = step
+            state_mod.save_json(self.run_dir / report.METRICS, metrics)
+        except OSError as exc:
+            reason = f"{exc.strerror or exc}, {_free(self.run_dir)}"
+            if self.failing or last:
+                raise SaveError(self._stop_message(step, reason)) from None
+            self.failing = True
+            self.log(f"memfit train: cannot save step {step} in {self.run_dir} ({reason}); training on, "
+                     "retrying at the next save")
+            return False
+        if self.failing:
+            self.log(f"memfit train: saved step {step} in {self.run_dir} (the earlier save had failed)")
+        self.failing = False
+        return True
+
+    def _stop_message(self, step: int, reason: str) -> str:
+        if self.saved_step is None:
+            kept = "no checkpoint was saved; free space and run again"
+        else:
+            kept = (f"the last checkpoint saved is step {self.saved_step}; free space and continue with "
+                    f"memfit train --resume {self.run_dir}")
+        return f"cannot save step {step} in {self.run_dir} ({reason}): stopped; {kept}"
