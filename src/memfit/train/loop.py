@@ -93,7 +93,7 @@ def train(
             bar.update(run.step, out.loss, cols["tokens_per_s"][-1], cols["memory_bytes"][-1])
             if cfg.eval_every and run.step % cfg.eval_every == 0:
                 _evaluate(run, clock)
-            if cfg.save_every and run.step % cfg.save_every == 0:
+            if cfg.save_every and run.step % cfg.save_every == 0 and run.step != run.horizon:  # the last: below
                 _save(run, base_seconds + clock.elapsed(), last=False)
 
         bar.close()

@@ -83,6 +83,7 @@ def restore(ckpt: dict[str, Any], where: str, model: torch.nn.Module, opt: Any, 
         try:
             load()
         except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ConfigError(f"the {what} in checkpoint {where} do not fit this run ({first}); "
+            said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+            said = said if len(said) <= 200 else said[:197] + "..."
+            raise ConfigError(f"the {what} in checkpoint {where} do not fit this run ({said}); "
                               "the file was edited or comes from another model") from None
