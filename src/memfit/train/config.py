@@ -18,7 +18,8 @@ MAX_SEED = 2**64 - 1
 """torch's generators take 64-bit seeds."""
 ADAMW_BETAS = (0.9, 0.95)
 """`memfit train`'s AdamW betas (nanoGPT's), passed explicitly so the library's default may differ."""
-RESUMABLE = ("steps", "time_limit", "eval_every", "eval_batches", "save_every", "out", "device", "track", "data")
+RESUMABLE = ("steps", "time_limit", "eval_every", "eval_batches", "save_every", "out", "device", "track", "data",
+             "spill_dir")
 """Options a resumed run may change: they decide how long and how it reports, not what it computes
 (--data may name the same bytes another way: the corpus digest decides)."""
 
