@@ -189,3 +189,13 @@ def test_dev_null_is_empty_not_missing(tmp_path, capsys):
         pytest.skip("no /dev/null")
     _fails(capsys, ["train", *FAST, "--data", "/dev/null", "--steps", "1", "--out", str(tmp_path / "r")],
            "data file '/dev/null' is empty")
+
+
+def test_one_spill_dir_serves_activation_disk_offload_alone(tmp_path, capsys):
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    run = tmp_path / "run"
+    assert main(["train", *FAST, "--steps", "2", "--checkpoint", "full+offload:disk", "--spill-dir", str(spill),
+                 "--out", str(run)]) == 0, capsys.readouterr().err
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 2
+    assert not list(spill.iterdir())  # the activation spill folder was removed at the end
