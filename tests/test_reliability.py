@@ -241,3 +241,19 @@ def test_kill_9_and_resume_with_disk_offload_is_bit_identical(tmp_path):
     wa = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)["model"]
     wb = torch.load(cut / "checkpoint.pt", weights_only=True)["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_ctrl_c_exits_130_after_saving(tmp_path, monkeypatch, capsys):
+    from memfit.train import report
+
+    real = report.record_step
+
+    def record_then_ctrl_c(history, **kw):
+        real(history, **kw)
+        if kw["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(report, "record_step", record_then_ctrl_c)
+    assert main(["train", *FAST, "--steps", "5", "--save-every", "0", "--out", str(tmp_path / "r")]) == 130
+    assert "(interrupted)" in capsys.readouterr().out
+    assert torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)["step"] == 2
