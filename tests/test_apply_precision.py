@@ -177,8 +177,16 @@ def test_bad_arguments_are_config_errors():
         TrainingOptimizer(tiny_gpt(), offload="nvme")
     with pytest.raises(ConfigError, match="accepted: sgd"):
         TrainingOptimizer(tiny_gpt(), "lamb")
-    with pytest.raises(ConfigError, match="spill_dir"):
-        TrainingOptimizer(tiny_gpt(), offload="cpu", spill_dir="/tmp")
+    with pytest.raises(ConfigError, match="takes no betas; accepted: lr, momentum"):
+        TrainingOptimizer(tiny_gpt(), "sgd", betas=(0.9, 0.95))
+
+
+def test_spill_dir_is_accepted_whatever_the_optimizer_offload(tmp_path):
+    """One spill folder serves activation and optimizer offload: without optimizer disk offload it
+    is simply not used (nothing is created in it)."""
+    for offload in (None, "cpu"):
+        TrainingOptimizer(tiny_gpt(), offload=offload, spill_dir=str(tmp_path / "spill")).close()
+    assert not (tmp_path / "spill").exists()
 
 
 def test_master_mode_has_no_persistent_fp32_grads():
