@@ -30,7 +30,8 @@ from torch._subclasses.fake_tensor import is_fake
 from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overflow_message, warn_overflow
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
-from memfit.apply.torch_optim import OPTIMIZERS, GroupMirror, make_torch_optimizer, optimizer_class
+from memfit.apply.torch_optim import (OPTIMIZERS, GroupMirror, make_torch_optimizer, optimizer_class,
+                                      torch_kwargs)
 from memfit.core.errors import ConfigError
 
 OFFLOADS = ("none", "cpu", "disk")
@@ -90,7 +91,12 @@ class TrainingOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"unknown optimizer offload {offload!r}; accepted: {', '.join(OFFLOADS)}")
         if clip is not None and not clip > 0:
             raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
-        optimizer_class(optimizer)  # an unknown name is refused before the model is cast
+        cls = optimizer_class(optimizer)
+        if self.mode.state_dtype == torch.float16 and cls in (torch.optim.Adam, torch.optim.AdamW):
+            # fp16 moments: eps=1e-8 is 0 in fp16 and g*g underflows for |g| < 1e-3, so the update
+            # lr * m / (sqrt(v) + eps) explodes; eps=1e-4 keeps it bounded (the usual fp16 Adam fix).
+            optimizer_kwargs.setdefault("eps", 1e-4)
+        kwargs = torch_kwargs(optimizer, lr, weight_decay, optimizer_kwargs)  # checked before casting
         self.model, self.clip, self.offload = model, clip, offload
         cast_model(model, self.mode)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -98,10 +104,6 @@ class TrainingOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"{type(model).__name__} has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.device_type = self.params[0].device.type
-        if self.mode.state_dtype == torch.float16 and optimizer.lower() in ("adam", "adamw"):
-            # fp16 moments: eps=1e-8 is 0 in fp16 and g*g underflows for |g| < 1e-3, so the update
-            # lr * m / (sqrt(v) + eps) explodes; eps=1e-4 keeps it bounded (the usual fp16 Adam fix).
-            optimizer_kwargs.setdefault("eps", 1e-4)
 
         self.scaler: LossScaler | None = None
         if self.mode.loss_scaling:
@@ -109,7 +111,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         self._locator: InfNanLocator | None = None
 
         def make(ps):
-            return make_torch_optimizer(optimizer, ps, lr, weight_decay, **optimizer_kwargs)
+            return cls(ps, **kwargs)
 
         self.optimizer: torch.optim.Optimizer | None = None
         self.streamed: StreamedOptimizer | None = None
@@ -164,7 +166,6 @@ class TrainingOptimizer(torch.optim.Optimizer):
             self._mirror.push()
 
     # ------------------------------------------------------------------ training-loop interface
-
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.mode, self.device_type)
 

@@ -25,12 +25,12 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
         raise ConfigError(f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}") from None
 
 
-def make_torch_optimizer(name: str, params, lr: float | None = None, weight_decay: float | None = None,
-                         **kw: Any) -> torch.optim.Optimizer:
-    """`name`'s torch optimizer over `params`; arguments left None take torch's defaults.
-    "momentum" is SGD with momentum=0.9 unless `momentum` is given."""
+def torch_kwargs(name: str, lr: float | None = None, weight_decay: float | None = None,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The keyword arguments for `name`'s torch optimizer: those given (None: torch's default);
+    "momentum" is SGD with momentum=0.9 unless `momentum` is given. ConfigError for one it lacks."""
     cls = optimizer_class(name)
-    kw = {k: v for k, v in dict(kw, lr=lr, weight_decay=weight_decay).items() if v is not None}
+    kw = {k: v for k, v in dict(extra or {}, lr=lr, weight_decay=weight_decay).items() if v is not None}
     if name.lower() == "momentum":
         kw.setdefault("momentum", 0.9)
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params")]
@@ -38,7 +38,13 @@ def make_torch_optimizer(name: str, params, lr: float | None = None, weight_deca
     if unknown:
         raise ConfigError(f"optimizer {name!r} ({cls.__name__}) takes no {', '.join(unknown)}; "
                           f"accepted: {', '.join(accepted)}")
-    return cls(params, **kw)
+    return kw
+
+
+def make_torch_optimizer(name: str, params, lr: float | None = None, weight_decay: float | None = None,
+                         **kw: Any) -> torch.optim.Optimizer:
+    """`name`'s torch optimizer over `params`, torch's defaults for every argument left None."""
+    return optimizer_class(name)(params, **torch_kwargs(name, lr, weight_decay, kw))
 
 
 class GroupMirror:
