@@ -209,3 +209,15 @@ os.kill(os.getpid(), signal.SIGKILL)
         live.stdin.write("\n")
         live.stdin.flush()
         live.wait(timeout=60)
+
+
+def test_a_reused_pid_does_not_protect_a_dead_owners_folder(tmp_path):
+    """A folder named with this very pid but not opened by this process (a killed earlier process
+    had the same pid, as in a restarted container) is stale once its lock can be taken."""
+    leftover = tmp_path / f"memfit-spill-{os.getpid()}-optim-a1b2c3d4"
+    leftover.mkdir()
+    (leftover / spill.LOCK_NAME).write_bytes(b"")
+    live = SpillFolder(tmp_path, "optim")
+    assert not leftover.exists() and live.path.exists()
+    assert remove_stale_spill_folders(tmp_path) == []
+    live.close()

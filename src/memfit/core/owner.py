@@ -36,13 +36,14 @@ def pid_alive(pid: int) -> bool:
 
 def hold_lock(path: str) -> int | None:
     """Create `path` and hold an exclusive flock on it until the returned descriptor is closed.
-    None where flock is unavailable."""
+    None where flock is unavailable. Blocks while another process's cleanup briefly holds the lock
+    to look at it (that cleanup leaves a live owner's file alone)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     if fcntl is None:
         os.close(fd)
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX)
     except OSError:
         os.close(fd)
         raise

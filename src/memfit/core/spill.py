@@ -27,6 +27,8 @@ LOCK_NAME = ".lock"
 MIN_FREE_BYTES = 256 * 2**20
 """A spill folder with less free space than this is refused up front."""
 _OWNER = re.compile(re.escape(PREFIX) + r"(\d+)-")
+_LIVE: set[str] = set()
+"""This process's open spill folders: never stale, also while being created (before their lock)."""
 
 
 def _refuse(root: Path, problem: str) -> ConfigError:
@@ -87,7 +89,7 @@ def remove_stale_spill_folders(root: str | os.PathLike | None) -> list[Path]:
         return removed
     for entry in entries:
         pid = owner_pid(entry.name)
-        if pid is None:
+        if pid is None or os.path.realpath(entry.path) in _LIVE:
             continue
         try:
             st = entry.stat(follow_symlinks=False)
@@ -109,6 +111,7 @@ def remove_stale_spill_folders(root: str | os.PathLike | None) -> list[Path]:
 def _close(path: str, fd: int | None) -> None:
     shutil.rmtree(path, ignore_errors=True)
     release_lock(fd)  # after removal: a cleaner that takes the lock finds nothing left to remove
+    _LIVE.discard(os.path.realpath(path))
 
 
 class SpillFolder:
@@ -120,11 +123,13 @@ class SpillFolder:
         remove_stale_spill_folders(root)
         path = None
         try:
-            path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{kind}-", dir=root)  # mode 0700
+            path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{kind}-", dir=str(root))  # mode 0700
+            _LIVE.add(os.path.realpath(path))
             fd = hold_lock(os.path.join(path, LOCK_NAME))
         except OSError as exc:
             if path is not None:
                 shutil.rmtree(path, ignore_errors=True)
+                _LIVE.discard(os.path.realpath(path))
             raise _refuse(root, f"is not writable ({exc.strerror or exc})") from None
         self.path = Path(path)
         self._finalizer = weakref.finalize(self, _close, path, fd)
