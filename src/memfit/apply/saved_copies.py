@@ -3,6 +3,8 @@ possibly compressed first (`Offloaded` holds the parts), and views of one packed
 
 Under FakeTensorMode (memfit's no-allocation trace) nothing is copied or written: host copies are
 fake tensors marked host-resident, and a disk copy only models its read-ahead buffer.
+`store` is the memfit.apply.offload.ActivationStore packing the tensor (its streams, pinned-memory
+check, spill threads and stats); typed Any because that module imports this one.
 """
 from __future__ import annotations
 
