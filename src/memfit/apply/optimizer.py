@@ -174,7 +174,9 @@ class TrainingOptimizer(torch.optim.Optimizer):
 
         final: this is the last micro-batch before step(). With optimizer offload (and no clipping
         or fp16 loss scaling, which need every gradient before any update) the update of each chunk
-        then starts on a worker thread as soon as backward has produced all of its gradients."""
+        then starts on a worker thread as soon as backward has produced all of its gradients, with the
+        hyperparameters (lr, ...) param_groups hold when backward starts: set them before it, as a
+        scheduler stepped after step() does."""
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
         if self.streamed is not None:
