@@ -36,7 +36,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from memfit.measure.trace import measure_step, trace_step
     from memfit.models.spec import parse_model
-    from memfit.train.setup import resolve_device
+    from memfit.core.device import resolve_device
 
     spec = parse_model(model_of(args))
     spec.check_shape(args.batch, args.seq)

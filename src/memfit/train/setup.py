@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from memfit.core.device import resolve_device  # noqa: F401  (the one device check; part of this module's API)
 from memfit.core.errors import ConfigError, MemfitError
 from memfit.train import data as data_mod
 from memfit.train import report
@@ -19,22 +20,6 @@ from memfit.train.config import ADAMW_BETAS, TrainConfig
 from memfit.train.resume import restore
 from memfit.train.rundir import prepare_run_dir
 from memfit.train.saver import Saver
-
-
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}; accepted: cpu, cuda, cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"unsupported device {name!r}; accepted: cpu, cuda, cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available; use --device cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

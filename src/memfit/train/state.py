@@ -5,21 +5,20 @@ None), so loading one never runs pickled code. It is written to a temporary file
 fsynced, then renamed over the old one with `os.replace`: a crash or a full disk mid-write leaves
 the previous checkpoint intact, never a torn file.
 
-The temporary file's name says who writes it (`.checkpoint.pt.<host>-<pid>.<random>.tmp`), so a
+The temporary file's name carries its writer's process id (memfit.core.checkpoint_temps), so a
 later run can remove what a killed writer left behind (remove_stale_temps) and nothing else.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from memfit.core.checkpoint_temps import remove_stale_checkpoint_temps, temp_prefix
 from memfit.core.errors import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
@@ -49,53 +48,11 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
-
-
-_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_-]+)-(?P<pid>[0-9]+)\.[a-z0-9_]+\.tmp$")
-"""A temp file of atomic_write; mkstemp's random part is lower-case letters, digits and '_'."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, OSError):
-        return True  # another user's process, or a pid this system cannot have: leave its files alone
-    return True
-
-
-def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
-    """Remove the temp files in `folder` that atomic_write left when its process was killed.
-
-    Only files written on this host by a process that no longer exists: a writer still running
-    (another run saving into the same folder) or on another machine sharing the folder keeps its file.
-    """
-    removed = []
-    host = _host()
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _TEMP.match(entry.name)
-        if not m or m["host"] != host or int(m["pid"]) == os.getpid() or _alive(int(m["pid"])):
-            continue
-        try:
-            os.unlink(entry.path)
-            removed.append(Path(entry.path))
-        except FileNotFoundError:
-            pass  # removed by someone else meanwhile
-    return removed
-
-
 def atomic_write(path: str | os.PathLike, write: Any) -> Path:
     """Call `write(file)` on a temp file beside `path`, fsync it, then atomically move it to `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_host()}-{os.getpid()}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, _FILE_MODE)
@@ -112,6 +69,13 @@ def atomic_write(path: str | os.PathLike, write: Any) -> Path:
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temp files of checkpoint.pt and metrics.json in `folder` whose writer was killed.
+
+    Call it before this process saves there: a temp file carrying this process's own id counts as stale."""
+    return [p for name in (CHECKPOINT, "metrics.json") for p in remove_stale_checkpoint_temps(folder, target=name)]
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
