@@ -233,7 +233,9 @@ def test_kill_9_and_resume_with_disk_offload_is_bit_identical(tmp_path):
     proc.kill()  # SIGKILL: no handler runs, no cleanup
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL and killed_at < 8
+    assert list(spill.iterdir())  # the killed run's spill folders are still there...
     assert main(["train", "--resume", str(cut), "--quiet"]) == 0
+    assert not list(spill.iterdir())  # ...until the next run using that spill root removes them
     a = json.loads((tmp_path / "straight" / "metrics.json").read_text())["steps"]
     b = json.loads((cut / "metrics.json").read_text())["steps"]
     assert b["step"] == a["step"] == list(range(1, 9))
