@@ -106,10 +106,11 @@ def train(
 
 def _checked(cfg: TrainConfig, checkpoint: dict[str, Any] | None) -> TrainConfig:
     """A validated copy of `cfg` with the default time limit and data paths that hold from any folder."""
-    cfg = dataclasses.replace(cfg, data=[absolute(d) for d in cfg.data] if isinstance(cfg.data, list) else cfg.data)
+    cfg = dataclasses.replace(cfg, data=list(cfg.data) if isinstance(cfg.data, (list, tuple)) else cfg.data)
     if cfg.steps is None and cfg.time_limit is None:
         cfg.time_limit = DEFAULT_TIME_LIMIT
     cfg.validate()
+    cfg.data = [absolute(d) for d in cfg.data]
     check_out(cfg.out)
     if checkpoint is not None:
         check_checkpoint(checkpoint, repr(cfg.out))
