@@ -17,6 +17,7 @@ from memfit.cli.args import MAX_COUNT, integer
 from memfit.core.errors import ConfigError
 from memfit.measure.formulas import OPTIMIZER_STATES, PRECISIONS
 
+TRAINING_OPTIMIZER_HELP = "an optimizer TrainingOptimizer runs: sgd, momentum, adam, adamw, ..."
 MODEL_HELP = ("a known architecture (gpt2, llama-2-7b, ...), a spec like gpt:layers=12,hidden=768,heads=12,vocab=50257 "
               "or a Hugging Face config.json path")
 
