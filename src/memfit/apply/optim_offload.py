@@ -35,13 +35,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memfit.apply.loss_scale import all_finite
 from memfit.core.errors import ConfigError
-from memfit.core.tracker import mark_host  # host copies are not device bytes
+from memfit.core.tracker import host_allocations, host_empty, mark_host  # host copies are not device bytes
 
 WHERE = ("device", "cpu", "disk")
 
@@ -75,6 +75,8 @@ def _as_bytes(t: torch.Tensor):
 
 
 def _write_at(fd: int, t: torch.Tensor, offset: int) -> int:
+    if is_fake(t):  # memory prediction (FakeTensorMode): no data to move
+        return t.numel() * t.element_size()
     view, done = _as_bytes(t), 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -82,6 +84,8 @@ def _write_at(fd: int, t: torch.Tensor, offset: int) -> int:
 
 
 def _read_at(fd: int, t: torch.Tensor, offset: int) -> int:
+    if is_fake(t):
+        return t.numel() * t.element_size()
     view, done = _as_bytes(t), 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -91,16 +95,10 @@ def _read_at(fd: int, t: torch.Tensor, offset: int) -> int:
     return done
 
 
-def _host_empty(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A host staging buffer of n elements, flagged for the memory tracker as host bytes.
-
-    Made with Python dispatch off so no dispatch mode sees it being born: a memory tracker would
-    otherwise count it as a device allocation (on CPU training) for the instant before mark_host()."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    with torch._C._DisableTorchDispatch():
-        t = torch.from_numpy(np.empty(n * itemsize, dtype=np.uint8))
-    mark_host(t)
-    return t.view(dtype)
+def _host_empty(n: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """A host staging buffer of n elements, a host copy for the memory tracker from birth (and a
+    fake tensor when `like`, a parameter, is one: the estimate traces offload too)."""
+    return host_empty(n, dtype, like)
 
 
 def open_spill_folder(spill_dir: str | os.PathLike | None, need_bytes: int) -> str:
@@ -239,7 +237,7 @@ class StreamedOptimizer:
                 c.optimizer.register_step_post_hook(_mark_state_host)
         if where == "disk":
             # masters + fp32 state (up to 2 per parameter for Adam) + one gradient per parameter
-            need = sum(p.numel() for p in params) * itemsize * 4
+            need = 0 if is_fake(params[0]) else sum(p.numel() for p in params) * itemsize * 4
             self.folder = open_spill_folder(spill_dir, need)
             self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, True)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="memfit-offload")
@@ -289,7 +287,7 @@ class StreamedOptimizer:
             return
         # cpu: no copy when the gradient already is a CPU tensor of the master dtype: it is handed over.
         if g.device.type != "cpu" or g.dtype != self.master_dtype:
-            g = _host_empty(g.numel(), self.master_dtype).view(g.shape).copy_(g)
+            g = _host_empty(g.numel(), self.master_dtype, self.params[0]).view(g.shape).copy_(g)
         p.grad = None  # the device gradient is ephemeral
         mark_host(g)
         self._check(i, g)
@@ -326,7 +324,7 @@ class StreamedOptimizer:
             if fits:
                 best = self._free.pop(min(fits, key=lambda j: self._free[j].numel()))
                 return best[:n]
-        return _host_empty(n)
+        return _host_empty(n, torch.uint8, self.params[0])
 
     def _release(self, buf: torch.Tensor) -> None:
         base = buf if buf._base is None else buf._base
@@ -377,7 +375,7 @@ class StreamedOptimizer:
 
     # ---------------------------------------------------------------- disk layout of a chunk
     def _pack(self, c: _Chunk) -> torch.Tensor:
-        buf = _host_empty(c.nbytes)
+        buf = _host_empty(c.nbytes, torch.uint8, self.params[0])
         for i, key, dtype, shape, off in c.layout:
             src = self.masters[i] if key == "" else c.optimizer.state[self.masters[i]][key]
             n = src.numel() * src.element_size()
@@ -438,7 +436,7 @@ class StreamedOptimizer:
             for i, key, dtype, shape, off in c.layout:
                 src = self.masters[i] if key == "" else c.optimizer.state[self.masters[i]][key]
                 dst = buf[off:off + shape.numel() * src.element_size()].view(dtype).view(shape)
-                if src.data_ptr() != dst.data_ptr():
+                if is_fake(src) or src.data_ptr() != dst.data_ptr():
                     dst.copy_(src.detach())
         for i in c.idx:
             c.optimizer.state.pop(self.masters[i], None)
@@ -527,10 +525,9 @@ class StreamedOptimizer:
             if self.where == "device":
                 c.optimizer.step()
             else:
-                # The update runs on host memory: hide its new state and temporaries from
-                # dispatch-mode memory trackers (on CPU training they would look like device
-                # bytes); the state is reported as host through mark_host after the step.
-                with torch._C._DisableTorchDispatch():
+                # The update runs on host memory: its new state and temporaries are host
+                # copies to memory trackers (on CPU training they would look like device bytes).
+                with host_allocations():
                     c.optimizer.step()
         for i in have:
             m = self.masters[i]
