@@ -186,7 +186,7 @@ def test_offload_lowers_device_memory(precision, offload, tmp_path):
     """Tracker-measured device bytes: no optimizer bytes (they are host copies) and no resident grads.
     (Training on CPU, host and device are the same memory; the tracker tells them apart through
     memfit.core.tracker.mark_host, which the offload marks its host copies with.)"""
-    tracker = pytest.importorskip("memfit.core.tracker")
+    from memfit.core import tracker
     measured = {}
     for off in (None, offload):
         model = tiny_gpt()

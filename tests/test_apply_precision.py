@@ -121,8 +121,8 @@ def test_model_state_bytes_match_formulas(precision):
 
     Adam also keeps a 4-byte `step` counter per parameter tensor (torch.optim's implementation); the
     formulas count per-element bytes, so the counters are added here explicitly."""
-    formulas = pytest.importorskip("memfit.measure.formulas")
-    tracker = pytest.importorskip("memfit.core.tracker")
+    from memfit.measure import formulas
+    from memfit.core import tracker
     model = tiny_gpt()
     opt = TrainingOptimizer(model, "adamw", precision=precision)
     n_tensors = len(list(model.parameters()))
@@ -222,7 +222,7 @@ def test_no_allocation_trace_predicts_every_mode(precision):
     """The estimator's FakeTensorMode trace runs every mode (fp16's overflow check has no values
     there and is taken as clean) and predicts the real run's model-state bytes exactly and its
     peak within 3%."""
-    trace = pytest.importorskip("memfit.measure.trace")
+    from memfit.measure import trace
     from memfit.models.spec import parse_model
 
     spec = parse_model("gpt:layers=2,hidden=64,heads=2,vocab=256,seq=64")

@@ -4,7 +4,7 @@ optimizer offload x checkpoint policy.
 On one device the estimate traces the very step a real run executes (offloaded optimizer included),
 so every category equals the tracker's measurement of the real step to the byte. The default run
 keeps a covering subset (every pair of values of any two factors appears at least once); the whole
-grid runs under `-m slow`.
+grid runs with `--runslow`.
 """
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ invisible here; `memfit.measure.allocator` measures them for comparison.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -94,6 +95,7 @@ class MemoryTracker(TorchDispatchMode, StorageLedger):
         self._saved_hooks: Any = None
         self._mod_tracker: Any = None
         self._root_prefix = f"{type(model).__name__}." if model is not None else ""
+        self._thread = threading.get_ident()  # the training thread (set again on __enter__)
 
     # ----------------------------------------------------------------- public
     def snapshot(self) -> dict[str, int]:
@@ -124,6 +126,7 @@ class MemoryTracker(TorchDispatchMode, StorageLedger):
             self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._rescan_params()))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._saved_hooks.__enter__()
+        self._thread = threading.get_ident()
         _ACTIVE.append(self)
         super().__enter__()
         with self._lock:
@@ -258,6 +261,11 @@ class MemoryTracker(TorchDispatchMode, StorageLedger):
 
     def _after_optimizer_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         self._rescan_optimizer(opt)
+        if threading.get_ident() != self._thread:
+            # An offload worker's chunk update (its state is marked host). The parameters and
+            # their .grad belong to the training thread, which may be setting p.grad right now:
+            # reading it from here races inside torch. The next forward rescans them.
+            return
         if self.optimizer is not None and self.optimizer is not opt:
             self._rescan_optimizer(self.optimizer)
         self._rescan_params()  # e.g. master weights copied back into new 16-bit storages
