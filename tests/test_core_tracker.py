@@ -203,6 +203,12 @@ def test_saved_activations_per_module_and_module_peaks():
     assert 0 < t.module_peaks["blocks.1.mlp"] <= t.peak_bytes
     # Dropout(p=0) returns its input; it must not look active through the whole backward.
     assert t.module_peaks["blocks.0.mlp.drop"] < t.peak_bytes
+    # Each module's categories at its own peak moment add up to that peak (ZeRO shards them).
+    cats = t.module_breakdowns()
+    assert set(cats) == set(t.module_peaks)
+    assert all(sum(cats[name].values()) == peak for name, peak in t.module_peaks.items())
+    assert cats["GPT"] == {k: v for k, v in t.breakdown.items() if k != "total"}
+    assert cats["blocks.0"]["activations"] > 0 and cats["blocks.0"]["params"] == nbytes(model.parameters())
 
 
 def test_autocast_bf16_tracks_and_frees():

@@ -99,7 +99,7 @@ def test_lr_schedule_warms_up_then_decays_by_cosine():
 
 
 def test_accumulation_lowers_the_tracked_peak():
-    track = pytest.importorskip("memfit.core.tracker").track
+    from memfit.core.tracker import track
     x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
     base = GPT(GPTConfig(layers=2, hidden=64, heads=2, vocab=256, seq=16))
     peaks, acts = {}, {}

@@ -12,6 +12,7 @@ stays in RAM (`small`).
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import torch.nn as nn
 
 from memfit.apply.host_io import host_empty
@@ -67,7 +68,7 @@ def _source(c: Chunk, masters: list[nn.Parameter], i: int, key: str) -> torch.Te
 
 def pack(c: Chunk, masters: list[nn.Parameter]) -> torch.Tensor:
     """A fresh host buffer holding chunk c's masters and state, laid out as c.layout says."""
-    buf = host_empty(c.nbytes)
+    buf = host_empty(c.nbytes, torch.uint8, masters[0])
     for i, key, dtype, shape, off in c.layout:
         slot(buf, off, dtype, shape).copy_(_source(c, masters, i, key).detach())
     return buf
@@ -103,7 +104,7 @@ def detach(c: Chunk, masters: list[nn.Parameter], buf: torch.Tensor) -> torch.Te
     if not grew:  # state updated in place lands in buf already; copy what an optimizer replaced
         for i, key, dtype, shape, off in c.layout:
             src, dst = _source(c, masters, i, key), slot(buf, off, dtype, shape)
-            if src.data_ptr() != dst.data_ptr():
+            if is_fake(src) or src.data_ptr() != dst.data_ptr():
                 dst.copy_(src.detach())
     for i in c.idx:
         m = masters[i]

@@ -1,7 +1,7 @@
 """Host buffers and whole-buffer file I/O for optimizer offload.
 
-Host staging buffers are made with Python dispatch off and marked host-resident, so a memory
-tracker does not count them as device bytes (on CPU training host and device are the same RAM).
+Host staging buffers are host copies to memory trackers from birth (core.host), so a tracker does
+not count them as device bytes (on CPU training host and device are the same RAM).
 Reads and writes move a tensor's bytes with pread/pwrite, no copy, and are timed in `IOStats`.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from memfit.core.tracker import mark_host  # host copies are not device bytes
+from memfit.core.tracker import host_empty as _core_host_empty
 
 
 @dataclass
@@ -46,6 +46,8 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def write_at(fd: int, t: torch.Tensor, offset: int) -> int:
+    if is_fake(t):  # memory prediction (FakeTensorMode): no data to move
+        return t.numel() * t.element_size()
     view, done = as_bytes(t), 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -53,6 +55,8 @@ def write_at(fd: int, t: torch.Tensor, offset: int) -> int:
 
 
 def read_at(fd: int, t: torch.Tensor, offset: int) -> int:
+    if is_fake(t):
+        return t.numel() * t.element_size()
     view, done = as_bytes(t), 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -74,16 +78,10 @@ def timed_read(io: IOStats, fd: int, buf: torch.Tensor) -> None:
     io.add(read=n, read_s=time.perf_counter() - t0)
 
 
-def host_empty(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A host staging buffer of n elements, flagged for the memory tracker as host bytes.
-
-    Made with Python dispatch off so no dispatch mode sees it being born: a memory tracker would
-    otherwise count it as a device allocation (on CPU training) for the instant before mark_host()."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    with torch._C._DisableTorchDispatch():
-        t = torch.from_numpy(np.empty(n * itemsize, dtype=np.uint8))
-    mark_host(t)
-    return t.view(dtype)
+def host_empty(n: int, dtype: torch.dtype = torch.uint8, like: torch.Tensor | None = None) -> torch.Tensor:
+    """A host staging buffer of n elements, a host copy for memory trackers from birth; a fake
+    tensor when `like` (a parameter of the run) is one, so the estimate traces offload too."""
+    return _core_host_empty(n, dtype, like)
 
 
 class BufferPool:
@@ -91,8 +89,8 @@ class BufferPool:
     as the copy itself, so a few chunk-sized buffers are kept (taken and given back from the
     training thread and the spill thread, hence the lock)."""
 
-    def __init__(self, size: int = 4) -> None:
-        self.size = size
+    def __init__(self, size: int = 4, like: torch.Tensor | None = None) -> None:
+        self.size, self.like = size, like
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -102,7 +100,7 @@ class BufferPool:
             if fits:
                 best = self._free.pop(min(fits, key=lambda j: self._free[j].numel()))
                 return best[:n]
-        return host_empty(n)
+        return host_empty(n, torch.uint8, self.like)
 
     def release(self, buf: torch.Tensor) -> None:
         base = buf if buf._base is None else buf._base

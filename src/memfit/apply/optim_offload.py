@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memfit.apply import chunk_layout as layout
 from memfit.apply.chunk_files import ChunkFiles
@@ -33,7 +34,7 @@ from memfit.apply.host_io import BufferPool, IOStats
 from memfit.apply.loss_scale import all_finite
 from memfit.apply.optim_state import load_streamed_state, streamed_state_dict
 from memfit.core.errors import ConfigError
-from memfit.core.tracker import mark_host  # host copies are not device bytes
+from memfit.core.tracker import host_allocations, mark_host  # host copies are not device bytes
 
 WHERE = ("device", "cpu", "disk")
 __all__ = ["StreamedOptimizer", "IOStats", "WHERE", "mark_host"]
@@ -73,7 +74,7 @@ class StreamedOptimizer:
         self.params, self.where, self.master_dtype = params, where, master_dtype
         self.keep_grad_files = keep_grad_files
         self.io = IOStats()
-        self.buffers = BufferPool()
+        self.buffers = BufferPool(like=params[0] if params else None)
         self.files: ChunkFiles | None = None
         self.intake: GradIntake | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -94,7 +95,7 @@ class StreamedOptimizer:
             c.optimizer.register_step_post_hook(_mark_state_host)
         if where == "disk":
             # masters + fp32 state (up to 2 per parameter for Adam) + one gradient per parameter
-            need = sum(p.numel() for p in params) * itemsize * 4
+            need = 0 if is_fake(params[0]) else sum(p.numel() for p in params) * itemsize * 4
             self.files = ChunkFiles(spill_dir, need, self.io, self.buffers)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="memfit-offload")
             self._write_initial_chunks()
@@ -217,10 +218,9 @@ class StreamedOptimizer:
             if self.where == "device":
                 c.optimizer.step()
             else:
-                # The update runs on host memory: hide its new state and temporaries from
-                # dispatch-mode memory trackers (on CPU training they would look like device
-                # bytes); the state is reported as host through mark_host after the step.
-                with torch._C._DisableTorchDispatch():
+                # The update runs on host memory: its new state and temporaries are host
+                # copies to memory trackers (on CPU training they would look like device bytes).
+                with host_allocations():
                     c.optimizer.step()
         for i in have:
             m = self.masters[i]

@@ -23,13 +23,13 @@ How it sees memory (see docs/design.md):
   same code predicts a step without allocating it (memfit.measure.trace).
 
 Only storages on the tracked device count; host copies made by offload mechanisms are reported
-separately through `mark_host()`. Kernel-internal workspaces that never surface as a tensor are
+separately (memfit.core.host: `mark_host()`, `host_allocations()`). The counts live in
+memfit.core.ledger, which is safe to update from offload worker threads. Kernel-internal workspaces that never surface as a tensor are
 invisible here; `memfit.measure.allocator` measures them for comparison.
 """
 from __future__ import annotations
 
-import functools
-import weakref
+import threading
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -38,25 +38,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook as _register
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
-PARAMS, GRADS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = range(5)  # lower index wins
+from memfit.core.host import ACTIVE as _ACTIVE, host_allocations, host_empty, mark_host, storage
+from memfit.core.ledger import (ACTIVATIONS, CATEGORIES, GRADS, OPTIMIZER, PARAMS, TEMPORARIES,
+                                StorageLedger)
 
-# The CUDA caching allocator hands out blocks in multiples of 512 bytes; counting storages the
-# same way makes the tracker agree with torch.cuda.memory_allocated().
-_CUDA_BLOCK = 512
-
-_ACTIVE: list["MemoryTracker"] = []  # trackers currently entered (innermost last)
-
-
-class _Entry:
-    """One live storage: its size, category, whether it is a host copy, and where it was made."""
-
-    __slots__ = ("nbytes", "cat", "host", "device", "phase", "mods", "ref", "__weakref__")
-
-    def __init__(self, nbytes: int, cat: int, device: bool, phase: int, mods: tuple[str, ...]) -> None:
-        self.nbytes, self.cat, self.device, self.phase, self.mods = nbytes, cat, device, phase, mods
-        self.host = False
-        self.ref: weakref.ref | None = None
+__all__ = ["MemoryTracker", "track", "mark_host", "host_allocations", "host_empty", "CATEGORIES",
+           "optimizer_state_tensors"]
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -68,13 +55,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _free_callback(tracker_ref: "weakref.ref[MemoryTracker]", key: int, _ref: weakref.ref) -> None:
-    tracker = tracker_ref()
-    if tracker is not None:
-        tracker._on_free(key)
-
-
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(TorchDispatchMode, StorageLedger):
     """Tracks device-resident tensor storages by category, their peak, and per-module figures.
 
     Attributes (read after or during the tracked region):
@@ -83,11 +64,12 @@ class MemoryTracker(TorchDispatchMode):
         breakdown: categories at the peak moment plus "total" (they sum to peak_bytes).
         module_peaks: per module, the peak total bytes seen while its forward or backward ran.
             Keys are qualified names as in `model.named_modules()`; the model itself is listed
-            under its class name (e.g. "GPT").
+            under its class name (e.g. "GPT"). `module_breakdowns()` splits each by category.
         module_activations: per module, bytes saved for backward by ops run inside it since
             enter / `reset_peak()` (each storage counted once, in the modules active when it was
             first saved; storages kept for backward outside the hooks count where they were made).
-        host_peak_bytes: peak of bytes marked with `mark_host()` (not in the device figures).
+        host_peak_bytes: peak of bytes marked as host copies (memfit.core.host; not in the
+            device figures).
     """
 
     def __init__(
@@ -101,54 +83,35 @@ class MemoryTracker(TorchDispatchMode):
         if device is None:
             first = next(iter(model.parameters()), None) if model is not None else None
             device = first.device if first is not None else "cpu"
-        self.device = torch.device(device)
-        self._dev_type, self._dev_index = self.device.type, self.device.index
-        self._live: dict[int, _Entry] = {}
-        self._cur = [0] * len(CATEGORIES)
-        self.current_bytes = 0
-        self.peak_bytes = 0
-        self._peak_cats = [0] * len(CATEGORIES)
-        self._at_peak = False  # the current state is the peak's (no allocation or free since)
-        self._host_cur = 0
-        self.host_peak_bytes = 0
-        self.module_peaks: dict[str, int] = {}
+        self._init_ledger(torch.device(device))
         self.module_activations: dict[str, int] = {}
-        self._phase = 0  # bumped whenever a backward pass starts or ends
-        self._in_bw = False
+        self._in_bw = False  # _phase (ledger) is bumped whenever a backward pass starts or ends
         self._mods: tuple[str, ...] = ()  # modules running now (forward or backward), cached
         self._mods_dirty = True
         self._parents_obj: Any = None
         self._identity: set[str] = set()  # modules whose forward returned its input (no backward span)
         self._handles: list[Any] = []
         self._grad_hooked = WeakIdKeyDictionary()  # params whose grad hook is registered
-        self._self_ref = weakref.ref(self)
         self._saved_hooks: Any = None
         self._mod_tracker: Any = None
         self._root_prefix = f"{type(model).__name__}." if model is not None else ""
+        self._thread = threading.get_ident()  # the training thread (set again on __enter__)
 
     # ----------------------------------------------------------------- public
-    @property
-    def breakdown(self) -> dict[str, int]:
-        out = dict(zip(CATEGORIES, self._peak_cats))
-        out["total"] = sum(self._peak_cats)
-        return out
-
     def snapshot(self) -> dict[str, int]:
         """Current bytes per category (and "total"), after rescanning params, grads and optimizer."""
-        self._rescan()
-        out = dict(zip(CATEGORIES, self._cur))
-        out["total"] = self.current_bytes
+        with self._lock:
+            self._rescan()
+            out = dict(zip(CATEGORIES, self._cur))
+            out["total"] = self.current_bytes
         return out
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current state (module peaks and host peak too)."""
-        self._rescan()
-        self.peak_bytes = self.current_bytes
-        self._peak_cats = list(self._cur)
-        self._at_peak = True
-        self.host_peak_bytes = self._host_cur
-        self.module_peaks = {}
-        self.module_activations = {}
+        with self._lock:
+            self._rescan()
+            self._restart_peak()
+            self.module_activations = {}
 
     # ------------------------------------------------------- enter / exit
     def __enter__(self) -> "MemoryTracker":
@@ -163,11 +126,13 @@ class MemoryTracker(TorchDispatchMode):
             self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._rescan_params()))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._saved_hooks.__enter__()
+        self._thread = threading.get_ident()
         _ACTIVE.append(self)
         super().__enter__()
-        self._rescan()
-        self.peak_bytes = self.current_bytes
-        self._peak_cats = list(self._cur)
+        with self._lock:
+            self._rescan()
+            self.peak_bytes = self.current_bytes
+            self._peak_cats = list(self._cur)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -186,124 +151,34 @@ class MemoryTracker(TorchDispatchMode):
         in_bw = torch._C._current_graph_task_id() != -1
         if in_bw != self._in_bw:
             self._phase_change(in_bw)
-        grew = False
-        for t in _tensors(out):
-            grew |= self._register(t, TEMPORARIES)
-        if grew:
-            self._check_peak()
+        with self._lock:
+            grew = False
+            for t in _tensors(out):
+                grew |= self._register(t, TEMPORARIES)
+            if grew:
+                self._check_peak()
         return out
-
-    # ---------------------------------------------------------- internals
-    def _on_device(self, t: torch.Tensor) -> bool:
-        d = t.device
-        return d.type == self._dev_type and (self._dev_index is None or d.index in (None, self._dev_index))
-
-    def _register(self, t: torch.Tensor, cat: int) -> bool:
-        """Count t's storage (once) in `cat` or a higher category; True if device bytes grew."""
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse / storage-less tensors
-            return False
-        key = id(st)
-        e = self._live.get(key)
-        if e is None:
-            on_device = self._on_device(t)
-            if not on_device and not _is_marked_host(st):
-                return False
-            n = self._size(st, t)
-            e = _Entry(n, cat, on_device, self._phase, self._current_mods())
-            e.host = _is_marked_host(st)
-            e.ref = weakref.ref(st, functools.partial(_free_callback, self._self_ref, key))
-            self._live[key] = e
-            self._add(e, n)
-            return e.device and not e.host and n > 0
-        grew = False
-        n = self._size(st, t)
-        if n != e.nbytes:  # resized in place (resize_, out= ops)
-            self._add(e, -e.nbytes)
-            e.nbytes = n
-            self._add(e, n)
-            grew = True
-        if cat < e.cat:
-            self._recat(e, cat)
-        return grew
-
-    def _size(self, st: torch.UntypedStorage, t: torch.Tensor) -> int:
-        n = st.nbytes()
-        if self._dev_type == "cuda" and t.device.type == "cuda":
-            n = -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
-        return n
-
-    def _add(self, e: _Entry, n: int) -> None:
-        if e.host:
-            self._host_cur += n
-            if self._host_cur > self.host_peak_bytes:
-                self.host_peak_bytes = self._host_cur
-        elif e.device:
-            self._cur[e.cat] += n
-            self.current_bytes += n
-            self._at_peak = False
-
-    def _recat(self, e: _Entry, cat: int) -> None:
-        if e.device and not e.host:
-            self._cur[e.cat] -= e.nbytes
-            self._cur[cat] += e.nbytes
-            if self._at_peak:
-                # Nothing was allocated or freed since the peak: this is still the peak's state,
-                # now better labelled (e.g. a new gradient only becomes p.grad after its op).
-                self._peak_cats = list(self._cur)
-        e.cat = cat
-
-    def _on_free(self, key: int) -> None:
-        e = self._live.pop(key, None)
-        if e is not None:
-            self._add(e, -e.nbytes)
-
-    def _check_peak(self) -> None:
-        cur = self.current_bytes
-        if cur > self.peak_bytes:
-            self.peak_bytes = cur
-            self._peak_cats = list(self._cur)
-            self._at_peak = True
-        peaks = self.module_peaks
-        for name in self._current_mods():
-            if cur > peaks.get(name, 0):
-                peaks[name] = cur
-
-    def _mark_host(self, t: torch.Tensor) -> None:
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        e = self._live.get(id(st))
-        if e is None:
-            self._register(t, TEMPORARIES)  # registers as host: the storage is already flagged
-            return
-        if not e.host:
-            self._add(e, -e.nbytes)
-            e.host = True
-            self._add(e, e.nbytes)
 
     # ------------------------------------------------- activations (saved tensors)
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        st = storage(t)
+        if st is None:
             return t
-        e = self._live.get(id(st))
-        if e is None:
-            if self._register(t, ACTIVATIONS):
-                self._check_peak()
+        with self._lock:
             e = self._live.get(id(st))
-            if e is not None and e.cat == ACTIVATIONS:
+            if e is None:
+                if self._register(t, ACTIVATIONS):
+                    self._check_peak()
+                e = self._live.get(id(st))
+                if e is not None and e.cat == ACTIVATIONS:
+                    self._attribute(e, self._current_mods())
+            elif e.cat > ACTIVATIONS:
+                self._recat(e, ACTIVATIONS)
                 self._attribute(e, self._current_mods())
-        elif e.cat > ACTIVATIONS:
-            self._recat(e, ACTIVATIONS)
-            self._attribute(e, self._current_mods())
         # detach(): same storage, but no reference from the saved value back to its own grad_fn.
         return t.detach()
 
-    def _attribute(self, e: _Entry, mods: Iterable[str]) -> None:
+    def _attribute(self, e, mods: Iterable[str]) -> None:
         if not e.device or e.host:
             return
         acts = self.module_activations
@@ -312,15 +187,16 @@ class MemoryTracker(TorchDispatchMode):
 
     def _phase_change(self, in_bw: bool) -> None:
         """Backward starts: what this forward made and is still alive is held for backward."""
-        self._in_bw = in_bw
-        self._mods_dirty = True
-        if in_bw:
-            phase = self._phase
-            for e in list(self._live.values()):
-                if e.phase == phase and e.cat == TEMPORARIES:
-                    self._recat(e, ACTIVATIONS)
-                    self._attribute(e, e.mods)
-        self._phase += 1
+        with self._lock:
+            self._in_bw = in_bw
+            self._mods_dirty = True
+            if in_bw:
+                phase = self._phase
+                for e in list(self._live.values()):
+                    if e.phase == phase and e.cat == TEMPORARIES:
+                        self._recat(e, ACTIVATIONS)
+                        self._attribute(e, e.mods)
+            self._phase += 1
 
     # --------------------------------------------------- module attribution
     def _mods_changed(self, *_: Any) -> None:
@@ -359,36 +235,46 @@ class MemoryTracker(TorchDispatchMode):
 
     # ----------------------------------------- params, grads and optimizer state
     def _rescan(self) -> None:
-        self._rescan_params()
-        self._rescan_optimizer(self.optimizer)
-        self._check_peak()
+        with self._lock:
+            self._rescan_params()
+            self._rescan_optimizer(self.optimizer)
+            self._check_peak()
 
     def _rescan_params(self) -> None:
         if self.model is None:
             return
-        for p in self.model.parameters():
-            self._register(p, PARAMS)
-            if p.grad is not None:
-                self._register(p.grad, GRADS)
-            if p.requires_grad and p not in self._grad_hooked:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-                self._grad_hooked[p] = True
-        for b in self.model.buffers():
-            self._register(b, PARAMS)
+        with self._lock:
+            for p in self.model.parameters():
+                self._register(p, PARAMS)
+                if p.grad is not None:
+                    self._register(p.grad, GRADS)
+                if p.requires_grad and p not in self._grad_hooked:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self._grad_hooked[p] = True
+            for b in self.model.buffers():
+                self._register(b, PARAMS)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is not None and self._register(p.grad, GRADS):
-            self._check_peak()
+        with self._lock:
+            if p.grad is not None and self._register(p.grad, GRADS):
+                self._check_peak()
 
     def _after_optimizer_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         self._rescan_optimizer(opt)
+        if threading.get_ident() != self._thread:
+            # An offload worker's chunk update (its state is marked host). The parameters and
+            # their .grad belong to the training thread, which may be setting p.grad right now:
+            # reading it from here races inside torch. The next forward rescans them.
+            return
         if self.optimizer is not None and self.optimizer is not opt:
             self._rescan_optimizer(self.optimizer)
         self._rescan_params()  # e.g. master weights copied back into new 16-bit storages
 
     def _rescan_optimizer(self, opt: Any) -> None:
-        for t in optimizer_state_tensors(opt):
-            self._register(t, OPTIMIZER)
+        tensors = optimizer_state_tensors(opt)
+        with self._lock:
+            for t in tensors:
+                self._register(t, OPTIMIZER)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -409,30 +295,6 @@ def optimizer_state_tensors(opt: Any) -> list[torch.Tensor]:
         return out
     inner = getattr(opt, "optimizer", None)
     return optimizer_state_tensors(inner) if inner is not None and inner is not opt else []
-
-
-# Storages flagged as host copies, for trackers that meet them after mark_host() was called.
-_HOST_MARKED: "weakref.WeakValueDictionary[int, torch.UntypedStorage]" = weakref.WeakValueDictionary()
-
-
-def _is_marked_host(st: torch.UntypedStorage) -> bool:
-    return _HOST_MARKED.get(id(st)) is st
-
-
-def mark_host(t: torch.Tensor) -> None:
-    """Declare `t` an offloaded host copy: counted in host_peak_bytes, never in device figures.
-
-    Offload mechanisms call this on the copies they make; it is a no-op when no tracker is active.
-    """
-    if not _ACTIVE:
-        return
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return
-    _HOST_MARKED[id(st)] = st
-    for tracker in _ACTIVE:
-        tracker._mark_host(t)
 
 
 def track(model: nn.Module | None = None, optimizer: Any = None,

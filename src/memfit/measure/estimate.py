@@ -1,10 +1,12 @@
 """memfit.estimate(): will a training step fit, and where does the memory go? Nothing is allocated.
 
-Model states come from the closed-form formulas; activations and temporaries from tracing one
-whole training step of the real model under FakeTensorMode (memfit.measure.trace). The trace runs
-one unsharded device; ZeRO sharding and optimizer offload then scale each model-state figure *as it
-stood at the traced peak* by the formulas' sharded/unsharded ratio, so the five figures still add up
-to the peak.
+Every figure comes from tracing whole training steps of the real model under FakeTensorMode
+(memfit.measure.trace), through the same mechanisms a real run uses: checkpoint policy, precision
+mode and optimizer offload (the offloaded step itself is traced, so on one device the estimate
+equals the measured step to the byte). The trace runs one unsharded device. ZeRO then scales each
+model-state category by the formulas' sharded/unsharded ratio, at the traced peak and at every
+module's peak moment; the highest of these sharded moments is the per-device peak, so the five
+figures add up to it and no module's figure exceeds it.
 """
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memfit.core.errors import ConfigError
+from memfit.core.ledger import CATEGORIES
+from memfit.core.units import parse_bytes
 from memfit.measure.formulas import check_precision, model_state_bytes, optimizer_states
 from memfit.models.spec import ModelSpec, parse_model
-from memfit.core.units import parse_bytes
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+MODEL_STATES = ("params", "grads", "optimizer")
 
 
 @dataclass
@@ -40,7 +43,7 @@ class Estimate:
     """False when only model states were estimated (no model given, just a parameter count)."""
     trace_seconds: float = 0.0
     modules: dict[str, int] = field(default_factory=dict)
-    """Per-module peak bytes on one unsharded device, largest first."""
+    """Per-module peak bytes per device (model states sharded as in per_device), largest first."""
     module_activations: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -112,18 +115,29 @@ def estimate(
     seq = seq or min(spec.seq or 1024, 4096)
     common["n_tensors"] = n_tensors
     sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
-    single = model_state_bytes(n, **common)
+    single = model_state_bytes(n, offload_optimizer=offload_optimizer, **common)
 
     from memfit.measure.trace import trace_step  # heavy import (FakeTensorMode) only when tracing
 
-    tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint)
-    per = {}
-    for cat in ("params", "grads", "optimizer"):
-        full, mine = getattr(single, cat), getattr(sharded, cat)
-        per[cat] = round(getattr(tr, cat) * mine / full) if full else getattr(tr, cat)
-    per["activations"], per["temporaries"] = tr.activations, tr.temporaries
-    per["total"] = sum(per.values())
-    modules = dict(sorted(tr.modules.items(), key=lambda kv: -kv[1]))
+    tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint,
+                    offload_optimizer=offload_optimizer)
+    ratios = {cat: (getattr(sharded, cat), getattr(single, cat)) for cat in MODEL_STATES}
+    per = _shard(tr.breakdown(), ratios)
+    modules = {name: _shard(cats, ratios) for name, cats in tr.module_categories.items()}
+    for cats in modules.values():  # a module's moment may be the higher one once model states shrink
+        if cats["total"] > per["total"]:
+            per = cats
+    modules = dict(sorted(((name, cats["total"]) for name, cats in modules.items()), key=lambda kv: -kv[1]))
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
                     module_activations=dict(tr.module_activations))
+
+
+def _shard(cats: dict[str, int], ratios: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """One traced moment on one device: each model-state category times sharded/unsharded bytes."""
+    out = {}
+    for cat in CATEGORIES:
+        mine, full = ratios.get(cat, (1, 1))
+        out[cat] = round(cats[cat] * mine / full) if full else cats[cat]
+    out["total"] = sum(out.values())
+    return out

@@ -1,6 +1,7 @@
 """Predict a whole training step's memory without allocating it, and measure the same step for real.
 
     trace_step(parse_model("llama-2-7b"), batch=1, seq=4096, precision="bf16-mixed")   # seconds, ~no RAM
+    trace_step(spec, batch=1, seq=512, precision="bf16-master", offload_optimizer="disk")
     measure_step(parse_model("gpt:layers=2,hidden=64,heads=4,vocab=256"), batch=4, seq=64)
 
 Both build the model, apply the checkpoint policy, build memfit's TrainingOptimizer and run `steps`
@@ -10,6 +11,10 @@ and device but no data: the tracker counts the same storages a real run would ho
 figures are the *last* step's (steady state: optimizer state exists, the previous step's gradients
 were released by its `step()`), each step running in its own frame as in a training loop, so its
 batch, logits and loss are gone before the next step begins.
+
+Optimizer offload is traced too: memfit's StreamedOptimizer runs under FakeTensorMode (its host
+buffers are fake, its spill-file I/O moves no data) and marks its host copies as the real run
+does, so the prediction equals the measured step's tracker figures to the byte.
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ class TraceResult:
     """Per module (qualified name; the model under its class name): peak bytes while it ran."""
     module_activations: dict[str, int] = field(default_factory=dict)
     """Per module: bytes saved for backward by ops run inside it."""
+    module_categories: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per module: the five categories at that module's peak moment (they sum to modules[name])."""
     seconds: float = 0.0
     """Wall time of the trace or measurement."""
     host_peak: int = 0
@@ -56,8 +63,12 @@ class TraceResult:
 
 
 def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true", optimizer: str = "adamw",
-               checkpoint: "str | list" = "none", device: str = "cpu", steps: int = 2) -> TraceResult:
-    """Predict the steady-state peak of one training step under FakeTensorMode (nothing is allocated)."""
+               checkpoint: "str | list" = "none", device: str = "cpu", steps: int = 2,
+               offload_optimizer: str | None = None) -> TraceResult:
+    """Predict the steady-state peak of one training step under FakeTensorMode (nothing is allocated).
+
+    offload_optimizer: None / "none", "cpu" or "disk", as TrainingOptimizer(offload=...); a disk
+    trace creates an empty spill folder (no data is written) and removes it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     build = _builder(model, seq)
@@ -66,7 +77,8 @@ def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true"
     t0 = time.perf_counter()
     # allow_non_fake_inputs: libraries keep a few real constants at module level (e.g. HF masks).
     with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
-        result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps, window=None)
+        result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps, window=None,
+                      offload=offload_optimizer)
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -206,8 +218,6 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
         raise ConfigError(f"seq={seq} exceeds the model's position table ({cfg.seq}); use seq <= {cfg.seq}")
     model.train()
     apply_checkpoint(model, checkpoint)
-    # Optimizer offload is measured for real only: the estimate scales the traced model states by the
-    # formulas instead (the offload worker threads run outside the fake-tensor mode).
     opt = TrainingOptimizer(model, optimizer, precision=precision,
                             offload=None if offload in (None, "none") else offload)
     vocab = _vocab(model)
@@ -229,5 +239,6 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
         activations=b["activations"], temporaries=b["temporaries"],
         modules=dict(sorted(tracker.module_peaks.items(), key=lambda kv: -kv[1])),
         module_activations=dict(sorted(tracker.module_activations.items(), key=lambda kv: -kv[1])),
+        module_categories=tracker.module_breakdowns(),
         host_peak=tracker.host_peak_bytes,
     )

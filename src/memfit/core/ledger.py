@@ -1,0 +1,199 @@
+"""The tracker's books: live storages by category, current and peak bytes, per-module peaks.
+
+`StorageLedger` knows nothing about how storages are discovered (that is memfit.core.tracker's
+dispatch mode and hooks); it keeps the counts exact and consistent:
+
+* each storage is one `_Entry`, counted once, in one category (lower index wins) and either as
+  device bytes or as a host copy (memfit.core.host);
+* a weakref callback on the storage subtracts it when it is freed;
+* every mutation runs under one re-entrant lock. Offload worker threads mark host copies and free
+  storages (their weakref callbacks run on that thread) while the training thread allocates, and
+  a free callback may also fire on the thread that holds the lock (garbage collection inside a
+  mutation), hence `RLock`.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+
+import torch
+
+from memfit.core.host import in_host_region, is_marked_host, flag_host, storage
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+PARAMS, GRADS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = range(5)  # lower index wins
+
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes; counting storages the
+# same way makes the tracker agree with torch.cuda.memory_allocated().
+_CUDA_BLOCK = 512
+
+
+class _Entry:
+    """One live storage: its size, category, whether it is a host copy, and where it was made."""
+
+    __slots__ = ("nbytes", "cat", "host", "device", "phase", "mods", "ref", "__weakref__")
+
+    def __init__(self, nbytes: int, cat: int, device: bool, phase: int, mods: tuple[str, ...]) -> None:
+        self.nbytes, self.cat, self.device, self.phase, self.mods = nbytes, cat, device, phase, mods
+        self.host = False
+        self.ref: weakref.ref | None = None
+
+
+def _free_callback(ledger_ref: "weakref.ref[StorageLedger]", key: int, _ref: weakref.ref) -> None:
+    ledger = ledger_ref()
+    if ledger is not None:
+        ledger._on_free(key)
+
+
+class StorageLedger:
+    """Counts of live storages on one device. Subclasses provide `_current_mods()` and `_phase`."""
+
+    def _init_ledger(self, device: torch.device) -> None:
+        self.device = device
+        self._dev_type, self._dev_index = device.type, device.index
+        self._lock = threading.RLock()
+        self._live: dict[int, _Entry] = {}
+        self._cur = [0] * len(CATEGORIES)
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._peak_cats = [0] * len(CATEGORIES)
+        self._at_peak = False  # the current state is the peak's (no allocation or free since)
+        self._host_cur = 0
+        self.host_peak_bytes = 0
+        self.module_peaks: dict[str, int] = {}
+        self.module_peak_categories: dict[str, list[int]] = {}
+        self._fresh_mods: list[str] = []  # modules whose peak is the current state
+        self._phase = 0
+        self._self_ref = weakref.ref(self)
+
+    def _current_mods(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        """Categories at the peak moment plus "total" (they sum to peak_bytes)."""
+        cats = list(self._peak_cats)
+        out = dict(zip(CATEGORIES, cats))
+        out["total"] = sum(cats)
+        return out
+
+    def module_breakdowns(self) -> dict[str, dict[str, int]]:
+        """Per module: the categories at that module's peak moment (they sum to module_peaks[name])."""
+        with self._lock:
+            return {name: dict(zip(CATEGORIES, cats)) for name, cats in self.module_peak_categories.items()}
+
+    def _restart_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.current_bytes
+            self._peak_cats = list(self._cur)
+            self._at_peak = True
+            self.host_peak_bytes = self._host_cur
+            self.module_peaks = {}
+            self.module_peak_categories = {}
+            self._fresh_mods = []
+
+    # ------------------------------------------------------------------ storages
+    def _on_device(self, t: torch.Tensor) -> bool:
+        d = t.device
+        return d.type == self._dev_type and (self._dev_index is None or d.index in (None, self._dev_index))
+
+    def _register(self, t: torch.Tensor, cat: int) -> bool:
+        """Count t's storage (once) in `cat` or a higher category; True if device bytes grew."""
+        st = storage(t)
+        if st is None:
+            return False
+        key = id(st)
+        with self._lock:
+            e = self._live.get(key)
+            if e is None:
+                host = is_marked_host(st)
+                if not host and in_host_region():
+                    flag_host(st)
+                    host = True
+                on_device = self._on_device(t)
+                if not on_device and not host:
+                    return False
+                n = self._size(st, t)
+                e = _Entry(n, cat, on_device, self._phase, self._current_mods())
+                e.host = host
+                e.ref = weakref.ref(st, functools.partial(_free_callback, self._self_ref, key))
+                self._live[key] = e
+                self._add(e, n)
+                return e.device and not e.host and n > 0
+            grew = False
+            n = self._size(st, t)
+            if n != e.nbytes:  # resized in place (resize_, out= ops)
+                self._add(e, -e.nbytes)
+                e.nbytes = n
+                self._add(e, n)
+                grew = True
+            if cat < e.cat:
+                self._recat(e, cat)
+            return grew
+
+    def _size(self, st: torch.UntypedStorage, t: torch.Tensor) -> int:
+        n = st.nbytes()
+        if self._dev_type == "cuda" and t.device.type == "cuda":
+            n = -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
+        return n
+
+    def _add(self, e: _Entry, n: int) -> None:
+        """Caller holds the lock."""
+        if e.host:
+            self._host_cur += n
+            if self._host_cur > self.host_peak_bytes:
+                self.host_peak_bytes = self._host_cur
+        elif e.device:
+            self._cur[e.cat] += n
+            self.current_bytes += n
+            self._at_peak = False
+            if self._fresh_mods:
+                self._fresh_mods.clear()
+
+    def _recat(self, e: _Entry, cat: int) -> None:
+        with self._lock:
+            if e.device and not e.host:
+                self._cur[e.cat] -= e.nbytes
+                self._cur[cat] += e.nbytes
+                if self._at_peak:
+                    # Nothing was allocated or freed since the peak: this is still the peak's state,
+                    # now better labelled (e.g. a new gradient only becomes p.grad after its op).
+                    self._peak_cats = list(self._cur)
+                for name in self._fresh_mods:
+                    self.module_peak_categories[name] = list(self._cur)
+            e.cat = cat
+
+    def _on_free(self, key: int) -> None:
+        with self._lock:
+            e = self._live.pop(key, None)
+            if e is not None:
+                self._add(e, -e.nbytes)
+
+    def _mark_host(self, t: torch.Tensor) -> None:
+        st = storage(t)
+        if st is None:
+            return
+        with self._lock:
+            e = self._live.get(id(st))
+            if e is None:
+                self._register(t, TEMPORARIES)  # registers as host: the storage is already flagged
+                return
+            if not e.host:
+                self._add(e, -e.nbytes)
+                e.host = True
+                self._add(e, e.nbytes)
+
+    def _check_peak(self) -> None:
+        with self._lock:
+            cur = self.current_bytes
+            if cur > self.peak_bytes:
+                self.peak_bytes = cur
+                self._peak_cats = list(self._cur)
+                self._at_peak = True
+            peaks, cats = self.module_peaks, self.module_peak_categories
+            for name in self._current_mods():
+                if cur > peaks.get(name, 0):
+                    peaks[name] = cur
+                    cats[name] = list(self._cur)
+                    self._fresh_mods.append(name)
