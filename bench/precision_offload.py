@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 from common import fmt_bytes, save  # noqa: E402
 
 from memfit.apply.checkpoint import checkpoint  # noqa: E402
-from memfit.apply.optim_offload import _read_at, _write_at  # noqa: E402
+from memfit.apply.host_io import read_at as _read_at, write_at as _write_at  # noqa: E402
 from memfit.apply.optimizer import TrainingOptimizer  # noqa: E402
 from memfit.core.tracker import track  # noqa: E402
 from memfit.models.gpt import GPT, GPTConfig  # noqa: E402

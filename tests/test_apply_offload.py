@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import memfit
-from memfit.apply import offload
+from memfit.apply import disk_spill, saved_copies
 from memfit.apply.checkpoint import applied, remove
 from memfit.apply.offload import ActivationStore, SpillError, validate_spill_dir
+from memfit.core import spill
 from memfit.core.errors import ConfigError, MemfitError
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -20,7 +21,10 @@ from test_apply_checkpoint import tiny  # noqa: E402
 
 
 def files(folder):
-    return sorted(os.listdir(folder)) if folder is not None and os.path.isdir(folder) else []
+    """Spill files in a spill folder (its owner's lock file aside)."""
+    if folder is None or not os.path.isdir(folder):
+        return []
+    return sorted(f for f in os.listdir(folder) if f != spill.LOCK_NAME)
 
 
 def test_spill_files_private_and_gone_after_a_step(tmp_path):
@@ -78,22 +82,23 @@ def test_spill_files_gone_after_an_exception_in_forward_and_in_backward(tmp_path
 
 def test_spill_folder_checked_before_training(tmp_path, monkeypatch):
     model = tiny()
-    with pytest.raises(ConfigError, match="does not exist"):
-        memfit.checkpoint(model, "full+offload:disk", spill_dir=str(tmp_path / "nope"))
+    memfit.checkpoint(model, "full+offload:disk", spill_dir=str(tmp_path / "new"))  # created when missing
+    assert (tmp_path / "new").is_dir()
+    remove(model)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="is not a directory"):
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
         memfit.checkpoint(model, "full+offload:disk", spill_dir=str(tmp_path / "file"))
 
     def denied(*a, **k):
         raise PermissionError(errno.EACCES, "Permission denied")
 
     with monkeypatch.context() as m:
-        m.setattr(offload.tempfile, "mkdtemp", denied)
+        m.setattr(spill.tempfile, "mkdtemp", denied)
         with pytest.raises(ConfigError, match="is not writable"):
             memfit.checkpoint(model, "full+offload:disk", spill_dir=str(tmp_path))
     with monkeypatch.context() as m:
-        m.setattr(offload.shutil, "disk_usage", lambda p: os.statvfs_result((0,) * 10) and type("U", (), {"free": 10 * 2**20})())
-        with pytest.raises(ConfigError, match="has only 10 MiB free; need at least 256 MiB"):
+        m.setattr(spill.shutil, "disk_usage", lambda p: type("U", (), {"free": 10 * 2**20})())
+        with pytest.raises(ConfigError, match="has only 10.00 MiB free; activation offload needs at least 256.00 MiB"):
             memfit.checkpoint(model, "full+offload:disk", spill_dir=str(tmp_path))
     assert validate_spill_dir(tmp_path) == tmp_path
     assert applied(model) is None  # nothing was applied by the failed calls
@@ -111,12 +116,12 @@ def test_disk_filling_up_mid_step_is_a_clear_error_and_leaves_no_files(tmp_path,
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(offload.os, "open", filling)
+    monkeypatch.setattr(disk_spill.os, "open", filling)
     x = torch.randint(0, 64, (2, 16))
     with pytest.raises(MemfitError, match="is full"):
         _, loss, _ = model(x, x)
         loss.backward()
-    monkeypatch.setattr(offload.os, "open", real_open)
+    monkeypatch.setattr(disk_spill.os, "open", real_open)
     gc.collect()
     # A write still running on a spill thread when its tensor is dropped removes its file as soon as
     # it finishes (a finalizer must not block on it), so allow the spill threads a moment.
@@ -131,9 +136,9 @@ def test_backward_reads_ahead_the_previous_block(tmp_path, monkeypatch):
     model = tiny(dropout=0.0)
     memfit.checkpoint(model, "none+offload:disk", spill_dir=str(tmp_path))
     log = []
-    real_prefetch, real_get = offload._Offloaded.prefetch, offload._Offloaded.get
-    monkeypatch.setattr(offload._Offloaded, "prefetch", lambda self: (log.append(("prefetch", self.group)), real_prefetch(self))[1])
-    monkeypatch.setattr(offload._Offloaded, "get", lambda self: (log.append(("get", self.group)), real_get(self))[1])
+    real_prefetch, real_get = saved_copies.Offloaded.prefetch, saved_copies.Offloaded.get
+    monkeypatch.setattr(saved_copies.Offloaded, "prefetch", lambda self: (log.append(("prefetch", self.group)), real_prefetch(self))[1])
+    monkeypatch.setattr(saved_copies.Offloaded, "get", lambda self: (log.append(("get", self.group)), real_get(self))[1])
     x = torch.randint(0, 64, (2, 16))
     model(x, x)[1].backward()
     first_get = {g: log.index(("get", g)) for g in range(4)}
@@ -184,12 +189,12 @@ def test_trace_predicts_offload_without_io(tmp_path, monkeypatch):
     from memfit.measure.trace import trace_step
     from memfit.models.gpt import GPT, GPTConfig
 
-    monkeypatch.setattr(offload.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(spill.tempfile, "gettempdir", lambda: str(tmp_path))
     build = lambda: GPT(GPTConfig(layers=4, hidden=64, heads=4, vocab=128, seq=64))  # noqa: E731
     none = trace_step(build, 2, 64, checkpoint="none")
     cpu = trace_step(build, 2, 64, checkpoint="none+offload:cpu")
     disk = trace_step(build, 2, 64, checkpoint="full+offload:disk")
     assert cpu.peak < none.peak and cpu.host_peak > 0
     assert disk.peak < none.peak and disk.host_peak == 0
-    spilled = [p for p in tmp_path.rglob("*") if p.is_file()]
+    spilled = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != spill.LOCK_NAME]
     assert spilled == []

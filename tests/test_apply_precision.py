@@ -7,7 +7,9 @@ import torch
 
 from memfit.apply.optimizer import TrainingOptimizer
 from memfit.apply.precision import MODES, PRECISIONS, cast_model, precision_mode
+from memfit.core import tracker
 from memfit.core.errors import ConfigError
+from memfit.measure import formulas, trace
 from memfit.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=32)
@@ -121,8 +123,6 @@ def test_model_state_bytes_match_formulas(precision):
 
     Adam also keeps a 4-byte `step` counter per parameter tensor (torch.optim's implementation); the
     formulas count per-element bytes, so the counters are added here explicitly."""
-    from memfit.measure import formulas
-    from memfit.core import tracker
     model = tiny_gpt()
     opt = TrainingOptimizer(model, "adamw", precision=precision)
     n_tensors = len(list(model.parameters()))
@@ -177,8 +177,16 @@ def test_bad_arguments_are_config_errors():
         TrainingOptimizer(tiny_gpt(), offload="nvme")
     with pytest.raises(ConfigError, match="accepted: sgd"):
         TrainingOptimizer(tiny_gpt(), "lamb")
-    with pytest.raises(ConfigError, match="spill_dir"):
-        TrainingOptimizer(tiny_gpt(), offload="cpu", spill_dir="/tmp")
+    with pytest.raises(ConfigError, match="takes no betas; accepted: lr, momentum"):
+        TrainingOptimizer(tiny_gpt(), "sgd", betas=(0.9, 0.95))
+
+
+def test_spill_dir_is_accepted_whatever_the_optimizer_offload(tmp_path):
+    """One spill folder serves activation and optimizer offload: without optimizer disk offload it
+    is simply not used (nothing is created in it)."""
+    for offload in (None, "cpu"):
+        TrainingOptimizer(tiny_gpt(), offload=offload, spill_dir=str(tmp_path / "spill")).close()
+    assert not (tmp_path / "spill").exists()
 
 
 def test_master_mode_has_no_persistent_fp32_grads():
@@ -222,7 +230,6 @@ def test_no_allocation_trace_predicts_every_mode(precision):
     """The estimator's FakeTensorMode trace runs every mode (fp16's overflow check has no values
     there and is taken as clean) and predicts the real run's model-state bytes exactly and its
     peak within 3%."""
-    from memfit.measure import trace
     from memfit.models.spec import parse_model
 
     spec = parse_model("gpt:layers=2,hidden=64,heads=2,vocab=256,seq=64")

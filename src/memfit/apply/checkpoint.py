@@ -26,7 +26,8 @@ import torch.nn as nn
 from torch.utils import checkpoint as _tc
 
 from memfit.apply import selective
-from memfit.apply.offload import ActivationStore, validate_spill_dir
+from memfit.apply.offload import ActivationStore
+from memfit.core.spill import validate_spill_dir
 from memfit.apply.policy import BlockAction, resolve_policy, segments
 from memfit.core.errors import ConfigError
 
@@ -224,7 +225,7 @@ def checkpoint(
     store = None
     if any(a.offload or a.compress for a in actions):
         if any(a.offload == "disk" for a in actions):
-            validate_spill_dir(spill_dir)
+            validate_spill_dir(spill_dir, purpose="activation offload")
         store = ActivationStore(model, spill_dir=spill_dir)
     for region in segments(actions):
         a = actions[region[0]]

@@ -9,10 +9,17 @@
 Behind it: the precision mode (memfit.apply.precision casts the model), dynamic loss scaling for
 fp16 (memfit.apply.loss_scale), and master weights / optimizer offload (memfit.apply.optim_offload).
 Without master weights and offload the torch optimizer updates the parameters directly.
+
+It is a `torch.optim.Optimizer`, so `torch.optim.lr_scheduler` schedulers drive it: they see one
+param group (all trainable parameters) whose hyperparameters (lr, betas, ...) reach the real update
+in every mode, also when it is streamed over chunk optimizers on the CPU or on disk.
+Optimizer arguments left out take torch's defaults (AdamW: betas (0.9, 0.999), eps 1e-8,
+weight_decay 0.01, lr 1e-3).
 """
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +30,10 @@ from torch._subclasses.fake_tensor import is_fake
 from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overflow_message, warn_overflow
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
+from memfit.apply.torch_optim import (OPTIMIZERS, GroupMirror, make_torch_optimizer, optimizer_class,
+                                      torch_kwargs)
 from memfit.core.errors import ConfigError
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 OFFLOADS = ("none", "cpu", "disk")
 __all__ = ["TrainingOptimizer", "StepResult", "make_torch_optimizer", "PRECISIONS", "OPTIMIZERS", "OFFLOADS"]
 
@@ -42,33 +50,18 @@ class StepResult:
     """Set when fp16 overflows persist: where inf/NaN appeared first, and what to try."""
 
 
-def make_torch_optimizer(name: str, params, lr: float, weight_decay: float = 0.0, **kw: Any) -> torch.optim.Optimizer:
-    name = name.lower()
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=kw.get("momentum", 0.9), weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=kw.get("betas", (0.9, 0.999)), eps=kw.get("eps", 1e-8),
-                                weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=kw.get("betas", (0.9, 0.95)), eps=kw.get("eps", 1e-8),
-                                 weight_decay=weight_decay)
-    raise ConfigError(f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
-
-
 def _value(t: torch.Tensor) -> float | None:
     """A 0-dim tensor's value; None under FakeTensorMode (memory prediction), where there is none."""
     return None if is_fake(t) else float(t)
 
 
-class TrainingOptimizer:
+class TrainingOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         model: nn.Module,
         optimizer: str = "adamw",
-        lr: float = 3e-4,
-        weight_decay: float = 0.0,
+        lr: float | None = None,
+        weight_decay: float | None = None,
         precision: str = "32-true",
         clip: float | None = None,
         offload: str | None = None,
@@ -79,9 +72,13 @@ class TrainingOptimizer:
         keep_grad_files: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
-        """precision: one of PRECISIONS (memfit.apply.precision); the model is cast in place.
+        """optimizer: one of OPTIMIZERS; lr, weight_decay and optimizer_kwargs (betas, eps, momentum,
+            ...) go to the torch optimizer, torch's defaults where left out (None).
+        precision: one of PRECISIONS (memfit.apply.precision); the model is cast in place.
         offload: None / "none" (state beside the model), "cpu" or "disk" (state in host memory or in
-        files under spill_dir, gradients moved off the device during backward).
+            files under spill_dir, gradients moved off the device during backward).
+        spill_dir: the spill root for offload="disk"; accepted (and unused) with other offloads, so
+            one folder can serve activation and optimizer offload alike.
         chunk_bytes: master bytes per streamed chunk (master / offload modes); None: 16 MiB offloaded,
             one tensor at a time on the device.
         loss_scale: LossScaler or its keyword arguments (fp16 modes), e.g. {"hysteresis": 2}.
@@ -94,11 +91,12 @@ class TrainingOptimizer:
             raise ConfigError(f"unknown optimizer offload {offload!r}; accepted: {', '.join(OFFLOADS)}")
         if clip is not None and not clip > 0:
             raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
-        if optimizer.lower() not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
-        if spill_dir is not None and offload != "disk":
-            raise ConfigError(f"spill_dir={spill_dir!r} is only used with offload='disk' (--offload-optimizer disk); "
-                              "drop it or offload to disk")
+        cls = optimizer_class(optimizer)
+        if self.mode.state_dtype == torch.float16 and cls in (torch.optim.Adam, torch.optim.AdamW):
+            # fp16 moments: eps=1e-8 is 0 in fp16 and g*g underflows for |g| < 1e-3, so the update
+            # lr * m / (sqrt(v) + eps) explodes; eps=1e-4 keeps it bounded (the usual fp16 Adam fix).
+            optimizer_kwargs.setdefault("eps", 1e-4)
+        kwargs = torch_kwargs(optimizer, lr, weight_decay, optimizer_kwargs)  # checked before casting
         self.model, self.clip, self.offload = model, clip, offload
         cast_model(model, self.mode)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -106,10 +104,6 @@ class TrainingOptimizer:
             raise ConfigError(f"{type(model).__name__} has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.device_type = self.params[0].device.type
-        if self.mode.state_dtype == torch.float16 and optimizer.lower() in ("adam", "adamw"):
-            # fp16 moments: eps=1e-8 is 0 in fp16 and g*g underflows for |g| < 1e-3, so the update
-            # lr * m / (sqrt(v) + eps) explodes; eps=1e-4 keeps it bounded (the usual fp16 Adam fix).
-            optimizer_kwargs.setdefault("eps", 1e-4)
 
         self.scaler: LossScaler | None = None
         if self.mode.loss_scaling:
@@ -117,24 +111,61 @@ class TrainingOptimizer:
         self._locator: InfNanLocator | None = None
 
         def make(ps):
-            return make_torch_optimizer(optimizer, ps, lr, weight_decay, **optimizer_kwargs)
+            return cls(ps, **kwargs)
 
         self.optimizer: torch.optim.Optimizer | None = None
         self.streamed: StreamedOptimizer | None = None
+        self._mirror: GroupMirror | None = None
         if self.mode.master_dtype is not None or offload:
             self.streamed = StreamedOptimizer(
-                self.params, make, self.mode.state_dtype, offload or "device", spill_dir, chunk_bytes,
+                self.params, make, self.mode.state_dtype, offload or "device",
+                spill_dir if offload == "disk" else None, chunk_bytes,
                 check_finite=self.scaler is not None, keep_grad_files=keep_grad_files,
             )
+            streamed = self.streamed
+            self._mirror = GroupMirror(self.params, lambda: streamed.param_groups)
+            defaults = self.streamed.chunks[0].optimizer.defaults
         else:
             self.optimizer = make(self.params)
+            defaults = self.optimizer.defaults
+        self._init_torch_optimizer(defaults)
 
-    # ------------------------------------------------------------------ training-loop interface
+    def _init_torch_optimizer(self, defaults: dict) -> None:
+        """What torch.optim.Optimizer.__init__ sets up, except param_groups and state, which are the
+        wrapped optimizer's (see the properties below): defaults and the step/state-dict hooks."""
+        self.defaults = defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()  # step() runs registered step hooks, as a torch optimizer's does
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer interface
     @property
     def param_groups(self) -> list[dict]:
-        """The torch param groups (several when streamed in chunks); set "lr" on each for a schedule."""
-        return self.streamed.param_groups if self.streamed else self.optimizer.param_groups
+        """One group of all trainable parameters (the wrapped torch optimizer's own group, or one that
+        stands for the chunk optimizers' groups). Changing "lr" (or any hyperparameter) here, by hand
+        or through a torch.optim.lr_scheduler, changes the next update."""
+        return [self._mirror.group] if self._mirror is not None else self.optimizer.param_groups
 
+    @property
+    def state(self) -> dict:
+        """Per-parameter optimizer state held in memory (keyed by the master weight when streamed)."""
+        if self.streamed is None:
+            return self.optimizer.state
+        return {m: s for c in self.streamed.chunks for m, s in c.optimizer.state.items()}
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ConfigError("TrainingOptimizer trains every parameter of its model that requires grad; "
+                          "make a new TrainingOptimizer instead of adding a param group")
+
+    def _push_hyperparameters(self) -> None:
+        if self._mirror is not None:
+            self._mirror.push()
+
+    # ------------------------------------------------------------------ training-loop interface
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.mode, self.device_type)
 
@@ -143,10 +174,13 @@ class TrainingOptimizer:
 
         final: this is the last micro-batch before step(). With optimizer offload (and no clipping
         or fp16 loss scaling, which need every gradient before any update) the update of each chunk
-        then starts on a worker thread as soon as backward has produced all of its gradients."""
+        then starts on a worker thread as soon as backward has produced all of its gradients, with the
+        hyperparameters (lr, ...) param_groups hold when backward starts: set them before it, as a
+        scheduler stepped after step() does."""
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
         if self.streamed is not None:
+            self._push_hyperparameters()  # chunks may be updated during this backward
             self.streamed.begin_backward(final and self.clip is None and self.scaler is None)
         try:
             loss.backward()
@@ -154,7 +188,12 @@ class TrainingOptimizer:
             if self.streamed is not None:
                 self.streamed.end_backward()
 
-    def step(self) -> StepResult:
+    def step(self, closure: None = None) -> StepResult:
+        """Check fp16 overflow, unscale, clip, update, zero the gradients. (closure: not supported;
+        present for torch.optim.Optimizer's signature.)"""
+        if closure is not None:
+            raise ConfigError("TrainingOptimizer.step() takes no closure; run forward and backward() first")
+        self._push_hyperparameters()
         scale = self.scaler.scale if self.scaler is not None else None
         if self.scaler is not None:
             finite, bad = self._grads_finite()
@@ -186,7 +225,8 @@ class TrainingOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(stepped=True, grad_norm=norm, loss_scale=scale)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients (always set to None: offloaded gradients have no tensor to zero)."""
         if self.streamed is not None:
             self.streamed.discard_grads()
         else:
@@ -242,6 +282,7 @@ class TrainingOptimizer:
         """Plain containers and tensors only (loads with torch.load(weights_only=True))."""
         state: dict[str, Any] = {"precision": self.precision, "offload": self.offload or "none"}
         if self.streamed is not None:
+            self._push_hyperparameters()  # the chunk groups carry lr & co. into the checkpoint
             state["streamed"] = self.streamed.state_dict()
         else:
             state["optimizer"] = self.optimizer.state_dict()
@@ -258,6 +299,7 @@ class TrainingOptimizer:
             if "streamed" not in state:
                 raise ConfigError("optimizer checkpoint has no master weights; resume with the precision it was written with")
             self.streamed.load_state_dict(state["streamed"])
+            self._mirror.pull()
         else:
             if "optimizer" not in state:
                 raise ConfigError("optimizer checkpoint holds master/offloaded state; resume with the same precision and offload")

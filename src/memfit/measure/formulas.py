@@ -18,9 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from memfit.apply.precision import PRECISIONS  # the one list of precision names
 from memfit.core.errors import ConfigError
-
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16-master", "16-master")
 
 # Per-parameter state tensors each optimizer keeps (torch.optim's implementations).
 OPTIMIZER_STATES = {
