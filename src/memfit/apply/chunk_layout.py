@@ -12,8 +12,8 @@ stays in RAM (`small`).
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memfit.apply.host_io import host_empty
 
@@ -68,7 +68,7 @@ def _source(c: Chunk, masters: list[nn.Parameter], i: int, key: str) -> torch.Te
 
 def pack(c: Chunk, masters: list[nn.Parameter]) -> torch.Tensor:
     """A fresh host buffer holding chunk c's masters and state, laid out as c.layout says."""
-    buf = host_empty(c.nbytes, torch.uint8, masters[0])
+    buf = host_empty(c.nbytes, like=masters[c.idx[0]])
     for i, key, dtype, shape, off in c.layout:
         slot(buf, off, dtype, shape).copy_(_source(c, masters, i, key).detach())
     return buf

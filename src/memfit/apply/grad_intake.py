@@ -70,7 +70,7 @@ class GradIntake:
             return
         # cpu: no copy when the gradient already is a CPU tensor of the master dtype: it is handed over.
         if g.device.type != "cpu" or g.dtype != self.master_dtype:
-            g = host_empty(g.numel(), self.master_dtype, self.params[0]).view(g.shape).copy_(g)
+            g = host_empty(g.numel(), self.master_dtype, like=g).view(g.shape).copy_(g)
         mark_host(g)
         self._check(i, g)
         acc = self.host_grads.get(i)

@@ -1,8 +1,10 @@
 """Host buffers and whole-buffer file I/O for optimizer offload.
 
-Host staging buffers are host copies to memory trackers from birth (core.host), so a tracker does
-not count them as device bytes (on CPU training host and device are the same RAM).
-Reads and writes move a tensor's bytes with pread/pwrite, no copy, and are timed in `IOStats`.
+Host staging buffers are host copies to a memory tracker from birth (memfit.core.host), so it
+does not count them as device bytes (on CPU training host and device are the same RAM). They are
+made like a tensor of the run, so under FakeTensorMode (the estimate traces offload too) they are
+fake and reads and writes move no data. Reads and writes move a tensor's bytes with pread/pwrite,
+no copy, and are timed in `IOStats`.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from memfit.core.tracker import host_empty as _core_host_empty
+from memfit.core import host
 
 
 @dataclass
@@ -46,7 +48,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def write_at(fd: int, t: torch.Tensor, offset: int) -> int:
-    if is_fake(t):  # memory prediction (FakeTensorMode): no data to move
+    if is_fake(t):  # memory prediction: no data to move
         return t.numel() * t.element_size()
     view, done = as_bytes(t), 0
     while done < len(view):
@@ -79,9 +81,9 @@ def timed_read(io: IOStats, fd: int, buf: torch.Tensor) -> None:
 
 
 def host_empty(n: int, dtype: torch.dtype = torch.uint8, like: torch.Tensor | None = None) -> torch.Tensor:
-    """A host staging buffer of n elements, a host copy for memory trackers from birth; a fake
-    tensor when `like` (a parameter of the run) is one, so the estimate traces offload too."""
-    return _core_host_empty(n, dtype, like)
+    """A host staging buffer of n elements, a host copy for the memory tracker from birth; a fake
+    tensor when `like` (a tensor of the run) is one, on any thread."""
+    return host.host_empty(n, dtype, like)
 
 
 class BufferPool:
@@ -100,7 +102,7 @@ class BufferPool:
             if fits:
                 best = self._free.pop(min(fits, key=lambda j: self._free[j].numel()))
                 return best[:n]
-        return host_empty(n, torch.uint8, self.like)
+        return host_empty(n, like=self.like)
 
     def release(self, buf: torch.Tensor) -> None:
         base = buf if buf._base is None else buf._base

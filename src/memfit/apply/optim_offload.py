@@ -74,7 +74,7 @@ class StreamedOptimizer:
         self.params, self.where, self.master_dtype = params, where, master_dtype
         self.keep_grad_files = keep_grad_files
         self.io = IOStats()
-        self.buffers = BufferPool(like=params[0] if params else None)
+        self.buffers = BufferPool(like=params[0])
         self.files: ChunkFiles | None = None
         self.intake: GradIntake | None = None
         self._pool: ThreadPoolExecutor | None = None
