@@ -57,3 +57,21 @@ def test_missing_checkpoint_is_a_config_error(tmp_path):
 
 class _Unsafe:
     pass
+
+
+def test_memfit_train_stays_callable_after_submodule_imports():
+    import memfit
+    import memfit.train.loop  # rebinds memfit.train to the package
+
+    assert memfit.TrainConfig is memfit.train.loop.TrainConfig
+    assert callable(memfit.train)
+    from memfit.train.loop import train as loop_train
+
+    calls = []
+    orig = memfit.train.loop.train
+    memfit.train.loop.train = lambda *a, **k: calls.append((a, k)) or "ran"
+    try:
+        assert memfit.train("cfg", progress=False) == "ran"
+    finally:
+        memfit.train.loop.train = orig
+    assert calls == [(("cfg",), {"progress": False})] and loop_train is orig
