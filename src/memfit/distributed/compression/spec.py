@@ -117,9 +117,10 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
 
 
 _WHY_NOT = {
-    "zero3": "zero3 shards the parameters and reduce-scatters each gradient inside FSDP's per-block "
-             "gather/reshard pipeline, which has no hook for a compressed exchange and keeps no "
-             "full gradient for error feedback; use ddp, zero1 or zero2",
+    "zero3": "zero3 reduce-scatters each block's gradients inside its gather/free pipeline as "
+             "backward produces them and frees the full gradient at once; error feedback needs a "
+             "full-size residual per rank (the memory zero3 exists to remove) and that pipeline has "
+             "no point to exchange a compressed payload; use ddp, zero1 or zero2",
     "tensor": "tensor parallelism splits each layer's weights over ranks, so no rank holds a full "
               "gradient to compress and its collectives carry activations, not gradients; use ddp, "
               "zero1 or zero2 (or compress only the data-parallel dimension there)",
