@@ -7,8 +7,6 @@
 The hooks finish their collectives before returning (an already-completed Future), which keeps
 encode and decode times measurable and the order of collectives identical on every rank.
 """
-from __future__ import annotations
-
 import time
 
 import torch
@@ -26,13 +24,13 @@ def _bucket_key(bucket) -> int:
     return hash(tuple(id(p) for p in bucket.parameters()))
 
 
-def compression_hook(state: CompressionState, bucket) -> torch.futures.Future:
+def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's gradients averaged over ranks through `state`'s compressor."""
     buf = bucket.buffer()
     buf.copy_(state.exchange(buf, _bucket_key(bucket)))
     if bucket.is_last():
         state.end_step()
-    fut: torch.futures.Future = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut
 
@@ -53,7 +51,7 @@ class TorchPowerSGDState:
         return out
 
 
-def torch_powersgd_hook(state: TorchPowerSGDState, bucket) -> torch.futures.Future:
+def torch_powersgd_hook(state: TorchPowerSGDState, bucket) -> torch.futures.Future[torch.Tensor]:
     world = dist.get_world_size(state.group)
     grads = bucket.gradients()
     state.traffic.uncompressed += allreduce_bytes(bucket.buffer().numel() * bucket.buffer().element_size(), world)

@@ -53,7 +53,9 @@ class CompressionState:
         Every rank must call it with buffers of the same length in the same order (a collective)."""
         world, n = self.world, flat.numel()
         self.traffic.uncompressed += allreduce_bytes(n * flat.element_size(), world)
-        step = self.calls[key]
+        # Steps seen by this buffer, or completed steps when the caller reports them (DDP renames its
+        # buckets once, when it rebuilds them after step 1, which restarts a per-buffer count).
+        step = max(self.calls[key], self.steps)
         self.calls[key] += 1
         if self.powersgd is not None:
             t0 = time.perf_counter()
