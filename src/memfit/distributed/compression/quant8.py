@@ -42,13 +42,13 @@ class Int8:
     exchange = "gather"
 
     def __init__(self, chunk: int = 1024, stochastic: bool = False, seed: int = 0) -> None:
-        self.chunk = chunk
-        self.generator = None
-        if stochastic:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(seed)
+        self.chunk, self.stochastic, self.seed = chunk, stochastic, seed
+        self.generator: torch.Generator | None = None
 
     def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+        if self.stochastic and (self.generator is None or self.generator.device != x.device):
+            self.generator = torch.Generator(device=x.device)  # on x's device: CUDA noise needs a CUDA generator
+            self.generator.manual_seed(self.seed)
         return encode_int8(x, self.chunk, self.generator)
 
     def decode(self, parts: list[torch.Tensor], numel: int) -> torch.Tensor:
