@@ -29,8 +29,8 @@ class Cast:
     def __init__(self, name: str) -> None:
         self.name, self.dtype = name, DTYPES[name]
 
-    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+    def encode(self, x: torch.Tensor, step: int, sizes=None) -> list[torch.Tensor]:
         return encode_cast(x, self.dtype)
 
-    def decode(self, parts: list[torch.Tensor], numel: int) -> torch.Tensor:
+    def decode(self, parts: list[torch.Tensor], numel: int, sizes=None) -> torch.Tensor:
         return decode_cast(parts, numel)

@@ -27,7 +27,8 @@ def _bucket_key(bucket) -> int:
 def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's gradients averaged over ranks through `state`'s compressor."""
     buf = bucket.buffer()
-    buf.copy_(state.exchange(buf, _bucket_key(bucket)))
+    sizes = [g.numel() for g in bucket.gradients()]  # per-tensor groups (layout.py)
+    buf.copy_(state.exchange(buf, _bucket_key(bucket), sizes))
     if bucket.is_last():
         state.end_step()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

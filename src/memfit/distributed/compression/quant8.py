@@ -2,39 +2,37 @@
 
 Code = round(x / scale) with scale = absmax / 127 over the chunk, so |x - decoded| <= scale / 2.
 Stochastic rounding (floor(x / scale + u), u ~ U[0, 1)) makes the decoded value unbiased,
-E[decoded] = x, at twice the worst-case error. Wire: 1 byte per element + 4 bytes per chunk.
+E[decoded] = x, at twice the worst-case error. Chunks never straddle two tensors of a bucket
+(layout.py). Wire: 1 byte per element + 4 bytes per chunk.
 """
 from __future__ import annotations
 
 import torch
 
+from memfit.distributed.compression.layout import group_ids, sizes_or_whole
+
 LEVELS = 127
 
 
-def _chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    pad = (-x.numel()) % chunk
-    return torch.nn.functional.pad(x, (0, pad)).view(-1, chunk)
-
-
-def encode_int8(x: torch.Tensor, chunk: int, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+def encode_int8(x: torch.Tensor, chunk: int, generator: torch.Generator | None = None, sizes=None) -> list[torch.Tensor]:
     """[int8 codes (numel), fp32 scales (one per chunk)]. generator: stochastic rounding."""
-    blocks = _chunked(x.float(), chunk)
-    scales = blocks.abs().amax(dim=1) / LEVELS
+    x = x.float()
+    ids, counts = group_ids(sizes_or_whole(sizes, x.numel()), chunk, x.device)
+    scales = torch.zeros(counts.numel(), device=x.device).scatter_reduce_(0, ids, x.abs(), "amax") / LEVELS
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scaled = blocks / safe[:, None]
+    scaled = x / safe[ids]
     if generator is None:
         codes = torch.round(scaled)
     else:
         noise = torch.rand(scaled.shape, generator=generator, device=scaled.device)
         codes = torch.floor(scaled + noise)
-    codes = codes.clamp_(-LEVELS, LEVELS).to(torch.int8).view(-1)[: x.numel()]
-    return [codes, scales]
+    return [codes.clamp_(-LEVELS, LEVELS).to(torch.int8), scales]
 
 
-def decode_int8(parts: list[torch.Tensor], numel: int, chunk: int) -> torch.Tensor:
+def decode_int8(parts: list[torch.Tensor], numel: int, chunk: int, sizes=None) -> torch.Tensor:
     codes, scales = parts
-    out = _chunked(codes.float(), chunk) * scales[:, None]
-    return out.view(-1)[:numel]
+    ids, _ = group_ids(sizes_or_whole(sizes, numel), chunk, codes.device)
+    return codes.float() * scales[ids]
 
 
 class Int8:
@@ -45,11 +43,11 @@ class Int8:
         self.chunk, self.stochastic, self.seed = chunk, stochastic, seed
         self.generator: torch.Generator | None = None
 
-    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+    def encode(self, x: torch.Tensor, step: int, sizes=None) -> list[torch.Tensor]:
         if self.stochastic and (self.generator is None or self.generator.device != x.device):
             self.generator = torch.Generator(device=x.device)  # on x's device: CUDA noise needs a CUDA generator
             self.generator.manual_seed(self.seed)
-        return encode_int8(x, self.chunk, self.generator)
+        return encode_int8(x, self.chunk, self.generator, sizes)
 
-    def decode(self, parts: list[torch.Tensor], numel: int) -> torch.Tensor:
-        return decode_int8(parts, numel, self.chunk)
+    def decode(self, parts: list[torch.Tensor], numel: int, sizes=None) -> torch.Tensor:
+        return decode_int8(parts, numel, self.chunk, sizes)

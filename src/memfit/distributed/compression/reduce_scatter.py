@@ -1,7 +1,7 @@
 """Compressed reduce-scatter for ZeRO-2 (and ZeRO-1's gradient reduction).
 
     state = CompressionState("topk:0.01", group)         # one per gradient stream, kept across steps
-    shard = compressed_reduce_scatter(flat_grad, group, state, key=bucket_id)
+    shard = compressed_reduce_scatter(flat_grad, group, state, key=bucket_id, sizes=param_numels)
     ...                                                     # after the optimizer step:
     state.end_step()
 
@@ -26,15 +26,19 @@ from memfit.core.errors import ConfigError
 from memfit.distributed.compression.state import CompressionState
 
 
-def compressed_reduce_scatter(flat_grad: torch.Tensor, group, state: CompressionState, key=0) -> torch.Tensor:
-    """This rank's shard (numel / N elements, flat_grad's dtype) of the mean of all ranks' flat_grad."""
+def compressed_reduce_scatter(flat_grad: torch.Tensor, group, state: CompressionState, key=0,
+                              sizes: list[int] | None = None) -> torch.Tensor:
+    """This rank's shard (numel / N elements, flat_grad's dtype) of the mean of all ranks' flat_grad.
+
+    sizes: the lengths of the parameters laid out in flat_grad (padding may be its own entry), so
+    top-k budgets and int8/sign scales stay within one tensor; None treats the buffer as one."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if flat_grad.dim() != 1:
         raise ConfigError(f"compressed_reduce_scatter takes a flat 1-D gradient, got shape {tuple(flat_grad.shape)}")
     if flat_grad.numel() % world:
         raise ConfigError(f"compressed_reduce_scatter: {flat_grad.numel()} elements do not split evenly over "
                           f"{world} ranks; pad the flat buffer to a multiple of the world size")
-    full = state.exchange(flat_grad, key)
+    full = state.exchange(flat_grad, key, sizes)
     # uncompressed baseline for ZeRO is a reduce-scatter, not an all-reduce: half the bytes
     state.traffic.uncompressed -= flat_grad.numel() * flat_grad.element_size() * (world - 1) // world
     return full.chunk(world)[rank].clone()

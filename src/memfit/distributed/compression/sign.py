@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from memfit.distributed.compression.layout import group_ids, sizes_or_whole
+
 _BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
 
@@ -21,23 +23,19 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return (packed[:, None] & _BITS.to(packed.device)).ne(0).view(-1)[:numel]
 
 
-def _chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, (-x.numel()) % chunk)).view(-1, chunk)
-
-
-def encode_sign(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    """[packed sign bits (uint8), fp32 mean |x| per chunk]."""
-    n = x.numel()
-    sums = _chunked(x.float().abs(), chunk).sum(dim=1)
-    counts = torch.full_like(sums, chunk)
-    counts[-1] = n - chunk * (sums.numel() - 1)  # the last chunk may be short
+def encode_sign(x: torch.Tensor, chunk: int, sizes=None) -> list[torch.Tensor]:
+    """[packed sign bits (uint8), fp32 mean |x| per chunk]; chunks stay within one tensor."""
+    x = x.float()
+    ids, counts = group_ids(sizes_or_whole(sizes, x.numel()), chunk, x.device)
+    sums = torch.zeros(counts.numel(), device=x.device).index_add_(0, ids, x.abs())
     return [pack_bits(x >= 0), sums / counts]
 
 
-def decode_sign(parts: list[torch.Tensor], numel: int, chunk: int) -> torch.Tensor:
+def decode_sign(parts: list[torch.Tensor], numel: int, chunk: int, sizes=None) -> torch.Tensor:
     packed, scales = parts
+    ids, _ = group_ids(sizes_or_whole(sizes, numel), chunk, packed.device)
     signs = unpack_bits(packed, numel).float() * 2 - 1
-    return (_chunked(signs, chunk) * scales[:, None]).view(-1)[:numel]
+    return signs * scales[ids]
 
 
 class Sign:
@@ -47,8 +45,8 @@ class Sign:
     def __init__(self, chunk: int = 1024) -> None:
         self.chunk = chunk
 
-    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
-        return encode_sign(x, self.chunk)
+    def encode(self, x: torch.Tensor, step: int, sizes=None) -> list[torch.Tensor]:
+        return encode_sign(x, self.chunk, sizes)
 
-    def decode(self, parts: list[torch.Tensor], numel: int) -> torch.Tensor:
-        return decode_sign(parts, numel, self.chunk)
+    def decode(self, parts: list[torch.Tensor], numel: int, sizes=None) -> torch.Tensor:
+        return decode_sign(parts, numel, self.chunk, sizes)

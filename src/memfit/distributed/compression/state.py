@@ -47,10 +47,12 @@ class CompressionState:
     def end_step(self) -> None:
         self.steps += 1
 
-    def exchange(self, flat: torch.Tensor, key=0) -> torch.Tensor:
+    def exchange(self, flat: torch.Tensor, key=0, sizes=None) -> torch.Tensor:
         """The mean over ranks of every rank's `flat` (1-D), compressed on the wire; flat's dtype.
 
-        Every rank must call it with buffers of the same length in the same order (a collective)."""
+        sizes: lengths of the tensors concatenated in `flat` (top-k budgets and int8/sign scales
+        stay within one tensor); None = one tensor. Every rank must call it with buffers of the
+        same length and sizes in the same order (it is a collective)."""
         world, n = self.world, flat.numel()
         self.traffic.uncompressed += allreduce_bytes(n * flat.element_size(), world)
         # Steps seen by this buffer, or completed steps when the caller reports them (DDP renames its
@@ -64,12 +66,12 @@ class CompressionState:
             return out.to(flat.dtype)
         if self.codec.exchange == "allreduce":
             return self._allreduce(flat, key, step, world)
-        return self._gather(flat, key, step, world)
+        return self._gather(flat, key, step, world, sizes)
 
-    def _encode(self, x: torch.Tensor, key, step: int, scale: float = 1.0) -> list[torch.Tensor]:
-        parts = self.codec.encode(x if scale == 1.0 else x / scale, step)
+    def _encode(self, x: torch.Tensor, key, step: int, scale: float = 1.0, sizes=None) -> list[torch.Tensor]:
+        parts = self.codec.encode(x if scale == 1.0 else x / scale, step, sizes)
         if self.feedback is not None:
-            sent = self.codec.decode(parts, x.numel())
+            sent = self.codec.decode(parts, x.numel(), sizes)
             self.feedback.update(key, x, sent if scale == 1.0 else sent * scale)
         return parts
 
@@ -78,15 +80,15 @@ class CompressionState:
             return self.feedback.corrected(key, flat)
         return flat.detach().float()
 
-    def _gather(self, flat: torch.Tensor, key, step: int, world: int) -> torch.Tensor:
+    def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes) -> torch.Tensor:
         t0 = time.perf_counter()
-        parts = self._encode(self._corrected(flat, key), key, step)
+        parts = self._encode(self._corrected(flat, key), key, step, sizes=sizes)
         t1 = time.perf_counter()
         gathered = gather_parts(parts, self.group, self.traffic)
         t2 = time.perf_counter()
-        total = self.codec.decode(gathered[0], flat.numel()).clone()
+        total = self.codec.decode(gathered[0], flat.numel(), sizes).clone()
         for p in gathered[1:]:  # rank order, so every rank computes the same bits
-            total += self.codec.decode(p, flat.numel())
+            total += self.codec.decode(p, flat.numel(), sizes)
         out = (total / world).to(flat.dtype)
         self.encode_s += t1 - t0
         self.decode_s += time.perf_counter() - t2

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from memfit.distributed.compression.layout import offsets, sizes_or_whole
+
 VALUE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WARMUP_START = 0.25
 """DGC's warm-up starts at 25% density and decays exponentially to the target ratio."""
@@ -33,6 +35,16 @@ def encode_topk(x: torch.Tensor, k: int, value_dtype: torch.dtype = torch.bfloat
     return [x[idx].to(value_dtype), idx.to(torch.int32)]
 
 
+def encode_topk_per_segment(x: torch.Tensor, ratio: float, sizes, value_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Top-k within each segment (one per tensor: DGC's layer-wise selection), k = ceil(ratio n)."""
+    sizes = sizes_or_whole(sizes, x.numel())
+    if len(sizes) == 1:
+        return encode_topk(x, k_for(x.numel(), ratio), value_dtype)
+    idx = torch.cat([torch.topk(x[o:o + n].abs(), k_for(n, ratio), sorted=False).indices + o
+                     for o, n in zip(offsets(sizes), sizes)])
+    return [x[idx].to(value_dtype), idx.to(torch.int32)]
+
+
 def decode_topk(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
     values, idx = parts
     out = torch.zeros(numel, dtype=torch.float32, device=values.device)
@@ -47,8 +59,8 @@ class TopK:
     def __init__(self, ratio: float, value_dtype: str = "bf16", warmup: int = 0) -> None:
         self.ratio, self.value_dtype, self.warmup = ratio, VALUE_DTYPES[value_dtype], warmup
 
-    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
-        return encode_topk(x, k_for(x.numel(), ratio_at(step, self.ratio, self.warmup)), self.value_dtype)
+    def encode(self, x: torch.Tensor, step: int, sizes=None) -> list[torch.Tensor]:
+        return encode_topk_per_segment(x, ratio_at(step, self.ratio, self.warmup), sizes, self.value_dtype)
 
-    def decode(self, parts: list[torch.Tensor], numel: int) -> torch.Tensor:
+    def decode(self, parts: list[torch.Tensor], numel: int, sizes=None) -> torch.Tensor:
         return decode_topk(parts, numel)
