@@ -15,7 +15,7 @@ from memfit.distributed.compression.powersgd import square_side
 from memfit.distributed.compression.quant8 import decode_int8, encode_int8
 from memfit.distributed.compression.registry import make_codec
 from memfit.distributed.compression.sign import decode_sign, encode_sign, pack_bits, unpack_bits
-from memfit.distributed.compression.topk import decode_topk, encode_topk, k_for, ratio_at
+from memfit.distributed.compression.topk import decode_topk, encode_topk, encode_topk_per_segment, k_for, ratio_at
 
 FAST = settings(max_examples=40, deadline=None)
 floats = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=32)
@@ -202,3 +202,23 @@ def test_strategies_that_carry_compression():
 
 def test_square_side():
     assert [square_side(n) for n in (1, 4, 5, 100, 101)] == [1, 2, 3, 10, 11]
+
+
+@FAST
+@given(st.lists(st.integers(1, 80), min_size=1, max_size=6), st.integers(1, 40), st.integers(0, 1000))
+def test_groups_never_straddle_tensors(sizes, chunk, seed):
+    """Per-tensor top-k budgets and scales: a tensor of tiny gradients next to a huge one keeps its
+    own share of the top-k and its own int8/sign scales."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=gen) * 10.0 ** (3 * (i % 2)) for i, n in enumerate(sizes)]
+    x = torch.cat(parts)
+    topk = decode_topk(encode_topk_per_segment(x, 0.3, sizes, torch.float32), x.numel())
+    for seg, n in zip(topk.split(sizes), sizes):
+        assert int((seg != 0).sum()) == k_for(n, 0.3)  # randn values are never exactly 0
+    for seg, orig in zip(decode_sign(encode_sign(x, chunk, sizes), x.numel(), chunk, sizes).split(sizes), parts):
+        for a, b in zip(orig.split(chunk), seg.split(chunk)):
+            assert torch.allclose(b.abs(), a.abs().mean().expand_as(b), rtol=1e-5)
+    q = decode_int8(encode_int8(x, chunk, None, sizes), x.numel(), chunk, sizes)
+    for seg, orig in zip(q.split(sizes), parts):
+        for a, b in zip(orig.split(chunk), seg.split(chunk)):
+            assert ((a - b).abs() <= a.abs().max() / 254 * (1 + 1e-5)).all()

@@ -140,8 +140,8 @@ def test_first_step_gradient_matches_the_exact_mean(ranks, spec, min_cos):
     step = 2 if spec.startswith("powersgd") else 0
     got, exact = ranks[0][spec]["grads"][step], ranks[0]["exact"][step]
     assert _cos(got, exact) >= min_cos
-    if spec == "topk:0.01":  # at most 1% per rank per bucket (rounded up) is non-zero
-        assert int((got != 0).sum()) <= WORLD * (exact.numel() // 100 + 2)
+    if spec == "topk:0.01":  # at most 1% of each of the 4 tensors (rounded up) per rank is non-zero
+        assert int((got != 0).sum()) <= WORLD * (exact.numel() // 100 + 4)
 
 
 @pytest.mark.parametrize("spec, at_least, at_most", [
