@@ -1,6 +1,7 @@
 """The collectives that move compressed gradients, with the bytes each rank sends counted at the call.
 
-Only collectives that both gloo and NCCL support are used: all_gather_into_tensor of one packed
+Only collectives that both gloo and NCCL support are used: all_gather_single (formerly
+all_gather_into_tensor) of one packed
 uint8 payload per rank (top-k, int8, sign), and all_reduce in the wire dtype (casts, PowerSGD's
 P and Q, which are linear and so can be summed exactly as sent).
 
@@ -34,6 +35,10 @@ class Traffic:
         return self.uncompressed / self.sent if self.sent else float("nan")
 
 
+# all_gather_into_tensor was renamed all_gather_single (the old name warns in newer torch)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def allreduce_bytes(nbytes: int, world: int) -> int:
     return 2 * nbytes * (world - 1) // world
 
@@ -63,7 +68,7 @@ def gather_parts(parts: list[torch.Tensor], group, traffic: Traffic) -> list[lis
     world = dist.get_world_size(group)
     buf = pack(parts)
     out = torch.empty(world * buf.numel(), dtype=torch.uint8, device=buf.device)
-    dist.all_gather_into_tensor(out, buf, group=group)
+    _all_gather_flat(out, buf, group=group)
     traffic.add("all_gather", allgather_bytes(buf.numel(), world))
     return [unpack(chunk, parts) for chunk in out.chunk(world)]
 
