@@ -1,9 +1,8 @@
 """The collectives that move compressed gradients, with the bytes each rank sends counted at the call.
 
 Only collectives that both gloo and NCCL support are used: all_gather_single (formerly
-all_gather_into_tensor) of one packed
-uint8 payload per rank (top-k, int8, sign), and all_reduce in the wire dtype (casts, PowerSGD's
-P and Q, which are linear and so can be summed exactly as sent).
+all_gather_into_tensor) of one packed uint8 payload per rank (top-k, int8, sign), and all_reduce
+in the wire dtype (casts, PowerSGD's P and Q, which are linear and so can be summed as sent).
 
 Bytes sent per rank are the ring algorithm's volumes for the tensor handed to the collective:
 all_gather of B bytes per rank sends B * (N - 1); all_reduce of B bytes sends 2 * B * (N - 1) / N
