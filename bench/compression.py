@@ -38,7 +38,7 @@ from memfit.train.loop import evaluate, lr_at  # noqa: E402
 
 NAME = "compression"
 MODEL = "gpt:layers=2,hidden=128,heads=4,vocab=256,seq=64"
-BATCH, SEQ, LR, WARMUP, WORLD = 8, 64, 2e-3, 20, 2
+BATCH, SEQ, LR, WARMUP, CLIP, WORLD = 8, 64, 2e-3, 20, 1.0, 2  # lr, warm-up, clip: the default job's
 COMPRESSORS = ["none", "topk:0.01", "topk:0.001", "sign", "int8", "bf16", "powersgd:4", "powersgd:4,batched"]
 TARGETS = {"topk:0.01": (50, 0.02), "sign": (25, 0.03), "int8": (3.5, 0.005)}
 """compressor: (at least this many times fewer bytes, final val loss within this fraction)."""
@@ -50,7 +50,7 @@ class Contender:
         torch.manual_seed(0)  # same initial weights for every compressor and rank
         self.spec = spec
         self.model = parse_model(model_spec).build(seq=SEQ)
-        self.opt = TrainingOptimizer(self.model, "adamw", lr=LR)
+        self.opt = TrainingOptimizer(self.model, "adamw", lr=LR, clip=CLIP)
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
         self.state = register_compression(self.ddp, spec)
         self.sampler = WindowSampler(corpus.train, BATCH, SEQ, seed=1 + rank)  # same data per compressor
@@ -123,7 +123,8 @@ def summarize(ranks: list[list[dict]]) -> list[dict]:
         if row["compressor"] in TARGETS:
             fewer, within = TARGETS[row["compressor"]]
             row["target"] = {"ratio_at_least": fewer, "loss_within": within,
-                             "met": bool(row["ratio"] >= fewer and abs(row["val_vs_none"]) <= within)}
+                             # one-sided: a lower loss than uncompressed is within any margin
+                             "met": bool(row["ratio"] >= fewer and row["val_vs_none"] <= within)}
         rows.append(row)
     return rows
 
@@ -172,7 +173,7 @@ def main() -> None:
               f"coding {100 * r['coding_share']:.1f}% of step, val {r['final_val_loss']:.4f} "
               f"({100 * r['val_vs_none']:+.2f}%)")
     path = save(NAME, {"model": args.model, "batch_per_rank": BATCH, "seq": SEQ, "world": WORLD, "steps": args.steps,
-                       "optimizer": f"AdamW lr {LR} (warm-up {WARMUP}, cosine)", "threads_per_rank": 1,
+                       "optimizer": f"AdamW lr {LR} (warm-up {WARMUP}, cosine), clip {CLIP}", "threads_per_rank": 1,
                        "load_avg": [load_before, os.getloadavg()[0]], "wall_s": wall, "rows": rows})
     print(f"wrote {path} and {PNG} in {wall:.0f} s")
 
@@ -203,7 +204,7 @@ def render(result: dict) -> str:
     for r in result["rows"]:
         q1, med, q3 = r["step_s_quartiles"]
         t = r.get("target")
-        target = (f"{t['ratio_at_least']}x, {100 * t['loss_within']:g}%: {'met' if t['met'] else 'NOT met'}"
+        target = (f">= {t['ratio_at_least']}x, <= +{100 * t['loss_within']:g}%: {'met' if t['met'] else 'NOT met'}"
                   if t else "reported")
         lines.append(f"| `{r['compressor']}` | {fmt_bytes(r['bytes_sent_per_step'])} | {r['ratio']:.1f}x | "
                      f"{100 * r['coding_share']:.1f}% | {med:.3f} [{q1:.3f}, {q3:.3f}] | "
