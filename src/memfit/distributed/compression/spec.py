@@ -1,0 +1,143 @@
+"""Compression specs: "topk:0.01", "int8", "sign", "bf16", "fp16", "powersgd:4", "none".
+
+A spec is a name, an optional main value after ":" and optional ",key=value" options:
+
+    topk:0.01                       top-k 1%, error feedback, bf16 values + int32 indices
+    topk:0.001,momentum=0.9,warmup=200   DGC: momentum correction, ratio warm-up over 200 steps
+    int8:chunk=512,stochastic       8-bit, absmax scale per 512 elements, stochastic rounding
+    sign:chunk=1024                 1-bit sign, mean-|x| scale per chunk, error feedback
+    powersgd:4                      torch's powerSGD_hook (per matrix), rank 4 (DDP only)
+    powersgd:4,batched              memfit's batched PowerSGD (whole bucket as one square matrix)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.core.errors import ConfigError
+
+NAMES = ("none", "topk", "int8", "sign", "bf16", "fp16", "powersgd")
+STRATEGIES_WITH_COMPRESSION = ("ddp", "zero1", "zero2")
+_FLAGS = {"stochastic", "batched"}
+_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start"}
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    name: str = "none"
+    ratio: float = 0.01
+    """top-k: fraction of elements sent, in (0, 1]."""
+    rank: int = 4
+    """PowerSGD: matrix approximation rank, >= 1."""
+    chunk: int = 1024
+    """int8 / sign: elements per scale."""
+    stochastic: bool = False
+    """int8: stochastic rounding (unbiased) instead of round-to-nearest."""
+    momentum: float = 0.0
+    """top-k: DGC momentum correction factor (0 = off). Pair it with plain SGD (no momentum)."""
+    warmup: int = 0
+    """top-k: steps over which the ratio decays from 25% to `ratio` (DGC warm-up)."""
+    ef: bool | None = None
+    """Error feedback; None = the compressor's default (on for topk and sign, off otherwise)."""
+    values: str = "bf16"
+    """top-k: dtype of the sent values ("bf16" or "fp32"); bf16 rounding goes into the residual."""
+    batched: bool = False
+    """PowerSGD: memfit's batched variant instead of torch's per-matrix powerSGD_hook."""
+    seed: int = 0
+    start: int = 2
+    """PowerSGD: plain all-reduce for the first `start` steps (lets DDP rebuild its buckets)."""
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.ef if self.ef is not None else self.name in ("topk", "sign")
+
+    def __str__(self) -> str:
+        main = {"topk": f":{self.ratio:g}", "powersgd": f":{self.rank}"}.get(self.name, "")
+        return self.name + main + (",batched" if self.batched and self.name == "powersgd" else "")
+
+
+def _number(spec: str, key: str, text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"compression {spec!r}: {key}={text!r} is not a{'n integer' if kind is int else ' number'}") from None
+
+
+def parse_compression(spec: str | CompressionSpec | None) -> CompressionSpec:
+    """Parse a spec string; raises ConfigError (one line) for anything memfit cannot use."""
+    if isinstance(spec, CompressionSpec):
+        return _validate(spec, str(spec))
+    if spec is None or spec.strip() in ("", "none", "off"):
+        return CompressionSpec()
+    text = spec.strip().lower()
+    head, *opts = text.split(",")
+    name, _, main = head.partition(":")
+    if name not in NAMES:
+        raise ConfigError(f"unknown compressor {name!r} in {spec!r}; accepted: {', '.join(NAMES)} "
+                          "(e.g. topk:0.01, int8, sign, bf16, fp16, powersgd:4)")
+    fields: dict = {"name": name}
+    if main:
+        if name == "topk":
+            fields["ratio"] = _number(spec, "ratio", main, float)
+        elif name == "powersgd":
+            fields["rank"] = _number(spec, "rank", main, int)
+        else:
+            opts.insert(0, main)  # "int8:chunk=512": the part after ":" is an option
+    for opt in opts:
+        key, eq, value = opt.strip().partition("=")
+        if key in _FLAGS and not eq:
+            fields[key] = True
+        elif key in _OPTIONS and eq:
+            kinds = {"ratio": float, "momentum": float, "values": str}
+            if key == "ef":
+                fields[key] = value in ("1", "true", "on", "yes")
+            else:
+                fields[key] = value if kinds.get(key) is str else _number(spec, key, value, kinds.get(key, int))
+        else:
+            raise ConfigError(f"compression {spec!r}: unknown option {opt!r}; options are key=value among "
+                              f"{', '.join(sorted(_OPTIONS))} or the flags {', '.join(sorted(_FLAGS))}")
+    return _validate(CompressionSpec(**fields), spec)
+
+
+def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
+    if not 0 < s.ratio <= 1:
+        raise ConfigError(f"compression {spec!r}: top-k ratio {s.ratio:g} is outside (0, 1]; e.g. topk:0.01 sends 1%")
+    if s.rank < 1:
+        raise ConfigError(f"compression {spec!r}: PowerSGD rank {s.rank} must be at least 1; e.g. powersgd:4")
+    if s.chunk < 1:
+        raise ConfigError(f"compression {spec!r}: chunk={s.chunk} must be at least 1 element")
+    if not 0 <= s.momentum < 1:
+        raise ConfigError(f"compression {spec!r}: momentum={s.momentum:g} must be in [0, 1)")
+    if s.warmup < 0 or s.start < 0:
+        raise ConfigError(f"compression {spec!r}: warmup and start must be >= 0 steps")
+    if s.values not in ("bf16", "fp32"):
+        raise ConfigError(f"compression {spec!r}: values={s.values!r}; accepted: bf16, fp32")
+    if s.momentum and s.name != "topk":
+        raise ConfigError(f"compression {spec!r}: momentum correction applies to topk only")
+    return s
+
+
+_WHY_NOT = {
+    "zero3": "zero3 reduce-scatters each block's gradients inside its gather/free pipeline as "
+             "backward produces them and frees the full gradient at once; error feedback needs a "
+             "full-size residual per rank (the memory zero3 exists to remove) and that pipeline has "
+             "no point to exchange a compressed payload; use ddp, zero1 or zero2",
+    "tensor": "tensor parallelism splits each layer's weights over ranks, so no rank holds a full "
+              "gradient to compress and its collectives carry activations, not gradients; use ddp, "
+              "zero1 or zero2 (or compress only the data-parallel dimension there)",
+    "pipeline": "pipeline stages hold different parameters, so there is no gradient reduction "
+                "between them to compress; use ddp, zero1 or zero2",
+    "ps": "the parameter-server baseline reduces gradients to one rank uncompressed by design; use "
+          "ddp, zero1 or zero2",
+}
+
+
+def check_compression_strategy(strategy: str, spec: str | CompressionSpec | None) -> CompressionSpec:
+    """Parse `spec` and check that `strategy` can carry it; ConfigError (one line) otherwise."""
+    parsed = parse_compression(spec)
+    if parsed.name == "none" or strategy in STRATEGIES_WITH_COMPRESSION:
+        if parsed.name == "powersgd" and not parsed.batched and strategy != "ddp":
+            raise ConfigError(f"--compress {spec}: torch's powerSGD_hook is a DDP comm hook; with "
+                              f"{strategy} use the batched variant: powersgd:{parsed.rank},batched")
+        return parsed
+    reason = _WHY_NOT.get(strategy, f"strategy {strategy!r} has no gradient reduction that memfit compresses")
+    raise ConfigError(f"--compress {spec} does not apply to --strategy {strategy}: {reason}")

@@ -1,0 +1,114 @@
+"""CompressionState: one compressor, its error feedback, and what it sent, for one process group.
+
+`exchange(flat, key)` is the whole compressed all-reduce of one buffer: add the residual, encode,
+keep the new residual, exchange, decode, average. DDP hooks and compressed_reduce_scatter both
+call it, so both have the same error-feedback semantics. Counters:
+
+    state.traffic.sent            bytes this rank sent (counted at each collective call)
+    state.traffic.uncompressed    what plain fp32 all-reduce of the same buffers would send
+    state.encode_s, decode_s      seconds spent encoding (incl. error feedback) and decoding
+    state.steps                   completed steps (DDP: last bucket seen; ZeRO: end_step())
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from memfit.distributed.compression.exchange import Traffic, all_reduce_sum, allreduce_bytes, gather_parts
+from memfit.distributed.compression.feedback import ErrorFeedback
+from memfit.distributed.compression.powersgd import BatchedPowerSGD
+from memfit.distributed.compression.registry import make_codec
+from memfit.distributed.compression.spec import CompressionSpec, parse_compression
+
+
+class CompressionState:
+    def __init__(self, spec: str | CompressionSpec | None, group=None) -> None:
+        self.spec = parse_compression(spec)
+        self.group = group
+        self.traffic = Traffic()
+        self.encode_s = self.decode_s = 0.0
+        self.steps = 0
+        self.calls: dict = defaultdict(int)
+        self.powersgd = self.codec = self.feedback = None
+        if self.spec.name == "powersgd":
+            self.powersgd = BatchedPowerSGD(self.spec.rank, self.spec.start, self.spec.seed)
+        else:
+            self.codec = make_codec(self.spec, dist.get_rank(group) if dist.is_initialized() else 0)
+            if self.spec.error_feedback:
+                self.feedback = ErrorFeedback(self.spec.momentum)
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def exchange(self, flat: torch.Tensor, key=0, sizes=None) -> torch.Tensor:
+        """The mean over ranks of every rank's `flat` (1-D), compressed on the wire; flat's dtype.
+
+        sizes: lengths of the tensors concatenated in `flat` (top-k budgets and int8/sign scales
+        stay within one tensor); None = one tensor. Every rank must call it with buffers of the
+        same length and sizes in the same order (it is a collective)."""
+        world, n = self.world, flat.numel()
+        self.traffic.uncompressed += allreduce_bytes(n * flat.element_size(), world)
+        # Steps seen by this buffer, or completed steps when the caller reports them (DDP renames its
+        # buckets once, when it rebuilds them after step 1, which restarts a per-buffer count).
+        step = max(self.calls[key], self.steps)
+        self.calls[key] += 1
+        if self.powersgd is not None:
+            t0 = time.perf_counter()
+            out = self.powersgd.exchange(flat, key, step, self.group, self.traffic)
+            self.encode_s += time.perf_counter() - t0  # includes its two all-reduces
+            return out.to(flat.dtype)
+        if self.codec.exchange == "allreduce":
+            return self._allreduce(flat, key, step, world)
+        return self._gather(flat, key, step, world, sizes)
+
+    def _encode(self, x: torch.Tensor, key, step: int, scale: float = 1.0, sizes=None) -> list[torch.Tensor]:
+        parts = self.codec.encode(x if scale == 1.0 else x / scale, step, sizes)
+        if self.feedback is not None:
+            sent = self.codec.decode(parts, x.numel(), sizes)
+            self.feedback.update(key, x, sent if scale == 1.0 else sent * scale)
+        return parts
+
+    def _corrected(self, flat: torch.Tensor, key) -> torch.Tensor:
+        if self.feedback is not None:
+            return self.feedback.corrected(key, flat)
+        return flat.detach().float()
+
+    def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes) -> torch.Tensor:
+        t0 = time.perf_counter()
+        parts = self._encode(self._corrected(flat, key), key, step, sizes=sizes)
+        t1 = time.perf_counter()
+        gathered = gather_parts(parts, self.group, self.traffic)
+        t2 = time.perf_counter()
+        total = self.codec.decode(gathered[0], flat.numel(), sizes).clone()
+        for p in gathered[1:]:  # rank order, so every rank computes the same bits
+            total += self.codec.decode(p, flat.numel(), sizes)
+        out = (total / world).to(flat.dtype)
+        self.encode_s += t1 - t0
+        self.decode_s += time.perf_counter() - t2
+        return out
+
+    def _allreduce(self, flat: torch.Tensor, key, step: int, world: int) -> torch.Tensor:
+        # Linear casts: divide first (as torch's fp16 hook does) and sum in the wire dtype.
+        t0 = time.perf_counter()
+        parts = self._encode(self._corrected(flat, key), key, step, scale=world)
+        t1 = time.perf_counter()
+        wire = all_reduce_sum(parts[0], self.group, self.traffic)
+        t2 = time.perf_counter()
+        out = self.codec.decode([wire], flat.numel()).to(flat.dtype)
+        self.encode_s += t1 - t0
+        self.decode_s += time.perf_counter() - t2
+        return out
+
+    def summary(self) -> dict:
+        steps = max(self.steps, 1)
+        return {"compression": str(self.spec), "steps": self.steps,
+                "bytes_sent_per_step": self.traffic.sent / steps,
+                "uncompressed_bytes_per_step": self.traffic.uncompressed / steps,
+                "ratio": self.traffic.ratio, "encode_s": self.encode_s, "decode_s": self.decode_s}

@@ -1,0 +1,66 @@
+"""Top-k sparsification (Deep Gradient Compression): send the k largest-magnitude elements.
+
+Wire format: values (bf16 by default, or fp32) then int32 indices, 6 or 8 bytes per kept element.
+bf16 values lose precision, but with error feedback the rounding lands in the residual and is
+sent later; `x - bf16(x)` is exact in fp32 (Sterbenz: both within a factor 2), so the
+error-feedback invariant stays bitwise.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from memfit.distributed.compression.layout import offsets, sizes_or_whole
+
+VALUE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WARMUP_START = 0.25
+"""DGC's warm-up starts at 25% density and decays exponentially to the target ratio."""
+
+
+def k_for(numel: int, ratio: float) -> int:
+    return max(1, min(numel, math.ceil(ratio * numel)))
+
+
+def ratio_at(step: int, ratio: float, warmup: int) -> float:
+    """DGC warm-up: density decays geometrically from 25% to `ratio` over `warmup` steps."""
+    if warmup <= 0 or step >= warmup or ratio >= WARMUP_START:
+        return ratio
+    return WARMUP_START * (ratio / WARMUP_START) ** (step / warmup)
+
+
+def encode_topk(x: torch.Tensor, k: int, value_dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """[values, int32 indices] of the k largest |x| (ties broken by torch.topk)."""
+    idx = torch.topk(x.abs(), k, sorted=False).indices
+    return [x[idx].to(value_dtype), idx.to(torch.int32)]
+
+
+def encode_topk_per_segment(x: torch.Tensor, ratio: float, sizes, value_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Top-k within each segment (one per tensor: DGC's layer-wise selection), k = ceil(ratio n)."""
+    sizes = sizes_or_whole(sizes, x.numel())
+    if len(sizes) == 1:
+        return encode_topk(x, k_for(x.numel(), ratio), value_dtype)
+    idx = torch.cat([torch.topk(x[o:o + n].abs(), k_for(n, ratio), sorted=False).indices + o
+                     for o, n in zip(offsets(sizes), sizes)])
+    return [x[idx].to(value_dtype), idx.to(torch.int32)]
+
+
+def decode_topk(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
+    values, idx = parts
+    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    out[idx.long()] = values.float()
+    return out
+
+
+class TopK:
+    name = "topk"
+    exchange = "gather"
+
+    def __init__(self, ratio: float, value_dtype: str = "bf16", warmup: int = 0) -> None:
+        self.ratio, self.value_dtype, self.warmup = ratio, VALUE_DTYPES[value_dtype], warmup
+
+    def encode(self, x: torch.Tensor, step: int, sizes=None) -> list[torch.Tensor]:
+        return encode_topk_per_segment(x, ratio_at(step, self.ratio, self.warmup), sizes, self.value_dtype)
+
+    def decode(self, parts: list[torch.Tensor], numel: int, sizes=None) -> torch.Tensor:
+        return decode_topk(parts, numel)
