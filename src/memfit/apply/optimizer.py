@@ -21,11 +21,12 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overflow_message, warn_overflow
+from memfit.apply import optimizers
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
 from memfit.core.errors import ConfigError
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+OPTIMIZERS = optimizers.NAMES
 OFFLOADS = ("none", "cpu", "disk")
 __all__ = ["TrainingOptimizer", "StepResult", "make_torch_optimizer", "PRECISIONS", "OPTIMIZERS", "OFFLOADS"]
 
@@ -43,18 +44,8 @@ class StepResult:
 
 
 def make_torch_optimizer(name: str, params, lr: float, weight_decay: float = 0.0, **kw: Any) -> torch.optim.Optimizer:
-    name = name.lower()
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=kw.get("momentum", 0.9), weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=kw.get("betas", (0.9, 0.999)), eps=kw.get("eps", 1e-8),
-                                weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=kw.get("betas", (0.9, 0.95)), eps=kw.get("eps", 1e-8),
-                                 weight_decay=weight_decay)
-    raise ConfigError(f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
+    """The torch optimizer `name` (one of OPTIMIZERS, memfit.apply.optimizers) over `params`."""
+    return optimizers.build(name, params, lr, weight_decay, **kw)
 
 
 def _value(t: torch.Tensor) -> float | None:
@@ -94,8 +85,8 @@ class TrainingOptimizer:
             raise ConfigError(f"unknown optimizer offload {offload!r}; accepted: {', '.join(OFFLOADS)}")
         if clip is not None and not clip > 0:
             raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
-        if optimizer.lower() not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+        optimizer = optimizers.info(optimizer).name  # ConfigError for an unknown one
+        optimizers.check_available(optimizer)  # ConfigError naming the extra it needs
         if spill_dir is not None and offload != "disk":
             raise ConfigError(f"spill_dir={spill_dir!r} is only used with offload='disk' (--offload-optimizer disk); "
                               "drop it or offload to disk")
@@ -106,7 +97,7 @@ class TrainingOptimizer:
             raise ConfigError(f"{type(model).__name__} has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.device_type = self.params[0].device.type
-        if self.mode.state_dtype == torch.float16 and optimizer.lower() in ("adam", "adamw"):
+        if self.mode.state_dtype == torch.float16 and optimizer in optimizers.ADAM_FAMILY:
             # fp16 moments: eps=1e-8 is 0 in fp16 and g*g underflows for |g| < 1e-3, so the update
             # lr * m / (sqrt(v) + eps) explodes; eps=1e-4 keeps it bounded (the usual fp16 Adam fix).
             optimizer_kwargs.setdefault("eps", 1e-4)

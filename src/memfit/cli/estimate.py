@@ -6,7 +6,8 @@ import json
 
 from memfit.cli.args import positive_int
 from memfit.core.errors import ConfigError
-from memfit.measure.formulas import OPTIMIZER_STATES, PRECISIONS
+from memfit.apply.optimizers import NAMES as OPTIMIZERS
+from memfit.measure.formulas import PRECISIONS
 from memfit.core.units import format_bytes, parse_bytes, parse_count
 
 
@@ -25,8 +26,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seq", type=positive_int("--seq"), help="sequence length (default: the model's, at most 4096)")
     p.add_argument("--precision", default="32-true", choices=PRECISIONS, metavar="MODE",
                    help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
-    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES), metavar="NAME",
-                   help=f"one of {', '.join(sorted(OPTIMIZER_STATES))} (default adamw)")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, metavar="NAME",
+                   help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--world", type=positive_int("--world"), default=1, help="data-parallel world size (default 1)")
     p.add_argument("--checkpoint", default="none", metavar="POLICY",

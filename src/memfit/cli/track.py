@@ -5,6 +5,7 @@ import argparse
 import json
 from dataclasses import asdict
 
+from memfit.apply.optimizers import NAMES as OPTIMIZERS
 from memfit.cli.args import positive_int
 from memfit.core.errors import ConfigError
 from memfit.core.tracker import CATEGORIES
@@ -26,7 +27,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=positive_int("--batch"), default=1, help="micro-batch (default 1)")
     p.add_argument("--seq", type=positive_int("--seq"), default=None, help="sequence length (default: min(model's, 1024))")
     p.add_argument("--precision", default="32-true", metavar="MODE", help="precision mode (default 32-true)")
-    p.add_argument("--optimizer", default="adamw", metavar="NAME", help="sgd, momentum, adam, adamw (default adamw)")
+    p.add_argument("--optimizer", default="adamw", metavar="NAME", choices=OPTIMIZERS,
+                   help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     p.add_argument("--checkpoint", default="none", metavar="POLICY", help="activation checkpoint policy (default none)")
     p.add_argument("--device", default="cpu", help="device to train on (default cpu)")
     p.add_argument("--steps", type=positive_int("--steps"), default=2, help="steps to run; the last is reported (default 2)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from memfit.apply.optimizers import NAMES as OPTIMIZERS
 from memfit.train.loop import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, TrainConfig
 
 # Options the user did not give stay absent (SUPPRESS), so --resume knows what was changed;
@@ -42,7 +43,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("memory")
     g.add_argument("--precision", metavar="MODE", help="auto, 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, bf16-master, "
                    "16-master (default auto: bf16-mixed on CUDA, else 32-true)")
-    g.add_argument("--optimizer", metavar="NAME", help="sgd, momentum, adam, adamw (default adamw)")
+    g.add_argument("--optimizer", metavar="NAME", choices=OPTIMIZERS,
+                   help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     g.add_argument("--checkpoint", metavar="POLICY", help="activation checkpoint policy: none, full, every:K, ... (default none)")
     g.add_argument("--offload-optimizer", choices=("none", "cpu", "disk"), help="keep optimizer state off the device (default none)")
     g.add_argument("--spill-dir", metavar="DIR", help="folder for --offload-optimizer disk")
