@@ -90,23 +90,49 @@ def state_bytes(n: int, bits: int) -> int:
     return 2 * (code_bytes(n, bits) + 4 * scale_count(n, bits)) + 4
 
 
+@functools.lru_cache(maxsize=None)
+def _nearest_table(bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables for a fast nearest-code lookup of values in [-1, 1].
+
+    The code of x is the number of midpoints between neighbouring map values that are <= x (ties
+    round up, as torchao's search does). Indexed by the top 16 bits of x's fp32 pattern (its
+    bfloat16 bucket), `base` holds that count for the bucket's smallest value; no bucket holds
+    more than one midpoint, so one comparison with the next midpoint finishes the search."""
+    with torch._C._DisableTorchDispatch():
+        q = _qmap(bits, signed)
+        mids = (q[1:] + q[:-1]) / 2
+        top = torch.arange(1 << 16, dtype=torch.int32)
+        lows = torch.where(top < (1 << 15), top << 16, (top << 16) | 0xFFFF).view(torch.float32)
+        highs = torch.where(top < (1 << 15), (top << 16) | 0xFFFF, top << 16).view(torch.float32)
+        finite = lows.isfinite() & highs.isfinite()
+        base = torch.where(finite, torch.bucketize(lows, mids, right=True, out_int32=True), 0)
+        span = torch.where(finite, torch.bucketize(highs, mids, right=True, out_int32=True), 0) - base
+        assert int(span.max()) <= 1, "quantization map too fine for the bfloat16-bucket lookup"
+        return base, torch.cat([mids, mids.new_full((1,), float("inf"))])
+
+
+def _nearest(x: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
+    base, mids = _nearest_table(bits, signed)
+    top = torch.bitwise_right_shift(x.view(torch.int32), 16).bitwise_and_(0xFFFF)
+    codes = base.index_select(0, top.view(-1)).view(x.shape)
+    return codes.add_((x >= mids.index_select(0, codes.view(-1)).view(x.shape)).int())
+
+
 def _encode(x: torch.Tensor, bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 values (a multiple of the block size) -> (codes, per-block absmax scales)."""
-    qu = _torchao()[0]
     blocks = x.view(-1, BITS[bits])
     scale = blocks.abs().amax(-1).clip(1e-12)
-    normed = (blocks / scale[:, None]).view(-1)
-    qmap = _qmap(bits, signed)
-    if bits == 8:
-        return qu.quantize_8bit_with_qmap(normed, qmap), scale
-    codes = qu.quantize_4bit_with_qmap(normed, qmap).view(-1, 2)
-    return (codes[:, 0] << 4) | codes[:, 1], scale
+    codes = _nearest((blocks / scale[:, None]).view(-1), bits, signed).to(torch.uint8)
+    if bits == 4:
+        pairs = codes.view(-1, 2)
+        codes = (pairs[:, 0] << 4) | pairs[:, 1]
+    return codes, scale
 
 
 def _decode(codes: torch.Tensor, scale: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
     if bits == 4:
         codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
-    values = _qmap(bits, signed)[codes.int()]
+    values = _qmap(bits, signed).index_select(0, codes.int())
     return (values.view(-1, BITS[bits]) * scale[:, None]).view(-1)
 
 
