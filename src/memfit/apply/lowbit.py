@@ -224,9 +224,15 @@ class AdamWLowBit(torch.optim.Optimizer):
                 dst.copy_(codes[: dst.numel()])
                 state[key + "_scale"][b_lo:b_hi].copy_(scale)
 
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
-        # Loading a checkpoint: keep every state tensor's dtype (codes uint8, scales and fp32
-        # moments fp32 whatever the parameter's dtype) so a resumed run is bit-identical; the step
-        # counter stays on the host, as torch's optimizers keep it.
-        return value if key == "step" else value.to(device=param.device)
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts floating state to the parameter's dtype on load (uint8 codes too, when the
+        parameter is floating): put every state tensor back in its saved dtype, so the codes stay
+        one byte, the scales fp32, and a resumed run is bit-identical."""
+        saved = {k: dict(v) for k, v in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        by_id = {i: p for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        for k, values in saved.items():
+            p = by_id[k]
+            for key, v in values.items():
+                if torch.is_tensor(v) and key != "step":
+                    self.state[p][key] = v.to(p.device, copy=True)
