@@ -5,6 +5,8 @@ the largest model that trains in the 32 MiB budget of bench/precision_offload.py
     .venv/bin/python bench/optimizers.py --optimizers adamw,adamw8bit,adamw4bit,adafactor,lion
     .venv/bin/python bench/optimizers.py            # every optimizer: ~2x longer
 
+The first command took 908 s on 2 cores at load average ~17 (bench/results/optimizers.json).
+
 1. Training. The default `memfit train` job (TrainConfig(): its model, data, batch, sequence
    length, warm-up + cosine schedule, clipping at 1.0, 32-true on CPU), a fixed number of steps per
    optimizer through the library API (memfit.train.loop's pieces). Every optimizer starts from the
