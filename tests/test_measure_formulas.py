@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from memfit.apply.torch_optim import make_torch_optimizer
 from memfit.core.errors import ConfigError
 from memfit.measure.formulas import PRECISIONS, bytes_per_param, model_state_bytes
 from memfit.core.units import parse_bytes, parse_count
@@ -112,3 +113,88 @@ def test_units():
         with pytest.raises(ConfigError):
             parse_bytes(bad)
     assert math.isclose(parse_count("0.5k"), 500)
+
+
+# ---------------------------------------------------------------- every optimizer, exactly
+from memfit.apply import lowbit, optimizers  # noqa: E402
+from memfit.measure.formulas import optimizer_state_bytes, param_shapes  # noqa: E402
+
+_needs_torchao = pytest.mark.skipif(not lowbit.available(), reason="torchao (memfit[lowbit]) is not installed")
+ALL_OPTIMIZERS = [pytest.param(n, marks=[_needs_torchao] if optimizers.info(n).extra else []) for n in optimizers.NAMES]
+GRID_SPEC = "gpt:layers=1,hidden=64,heads=2,vocab=256,seq=32"  # matrices >= 4096 elements: quantized
+
+
+@pytest.mark.parametrize("name", ALL_OPTIMIZERS)
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "32-true"), (torch.bfloat16, "bf16-true")])
+def test_shape_formula_matches_real_state(name, dtype, precision):
+    """Per tensor shape: Adafactor's row and column factors, the 8-/4-bit codes and block scales
+    (a 5000-element tensor ends in a partial block), fp32 moments for small tensors."""
+    model = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 3)).to(dtype)
+    opt = make_torch_optimizer(name, model.parameters(), 1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    shapes = param_shapes(model)
+    assert optimizer_state_bytes(name, shapes, precision) == _real_state_bytes(opt)
+    n = sum(p.numel() for p in model.parameters())
+    ms = model_state_bytes(n, precision, name, param_shapes=shapes)
+    assert ms.optimizer == _real_state_bytes(opt)
+
+
+def _offloaded_state_bytes(opt, precision: str) -> int:
+    """Optimizer state held off the device, read back through state_dict (host RAM or spill files),
+    plus the fp32 master copy in the -master modes."""
+    sd = opt.state_dict()["streamed"]
+    state = sum(t.numel() * t.element_size() for c in sd["chunks"] for s in c["state"].values()
+                for t in s.values() if torch.is_tensor(t))
+    masters = sum(m.numel() * m.element_size() for m in sd["masters"]) if precision.endswith("-master") else 0
+    return state + masters
+
+
+def _grid():
+    """Every optimizer x (32-true, bf16-master) x (none, cpu, disk); the default run keeps a covering
+    half (each optimizer with each offload, precisions alternating), --runslow the rest."""
+    out = []
+    for i, p in enumerate(ALL_OPTIMIZERS):
+        for j, offload in enumerate(("none", "cpu", "disk")):
+            for k, precision in enumerate(("32-true", "bf16-master")):
+                marks = list(p.marks) + ([] if (i + j) % 2 == k else [pytest.mark.slow])
+                out.append(pytest.param(p.values[0], precision, offload, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("name,precision,offload", _grid())
+def test_estimate_equals_tracker_for_every_optimizer(name, precision, offload, tmp_path):
+    """memfit.estimate (formulas + a FakeTensorMode trace) against real steps under the tracker.
+    Without offload the whole breakdown agrees to the byte; with offload the device holds no
+    optimizer state and the bytes the estimate moves off the device are the state the offloaded
+    optimizer really holds."""
+    from memfit.apply.optimizer import TrainingOptimizer
+    from memfit.core.tracker import MemoryTracker
+    from memfit.measure.estimate import estimate
+    from memfit.measure.trace import measure_step
+    from memfit.models.spec import parse_model
+
+    spec = parse_model(GRID_SPEC)
+    est = estimate(spec, batch=2, seq=32, precision=precision, optimizer=name, offload_optimizer=offload)
+    shapes = param_shapes(spec)
+    n = sum(math.prod(s) for s in shapes)
+    on_device = model_state_bytes(n, precision, name, param_shapes=shapes)
+    if offload == "none":
+        real = measure_step(spec, batch=2, seq=32, precision=precision, optimizer=name, allocator=False)
+        assert est.per_device == real.breakdown()
+        assert est.per_device["optimizer"] == on_device.optimizer
+        return
+    torch.manual_seed(0)
+    model = spec.build(seq=32)
+    with TrainingOptimizer(model, name, precision=precision, offload=offload,
+                           spill_dir=str(tmp_path) if offload == "disk" else None) as opt:
+        with MemoryTracker(model, opt) as tracker:
+            for _ in range(2):
+                x = torch.randint(0, 256, (2, 32))
+                with opt.autocast():
+                    _, loss, count = model(x, x)
+                opt.backward(loss / count)
+                opt.step()
+        assert est.per_device["optimizer"] == tracker.breakdown["optimizer"] == 0
+        assert est.offloaded - on_device.grads == on_device.optimizer == _offloaded_state_bytes(opt, precision)

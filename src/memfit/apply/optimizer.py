@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overflow_message, warn_overflow
+from memfit.apply import optimizers
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
 from memfit.apply.torch_optim import (OPTIMIZERS, GroupMirror, make_torch_optimizer, optimizer_class,
@@ -91,8 +92,9 @@ class TrainingOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"unknown optimizer offload {offload!r}; accepted: {', '.join(OFFLOADS)}")
         if clip is not None and not clip > 0:
             raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
+        optimizers.check_available(optimizer)  # ConfigError naming the extra it needs
         cls = optimizer_class(optimizer)
-        if self.mode.state_dtype == torch.float16 and cls in (torch.optim.Adam, torch.optim.AdamW):
+        if self.mode.state_dtype == torch.float16 and optimizers.info(optimizer).name in optimizers.ADAM_FAMILY:
             # fp16 moments: eps=1e-8 is 0 in fp16 and g*g underflows for |g| < 1e-3, so the update
             # lr * m / (sqrt(v) + eps) explodes; eps=1e-4 keeps it bounded (the usual fp16 Adam fix).
             optimizer_kwargs.setdefault("eps", 1e-4)

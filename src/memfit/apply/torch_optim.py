@@ -11,18 +11,11 @@ from typing import Any, Callable
 
 import torch
 
+from memfit.apply import optimizers
+from memfit.apply.optimizers import optimizer_class
 from memfit.core.errors import ConfigError
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-_CLASSES = {"sgd": torch.optim.SGD, "momentum": torch.optim.SGD, "adam": torch.optim.Adam,
-            "adamw": torch.optim.AdamW}
-
-
-def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    try:
-        return _CLASSES[name.lower()]
-    except (KeyError, AttributeError):
-        raise ConfigError(f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}") from None
+OPTIMIZERS = optimizers.NAMES  # the one table: memfit.apply.optimizers
 
 
 def torch_kwargs(name: str, lr: float | None = None, weight_decay: float | None = None,
@@ -33,10 +26,11 @@ def torch_kwargs(name: str, lr: float | None = None, weight_decay: float | None 
     kw = {k: v for k, v in dict(extra or {}, lr=lr, weight_decay=weight_decay).items() if v is not None}
     if name.lower() == "momentum":
         kw.setdefault("momentum", 0.9)
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params")]
+    fixed = set(getattr(cls, "keywords", {}))  # a format bound by the registry (8-/4-bit)
+    accepted = [p for p in inspect.signature(cls).parameters if p not in ("params", *fixed)]
     unknown = sorted(set(kw) - set(accepted))
     if unknown:
-        raise ConfigError(f"optimizer {name!r} ({cls.__name__}) takes no {', '.join(unknown)}; "
+        raise ConfigError(f"optimizer {name!r} ({getattr(cls, '__name__', name)}) takes no {', '.join(unknown)}; "
                           f"accepted: {', '.join(accepted)}")
     return kw
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from memfit.cli.args import MAX_COUNT, integer
 from memfit.core.errors import ConfigError
-from memfit.measure.formulas import OPTIMIZER_STATES, PRECISIONS
+from memfit.apply.optimizers import NAMES as OPTIMIZERS
+from memfit.measure.formulas import PRECISIONS
 
-TRAINING_OPTIMIZER_HELP = "an optimizer TrainingOptimizer runs: sgd, momentum, adam, adamw, ..."
 MODEL_HELP = ("a known architecture (gpt2, llama-2-7b, ...), a spec like gpt:layers=12,hidden=768,heads=12,vocab=50257 "
               "or a Hugging Face config.json path")
 
@@ -34,7 +34,7 @@ OPTIONS: dict[str, Option] = {
     "batch": Option("--batch", "sequences per micro-batch (per device)", dict(metavar="N", type=integer(1))),
     "seq": Option("--seq", "tokens per sequence", dict(metavar="N", type=integer(1))),
     "precision": Option("--precision", f"one of {', '.join(PRECISIONS)}", dict(metavar="MODE")),
-    "optimizer": Option("--optimizer", f"one of {', '.join(OPTIMIZER_STATES)}", dict(metavar="NAME")),
+    "optimizer": Option("--optimizer", f"one of {', '.join(OPTIMIZERS)}", dict(metavar="NAME", choices=OPTIMIZERS)),
     "checkpoint": Option("--checkpoint", "activation checkpoint policy: none, full, every:K, sqrt, selective, "
                          "with +offload:cpu|disk or +compress:CODEC, ...", dict(metavar="POLICY")),
     "offload_optimizer": Option("--offload-optimizer", "keep optimizer state off the device",

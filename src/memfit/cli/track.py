@@ -5,7 +5,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from memfit.cli.options import TRAINING_OPTIMIZER_HELP, add, add_model, model_of
+from memfit.cli.options import add, add_model, model_of
 from memfit.core.tracker import CATEGORIES
 from memfit.core.units import format_bytes
 
@@ -23,7 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(p, "batch", default=1)
     add(p, "seq", default=None, shown="min(model's, 1024)")
     add(p, "precision", default="32-true")
-    add(p, "optimizer", default="adamw", help=TRAINING_OPTIMIZER_HELP)
+    add(p, "optimizer", default="adamw")
     add(p, "checkpoint", default="none")
     add(p, "device", default="cpu")
     add(p, "steps", default=2, help="steps to run; the last is reported")

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 
 from memfit.cli.args import integer, number
-from memfit.cli.options import TRAINING_OPTIMIZER_HELP, add
+from memfit.cli.options import add
 from memfit.train.config import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, TrainConfig
 
 _S = argparse.SUPPRESS
@@ -49,7 +49,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("memory")
     add(g, "precision", shown="auto: bf16-mixed on CUDA, else 32-true", help="auto or a precision mode: 32-true, "
         "bf16-mixed, 16-mixed, bf16-true, 16-true, bf16-master, 16-master")
-    add(g, "optimizer", shown=d.optimizer, help=TRAINING_OPTIMIZER_HELP)
+    add(g, "optimizer", shown=d.optimizer)
     add(g, "checkpoint", shown=d.checkpoint)
     add(g, "offload_optimizer", shown=d.offload_optimizer)
     add(g, "spill_dir")

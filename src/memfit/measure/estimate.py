@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memfit.core.errors import ConfigError
+from memfit.apply.optimizers import needs_shapes
 from memfit.core.ledger import CATEGORIES
 from memfit.core.units import parse_bytes
-from memfit.measure.formulas import check_precision, model_state_bytes, optimizer_states
+from memfit.measure.formulas import check_precision, model_state_bytes, optimizer_states, param_shapes
 from memfit.models.spec import ModelSpec, parse_model
 
 MODEL_STATES = ("params", "grads", "optimizer")
@@ -114,6 +115,8 @@ def estimate(
     # Default: the model's context length, capped at 4096 (long-context models train mostly shorter).
     seq = seq or min(spec.seq or 1024, 4096)
     common["n_tensors"] = n_tensors
+    if needs_shapes(optimizer):  # Adafactor, 8-/4-bit: state bytes per tensor shape
+        common["param_shapes"] = param_shapes(spec)
     sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
     single = model_state_bytes(n, offload_optimizer=offload_optimizer, **common)
 

@@ -17,24 +17,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
+from memfit.apply import optimizers
 from memfit.apply.precision import PRECISIONS  # the one list of precision names
 from memfit.core.errors import ConfigError
 
-# Per-parameter state tensors each optimizer keeps (torch.optim's implementations).
-OPTIMIZER_STATES = {
-    "sgd": 0,
-    "momentum": 1,  # SGD with momentum: one buffer
-    "adam": 2,  # exp_avg, exp_avg_sq
-    "adamw": 2,
-    "adagrad": 1,  # sum of squares
-    "rmsprop": 1,  # square average (no momentum, not centered)
-    "lion": 1,  # exp_avg
-}
+# Per-parameter full-size state tensors each optimizer keeps (memfit.apply.optimizers is the one
+# table; Adafactor's factored and the 8-/4-bit quantized states are counted per tensor shape).
+OPTIMIZER_STATES = {name: spec.states for name, spec in optimizers.OPTIMIZERS.items()}
 
-# Optimizers whose torch implementation keeps a 0-dim fp32 `step` counter per parameter tensor.
-STEP_COUNTERS = {"adam", "adamw", "adagrad", "rmsprop"}
-STEP_BYTES = 4
+# Optimizers whose implementation keeps a 0-dim fp32 `step` counter per parameter tensor.
+STEP_COUNTERS = {name for name, spec in optimizers.OPTIMIZERS.items() if spec.step_counter}
+STEP_BYTES = optimizers.STEP_BYTES
 
 OFFLOAD_TARGETS = (None, "none", "cpu", "disk")
 
@@ -69,13 +64,36 @@ def check_precision(precision: str) -> str:
 
 
 def optimizer_states(optimizer: str) -> int:
-    try:
-        return OPTIMIZER_STATES[optimizer.lower()]
-    except KeyError:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZER_STATES)}") from None
+    """Full-size state tensors per parameter; ConfigError for an unknown optimizer."""
+    return optimizers.info(optimizer).states
+
+
+def state_itemsize(precision: str) -> int:
+    """Bytes per element of optimizer state: 2 in the 16-bit -true modes, else 4 (fp32)."""
+    return 2 if precision.endswith("-true") and precision != "32-true" else 4
+
+
+def optimizer_state_bytes(optimizer: str, param_shapes: Sequence[Sequence[int]], precision: str = "32-true") -> int:
+    """Exact optimizer state bytes (step counters included, master weights not) for parameters of
+    these shapes: Adafactor's factored moments and the 8-/4-bit codes and block scales per tensor."""
+    check_precision(precision)
+    size = state_itemsize(precision)
+    return sum(optimizers.tensor_state_bytes(optimizer, tuple(s), size) for s in param_shapes)
+
+
+def param_shapes(model) -> list[tuple[int, ...]]:
+    """Shapes of a module's trainable parameters, or of a ModelSpec's (built on the meta device)."""
+    if hasattr(model, "build") and not hasattr(model, "parameters"):
+        import torch
+
+        with torch.device("meta"):
+            model = model.build()
+    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
 
 
 def bytes_per_param(precision: str = "32-true", optimizer: str = "adamw") -> BytesPerParam:
+    """Per parameter, for the element-wise optimizers; for Adafactor and the 8-/4-bit formats the
+    optimizer figure holds the master weights only (their state depends on the shapes)."""
     check_precision(precision)
     states = optimizer_states(optimizer)
     if precision.endswith("-true") and precision != "32-true":
@@ -93,12 +111,16 @@ def model_state_bytes(
     world: int = 1,
     offload_optimizer: str | None = None,
     n_tensors: int = 0,
+    param_shapes: Sequence[Sequence[int]] | None = None,
 ) -> ModelStateBytes:
     """Parameter, gradient and optimizer bytes held on one device.
 
     A shard holds ceil(n_params / world) elements, as sharding pads to a multiple of the world size.
     `n_tensors` (the number of parameter tensors) adds the 4-byte step counters that torch's
     Adam-family optimizers keep per tensor; 0 leaves them out, as the ZeRO paper does.
+    `param_shapes` (the trainable parameters' shapes) makes the optimizer figure exact for every
+    optimizer and sets n_tensors; Adafactor needs it. Without it the 8-/4-bit formats are counted as
+    one tensor of n_params elements. ZeRO shards shape-dependent state in proportion to the elements.
     """
     if not isinstance(n_params, int) or n_params <= 0:
         raise ConfigError(f"number of parameters must be a positive integer, got {n_params!r}")
@@ -109,12 +131,26 @@ def model_state_bytes(
     if offload_optimizer not in OFFLOAD_TARGETS:
         raise ConfigError(f"unknown optimizer offload target {offload_optimizer!r}; accepted: none, cpu, disk")
     b = bytes_per_param(precision, optimizer)
+    spec = optimizers.info(optimizer)
+    if param_shapes is not None:
+        param_shapes = [tuple(s) for s in param_shapes]
+        if sum(math.prod(s) for s in param_shapes) != n_params:
+            raise ConfigError(f"param_shapes hold {sum(math.prod(s) for s in param_shapes)} elements, "
+                              f"not n_params={n_params}")
+        n_tensors = len(param_shapes)
+    elif spec.name == "adafactor":
+        raise ConfigError("adafactor's state depends on the parameter shapes (factored per matrix): give a "
+                          "model (or param_shapes), not a parameter count alone")
     shard = math.ceil(n_params / world)
     params = b.weights * (shard if zero >= 3 else n_params)
     grads = b.grads * (shard if zero >= 2 else n_params)
     opt = b.optimizer * (shard if zero >= 1 else n_params)
-    if optimizer.lower() in STEP_COUNTERS:
-        opt += STEP_BYTES * n_tensors
+    steps = STEP_BYTES * n_tensors if spec.step_counter else 0
+    if optimizers.needs_shapes(optimizer):  # the state is not a whole number of bytes per element
+        shapes = param_shapes if param_shapes is not None else [(n_params,)]
+        state = optimizer_state_bytes(optimizer, shapes, precision) - STEP_BYTES * len(shapes) * spec.step_counter
+        opt += state if zero < 1 else math.ceil(state * shard / n_params)
+    opt += steps
     if offload_optimizer in ("cpu", "disk"):
         return ModelStateBytes(params, 0, 0, offloaded=grads + opt)
     return ModelStateBytes(params, grads, opt)
