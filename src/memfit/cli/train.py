@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from memfit.train.loop import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, TrainConfig
 
@@ -60,6 +61,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--no-track", dest="track", action="store_false",
                    help="skip measuring one step's memory breakdown with the tracker")
     g.add_argument("--quiet", action="store_true", help="no progress output, only the final summary")
+    g = p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)")
+    g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3"),
+                   help="data-parallel strategy; --batch stays per process (default none)")
+    g.add_argument("--nproc", metavar="N", type=int, help="start N local processes through torchrun's API")
     return p
 
 
@@ -76,6 +81,21 @@ def run(args: argparse.Namespace) -> int:
         cfg, ckpt = loop.resume_config(given["resume"], overrides)
     else:
         cfg, ckpt = TrainConfig(**overrides), None
+    if given.get("nproc", 1) != 1:
+        return _launch(cfg, given, ckpt is not None)
     result = loop.train(cfg, ckpt, progress=not given.get("quiet", False))
-    print(format_summary(result.metrics, result.run_dir, result.stopped))
+    if os.environ.get("RANK", "0") == "0":  # several processes: rank 0 speaks
+        print(format_summary(result.metrics, result.run_dir, result.stopped))
     return 130 if result.stopped == "interrupted" else 0  # the shell's code for a Ctrl-C
+
+
+def _launch(cfg: TrainConfig, given: dict, resuming: bool) -> int:
+    from memfit.cli.launch import launch, to_argv
+    from memfit.core.errors import ConfigError
+    from memfit.train.distributed import precheck
+
+    if given["nproc"] < 2:
+        raise ConfigError(f"--nproc must be at least 2 (or left out for one process), got {given['nproc']}")
+    cfg.validate()
+    precheck(cfg, resuming)
+    return launch(given["nproc"], to_argv("train", given))

@@ -66,7 +66,7 @@ def all_reduce(t: torch.Tensor, group=None, async_op: bool = False):
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
     n = _n(group)
     TRAFFIC.add("reduce_scatter", _nbytes(full) * (n - 1) / n)
-    return dist.reduce_scatter_tensor(out, full, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
 
 
 def all_gather(full: torch.Tensor, part: torch.Tensor, group=None, async_op: bool = False):

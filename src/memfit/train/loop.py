@@ -87,6 +87,8 @@ class TrainConfig:
     dropout: float = 0.0
     track: bool = True
     """Measure one step's memory breakdown with memfit's tracker (params, grads, optimizer, activations)."""
+    strategy: str = "none"
+    """Data-parallel strategy over the processes torchrun started: none, ddp, ps, zero1, zero2, zero3."""
 
     def validate(self) -> None:
         positive = {"batch": self.batch, "seq": self.seq, "accum": self.accum, "eval_batches": self.eval_batches}
@@ -351,6 +353,11 @@ def train(
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
+    from memfit.train import distributed as dist_train  # several processes: memfit.distributed
+
+    ctx = dist_train.setup(cfg, device, resuming=checkpoint is not None)
+    if ctx is not None and not ctx.main:  # rank 0 reports and writes the run folder
+        log, progress = (lambda msg: None), False
     # The seed fixes the initial weights; a resume overwrites them and the RNG state below.
     torch.manual_seed(cfg.seed)
 
@@ -360,11 +367,12 @@ def train(
                           "resume with the same files or start a new run")
     model = build_model(cfg).to(device)
     apply_checkpoint(model, cfg.checkpoint, spill_dir=cfg.spill_dir)
-    opt = TrainingOptimizer(
+    opt = dist_train.make_optimizer(ctx, model, cfg, precision) if ctx else TrainingOptimizer(
         model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, precision=precision, clip=cfg.clip,
         offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer, spill_dir=cfg.spill_dir,
     )
-    sampler = data_mod.WindowSampler(corpus.train, cfg.batch, cfg.seq, cfg.seed)
+    sampler = dist_train.RankSampler(corpus.train, cfg.batch, cfg.seq, cfg.seed, ctx.rank, ctx.world) if ctx \
+        else data_mod.WindowSampler(corpus.train, cfg.batch, cfg.seq, cfg.seed)
     val_batches = data_mod.fixed_windows(corpus.val, cfg.eval_batches, cfg.batch, cfg.seq, cfg.seed + 1)
     run_dir = Path(cfg.out) if cfg.out else _new_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -387,7 +395,7 @@ def train(
     run_info = {
         "device": str(device), "precision": precision, "params": n_params,
         "corpus": {"name": corpus.name, "files": len(corpus.files), "bytes": corpus.num_bytes, "digest": corpus.digest},
-        "tokens_per_step": cfg.batch * cfg.seq * cfg.accum,
+        "tokens_per_step": cfg.batch * cfg.seq * cfg.accum * (ctx.world if ctx else 1),
     }
     log(f"memfit train: {n_params / 1e6:.2f}M-parameter model {cfg.model} on {device} ({precision}), "
         f"data {corpus.name} ({corpus.num_bytes / 1e6:.1f} MB, {len(corpus.files)} files), "
@@ -395,9 +403,12 @@ def train(
 
     def save() -> dict[str, Any]:
         history["seconds"] = base_seconds + time.perf_counter() - started
+        model_state = dist_train.model_state(opt, model) if ctx else model.state_dict()
+        if ctx is not None and not ctx.main:
+            return write_metrics()  # computed, not written
         state_mod.save_checkpoint(run_dir / state_mod.CHECKPOINT, {
             "format": 1, "step": step, "horizon": horizon, "config": cfg.to_dict(),
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "sampler": sampler.state_dict(),
+            "model": model_state, "optimizer": opt.state_dict(), "sampler": sampler.state_dict(),
             "rng": state_mod.rng_state(), "history": history, "breakdown": breakdown,
             "corpus": run_info["corpus"],
         })
@@ -406,7 +417,8 @@ def train(
     def write_metrics() -> dict[str, Any]:
         history["seconds"] = base_seconds + time.perf_counter() - started
         metrics = report.metrics_payload(cfg.to_dict(), {**run_info, "horizon": horizon}, history, breakdown)
-        state_mod.save_json(run_dir / report.METRICS, metrics)
+        if ctx is None or ctx.main:
+            state_mod.save_json(run_dir / report.METRICS, metrics)
         return metrics
 
     def run_eval() -> None:
@@ -442,16 +454,23 @@ def train(
             micro = [tuple(t.to(device, non_blocking=True) for t in sampler.next()) for _ in range(cfg.accum)]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            tracker = _enter_tracker(model, opt, device, log) if cfg.track and step == track_at else None
+            tracked = getattr(opt, "tracked_module", model)  # ZeRO: the model and this rank's shard
+            tracker = _enter_tracker(tracked, opt, device, log) if cfg.track and step == track_at else None
             t0 = time.perf_counter()
+            if ctx is not None:
+                dist_train.TRAFFIC.reset()
+            one_step = (lambda: StepOutput(*dist_train.accumulate_step(opt, micro, loss_sum))) if ctx \
+                else (lambda: accumulate_step(model, opt, micro))
             if tracker is not None:
                 try:
-                    out = accumulate_step(model, opt, micro)
+                    out = one_step()
                 finally:
                     tracker.__exit__(None, None, None)
                 breakdown = report.tracker_breakdown(tracker, step + 1)  # steps count from 1 in the history
+                if ctx is not None:
+                    breakdown = dist_train.gather_breakdown(ctx, breakdown)
             else:
-                out = accumulate_step(model, opt, micro)
+                out = one_step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - t0
@@ -477,6 +496,8 @@ def train(
         if history["val"]["step"][-1] != step:
             run_eval()
         metrics = save()
+    if ctx is not None and not ctx.main:
+        return TrainResult(run_dir=run_dir, metrics=metrics, step=step, stopped=stopped)
     report.plot(metrics, run_dir / report.PLOT)
     return TrainResult(run_dir=run_dir, metrics=metrics, step=step, stopped=stopped)
 
