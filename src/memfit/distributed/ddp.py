@@ -33,7 +33,7 @@ class DDPOptimizer:
         device = next(model.parameters()).device
         self.ddp = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, process_group=group,
-            gradient_as_bucket_view=True, broadcast_buffers=False, bucket_cap_mb=bucket_mb,
+            gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb,
         )
         self.ddp.register_comm_hook(group or dist.group.WORLD, comm.ddp_counting_hook)
         self.model, self.precision, self.mode = self.ddp, self.inner.precision, self.inner.mode

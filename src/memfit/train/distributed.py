@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from memfit.core.errors import ConfigError
+from memfit.models.gpt import GPT
 from memfit.distributed.comm import TRAFFIC
 from memfit.train.data import WindowSampler
 
@@ -105,7 +106,10 @@ def accumulate_step(opt, micro_batches: Iterable[tuple[torch.Tensor, torch.Tenso
     for i, (x, y) in enumerate(micro):
         last = i == len(micro) - 1
         with opt.micro_batch(last), opt.autocast():
-            loss, _ = loss_sum(opt.model, x, y)
+            if isinstance(getattr(opt.model, "module", opt.model), GPT):  # DDP wraps the model
+                _, loss, _ = opt.model(x, y)
+            else:
+                loss, _ = loss_sum(opt.model, x, y)
         opt.backward(loss / total, final=last)
         running += loss.detach().double().cpu()
     result = opt.step()
