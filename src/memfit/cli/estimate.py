@@ -29,6 +29,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"one of {', '.join(sorted(OPTIMIZER_STATES))} (default adamw)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--world", type=positive_int("--world"), default=1, help="data-parallel world size (default 1)")
+    p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3"),
+                   help="data-parallel strategy: print each rank's figures for --world ranks (docs/distributed.md)")
     p.add_argument("--checkpoint", default="none", metavar="POLICY",
                    help="activation checkpoint policy: none, full, every:K, sqrt, selective, ... (default none)")
     p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu", "disk"),
@@ -48,9 +50,13 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.device_memory) if args.device_memory else None
     est = estimate(
         args.model, params=params, batch=args.batch, seq=args.seq, precision=args.precision,
-        optimizer=args.optimizer, zero=args.zero, world=args.world, checkpoint=args.checkpoint,
-        offload_optimizer=args.offload_optimizer, device_memory=budget,
+        optimizer=args.optimizer, zero=0 if args.strategy else args.zero, world=1 if args.strategy else args.world,
+        checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
     )
+    if args.strategy:  # per-rank figures (memfit.distributed.rank_memory)
+        from memfit.cli.ranks import print_per_rank
+
+        return print_per_rank(args, est)
     if args.json:
         print(json.dumps(est.to_json(), indent=1))
         return 0

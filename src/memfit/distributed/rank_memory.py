@@ -59,3 +59,26 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
             row["optimizer"] = (per_elem_opt * full + counters * tensors) if holds else 0
         out.append(row)
     return out
+
+
+def rank_totals(rows: list[dict], one_device: dict[str, int]) -> list[dict]:
+    """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
+    (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total").
+
+    ZeRO: the persistent states (weights or slices, gathered weights, gradients or slices, the bucket
+    in flight, optimizer slices) plus the trace's activations and temporaries. ps and ddp hold the
+    gradients only transiently as one process does, so their peak is the one-device peak with the
+    rank's optimizer state in place of the full one; ddp adds its gradient buckets, which live
+    between steps (gradient_as_bucket_view)."""
+    out = []
+    for r in rows:
+        if r["strategy"].startswith("zero"):
+            states = r["params"] + r["gathered"] + r["grads"] + r["in_flight"] + r["optimizer"]
+            total = states + one_device["activations"] + one_device["temporaries"]
+        else:
+            total = one_device["total"] - one_device["optimizer"] + r["optimizer"]
+            if r["strategy"] == "ddp":
+                total += r["grads"]
+        out.append({**r, "activations": one_device["activations"], "temporaries": one_device["temporaries"],
+                    "total": total})
+    return out
