@@ -70,3 +70,29 @@ def test_estimate_per_rank_lists_differing_ranks(capsys):
     assert main(["estimate", spec, "--batch", "2", "--strategy", "zero3", "--world", "2", "--json"]) == 0
     z3 = _json.loads(capsys.readouterr().out)["ranks"]
     assert z3[0]["total"] == z3[1]["total"] and z3[0]["gathered"] > 0
+
+
+
+def _train_rank(rank, world, cfg: dict, stop_at, resume_dir):
+    from memfit.train import loop
+
+    if resume_dir is not None:
+        result = loop.train(*loop.resume_config(resume_dir, {}), progress=False)
+    else:
+        result = loop.train(loop.TrainConfig(**cfg), stop_at=stop_at, progress=False)
+    return result.metrics["steps"]["loss"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_resumed_strategy_run_continues_the_trajectory(tmp_path, strategy):
+    from memfit.distributed.spawn import run_world
+
+    cfg = dict(model=TINY, seq=32, batch=2, steps=4, warmup=1, eval_batches=2, save_every=2, strategy=strategy)
+    whole = run_world(_train_rank, 2, args=({**cfg, "out": str(tmp_path / "whole")}, None, None), timeout_s=300)
+    part = str(tmp_path / "part")
+    run_world(_train_rank, 2, args=({**cfg, "out": part}, 2, None), timeout_s=300)
+    resumed = run_world(_train_rank, 2, args=(cfg, None, part), timeout_s=300)
+    assert len(whole[0]) == len(resumed[0]) == 4
+    assert resumed[0] == pytest.approx(whole[0], rel=1e-6)

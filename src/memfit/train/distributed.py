@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -42,9 +43,6 @@ def precheck(cfg: Any, resuming: bool = False) -> None:
     if cfg.steps is None:
         raise ConfigError(f"--strategy {strategy} needs --steps: the ranks must agree on when to stop, and a "
                           "time limit is measured by each rank on its own clock")
-    if resuming:
-        raise ConfigError("resuming a --strategy run is not supported yet; start a new run (its checkpoint.pt "
-                          "holds the full model weights)")
     if strategy in ("ddp", "ps") and cfg.offload_optimizer != "none":
         raise ConfigError(f"--offload-optimizer with --strategy {strategy} is not supported: the offload takes "
                           "gradients before they are reduced; use --strategy zero1, zero2 or zero3")
@@ -125,6 +123,38 @@ def gather_breakdown(ctx: DistContext, breakdown: dict[str, Any]) -> dict[str, A
     everyone: list[Any] = [None] * ctx.world
     dist.all_gather_object(everyone, mine)
     return {**breakdown, "strategy": ctx.strategy, "world": ctx.world, "ranks": everyone}
+
+
+SHARDED = "sharded"
+"""Folder in the run folder for ZeRO's optimizer state (torch.distributed.checkpoint)."""
+
+
+def save_states(opt, model: nn.Module, run_dir: Path) -> dict[str, torch.Tensor]:
+    """Every rank: ZeRO writes its slices under run_dir/sharded; returns the full model state dict
+    (checkpoint.pt, written by rank 0, holds it with rank 0's optimizer state: all of it for ddp
+    and ps, whose rank 0 has the whole state)."""
+    if getattr(opt, "engine", None) is not None:
+        from memfit.distributed.checkpoint import save_sharded
+
+        save_sharded(opt, run_dir / SHARDED)
+    return model_state(opt, model)
+
+
+def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
+    """Resume: ZeRO reads weights and optimizer slices from run_dir/sharded (any world size); ddp
+    and ps load checkpoint.pt's model and optimizer state on every rank."""
+    if getattr(opt, "engine", None) is not None:
+        from memfit.distributed.checkpoint import load_sharded
+
+        if not (run_dir / SHARDED).exists():
+            raise ConfigError(f"{run_dir} has no {SHARDED}/ checkpoint: it was not written by a zero1-3 run; "
+                              "resume it with the strategy it was written with")
+        load_sharded(opt, run_dir / SHARDED)
+        return
+    model.load_state_dict(checkpoint["model"])
+    if checkpoint["optimizer"].get("stage") is not None:
+        raise ConfigError("this checkpoint's optimizer state is a ZeRO shard; resume with --strategy zero1-3")
+    opt.load_state_dict(checkpoint["optimizer"])
 
 
 def model_state(opt, model: nn.Module) -> dict[str, torch.Tensor]:

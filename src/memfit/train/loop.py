@@ -384,8 +384,11 @@ def train(
     # 90% of the time is spent. A resumed run keeps the length its checkpoint fixed.
     auto_horizon = cfg.steps is None and (checkpoint is None or checkpoint["horizon"] is None)
     if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
+        if ctx is not None:  # ZeRO's optimizer state comes from its sharded checkpoint
+            dist_train.restore(opt, model, checkpoint, Path(cfg.out))
+        else:
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["optimizer"])
         sampler.load_state_dict(checkpoint["sampler"])
         step, history, breakdown = checkpoint["step"], checkpoint["history"], checkpoint.get("breakdown")
         horizon = cfg.steps if cfg.steps is not None else checkpoint["horizon"]
@@ -403,7 +406,7 @@ def train(
 
     def save() -> dict[str, Any]:
         history["seconds"] = base_seconds + time.perf_counter() - started
-        model_state = dist_train.model_state(opt, model) if ctx else model.state_dict()
+        model_state = dist_train.save_states(opt, model, run_dir) if ctx else model.state_dict()
         if ctx is not None and not ctx.main:
             return write_metrics()  # computed, not written
         state_mod.save_checkpoint(run_dir / state_mod.CHECKPOINT, {
