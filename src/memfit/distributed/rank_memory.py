@@ -8,8 +8,9 @@ Figures are the bytes held at the step's peak (plain data, so a planner can rank
     params     ddp/ps/zero1/zero2: every weight. zero3: the rank's slices, plus `gathered`: the rest
                (embeddings, head, norms: held from forward to their backward) and two blocks (the
                running one and the prefetched one).
-    grads      ddp/ps/zero1: every gradient. zero2/zero3: the rank's slices, plus `in_flight`: one
-               bucket (a block) of full gradients waiting for its reduce-scatter.
+    grads      ddp/ps/zero1: every gradient. zero2/zero3: the rank's slices (they exist from their
+               bucket's first reduce-scatter to the step), plus `in_flight`: one bucket (a block)
+               of full gradients waiting for its reduce-scatter.
     optimizer  ddp, and ps's rank 0: all the state; ps's other ranks none; zero*: the rank's slices'
                state (master weights included in -master modes), plus torch's per-tensor step counters.
 
@@ -65,16 +66,21 @@ def rank_totals(rows: list[dict], one_device: dict[str, int]) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total").
 
-    ZeRO: the persistent states (weights or slices, gathered weights, gradients or slices, the bucket
-    in flight, optimizer slices) plus the trace's activations and temporaries. ps and ddp hold the
+    ZeRO: the states held (weights or slices, gathered weights, optimizer slices; zero1's full
+    gradients; zero2/3's bucket in flight) plus the trace's activations and temporaries. ps and ddp hold the
     gradients only transiently as one process does, so their peak is the one-device peak with the
     rank's optimizer state in place of the full one; ddp adds its gradient buckets, which live
     between steps (gradient_as_bucket_view)."""
     out = []
     for r in rows:
-        if r["strategy"].startswith("zero"):
-            states = r["params"] + r["gathered"] + r["grads"] + r["in_flight"] + r["optimizer"]
+        if r["strategy"] == "zero1":  # full gradients live between steps
+            states = r["params"] + r["grads"] + r["optimizer"]
             total = states + one_device["activations"] + one_device["temporaries"]
+        elif r["strategy"].startswith("zero"):
+            # Gradient slices appear during backward as activations are freed: the peak is at the
+            # start of backward (one bucket in flight) or, for small activations, at its end.
+            held = r["params"] + r["gathered"] + r["optimizer"] + r["in_flight"]
+            total = held + max(one_device["activations"] + one_device["temporaries"], r["grads"])
         else:
             total = one_device["total"] - one_device["optimizer"] + r["optimizer"]
             if r["strategy"] == "ddp":

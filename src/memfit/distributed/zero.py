@@ -40,10 +40,11 @@ class ShardModule(nn.Module):
         self.slices = nn.ParameterList(nn.Parameter(s, requires_grad=True) for s in slices)
 
 
-def _retrack(t: torch.Tensor, as_params: bool = True) -> None:
-    """Tell active memory trackers that `t`'s storage changed size (a resize is no op they see)."""
+def _retrack(t: torch.Tensor, category: int = tracker_mod.PARAMS) -> None:
+    """Tell active memory trackers what `t` is, or that its storage changed size (a resize is no
+    op they see; a gradient slice made inside a hook is not a parameter's .grad for them yet)."""
     for tr in tracker_mod._ACTIVE:
-        if tr._register(t, tracker_mod.PARAMS if as_params else tracker_mod.TEMPORARIES):
+        if tr._register(t, category):
             tr._check_peak()
 
 
@@ -69,14 +70,13 @@ class ZeroEngine:
         self.shard_module = ShardModule(slices)
         self.shards = list(self.shard_module.slices)
         self.grad_flat: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
-        for b in self.layout.buckets:
-            if stage == 1:  # full gradients accumulate in place into one flat buffer per bucket
+        # Stage 2/3: a slice's gradient exists from its bucket's first reduce-scatter to the step.
+        self.grads: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
+        if stage == 1:  # full gradients accumulate in place into one flat buffer per bucket
+            for b in self.layout.buckets:
                 gflat = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
                 self.grad_flat.append(gflat)
-                self.grads.append(b.part(gflat, self.rank))
-            else:
-                self.grads.append(torch.zeros(b.slice, dtype=self.dtype, device=self.device))
+                self.grads[b.index] = b.part(gflat, self.rank)
         self._arrived = [0] * len(self.layout.buckets)
         self._hooks = []
         self._pending: dict[int, object] = {}
@@ -102,7 +102,7 @@ class ZeroEngine:
     def attach_shard_grads(self) -> None:
         """The shard gradients are the shard parameters' .grad (the memory tracker counts them as grads)."""
         for s, g in zip(self.shards, self.grads):
-            s.grad = g
+            s.grad = g  # None until the slice's first reduce-scatter
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self.layout.by_param[id(p)]
@@ -118,7 +118,11 @@ class ZeroEngine:
         part = torch.empty(b.slice, dtype=self.dtype, device=self.device)
         comm.reduce_scatter(part, full, group=self.group)
         del full
-        self.grads[b.index].add_(part)
+        if self.grads[b.index] is None:
+            self.grads[b.index] = part
+            _retrack(part, tracker_mod.GRADS)
+        else:
+            self.grads[b.index].add_(part)
         self._arrived[b.index] = 0
         if self.stage == 3:
             self._release(b.index)
@@ -142,16 +146,19 @@ class ZeroEngine:
                 part = torch.empty(b.slice, dtype=self.dtype, device=self.device)
                 comm.reduce_scatter(part, gflat, group=self.group)
                 self.grads[b.index].copy_(part)
+        for b in self.layout.buckets:  # a bucket no parameter of which got a gradient
+            if self.grads[b.index] is None:
+                self.grads[b.index] = torch.zeros(b.slice, dtype=self.dtype, device=self.device)
         return self.grads
 
     def zero_grads(self) -> None:
-        for g in self.grads:
-            g.zero_()
+        """Stage 1 zeroes its flat gradient buffers; stages 2-3 drop the gradient slices."""
         for gflat in self.grad_flat:
             gflat.zero_()
         if self.stage == 1:
             self._attach_full_grads()
         else:
+            self.grads = [None] * len(self.layout.buckets)
             for p in self.model.parameters():
                 p.grad = None
         self.attach_shard_grads()
