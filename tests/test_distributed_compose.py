@@ -8,7 +8,7 @@ import torch
 from memfit.distributed.spawn import run_world
 from memfit.models.gpt import GPT, GPTConfig
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # ~1 min on 2 busy cores
 
 CFG = dict(layers=3, hidden=32, heads=4, vocab=64, seq=16)
 BATCH, STEPS = 4, 3
