@@ -42,8 +42,12 @@ def _worker(argv: list[str]) -> tuple[int, str]:
     if os.environ.get("RANK", "0") == "0":
         return main(argv), ""
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(argv)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+    except BaseException:
+        sys.stderr.write(err.getvalue())  # an unexpected failure: show what this rank said
+        raise
     return code, err.getvalue()
 
 

@@ -126,30 +126,41 @@ def gather_breakdown(ctx: DistContext, breakdown: dict[str, Any]) -> dict[str, A
 
 
 SHARDED = "sharded"
-"""Folder in the run folder for ZeRO's optimizer state (torch.distributed.checkpoint)."""
+"""Folders sharded-<step> in the run folder hold ZeRO's optimizer state (torch.distributed.checkpoint)."""
 
 
-def save_states(opt, model: nn.Module, run_dir: Path) -> dict[str, torch.Tensor]:
-    """Every rank: ZeRO writes its slices under run_dir/sharded; returns the full model state dict
-    (checkpoint.pt, written by rank 0, holds it with rank 0's optimizer state: all of it for ddp
-    and ps, whose rank 0 has the whole state)."""
+def save_states(opt, model: nn.Module, run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every rank: ZeRO writes its slices under run_dir/sharded-<step> (checkpoint.pt, written after
+    it, names the folder, so a crash between the two leaves the previous pair intact); returns the
+    full model state dict. checkpoint.pt holds it with rank 0's optimizer state: all of it for ddp
+    and ps, whose rank 0 has the whole state."""
     if getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import save_sharded
 
-        save_sharded(opt, run_dir / SHARDED)
+        save_sharded(opt, run_dir / f"{SHARDED}-{step}")
     return model_state(opt, model)
 
 
+def prune_sharded(run_dir: Path, step: int) -> None:
+    """Rank 0, after checkpoint.pt names sharded-<step>: remove the older folders."""
+    import shutil
+
+    for old in run_dir.glob(f"{SHARDED}-*"):
+        if old.name != f"{SHARDED}-{step}":
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
-    """Resume: ZeRO reads weights and optimizer slices from run_dir/sharded (any world size); ddp
-    and ps load checkpoint.pt's model and optimizer state on every rank."""
+    """Resume: ZeRO reads weights and optimizer slices from the checkpoint's sharded-<step> folder
+    (any world size); ddp and ps load checkpoint.pt's model and optimizer state on every rank."""
     if getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import load_sharded
 
-        if not (run_dir / SHARDED).exists():
-            raise ConfigError(f"{run_dir} has no {SHARDED}/ checkpoint: it was not written by a zero1-3 run; "
+        folder = run_dir / f"{SHARDED}-{checkpoint['step']}"
+        if not folder.exists():
+            raise ConfigError(f"{run_dir} has no {folder.name}/: it was not written by a zero1-3 run; "
                               "resume it with the strategy it was written with")
-        load_sharded(opt, run_dir / SHARDED)
+        load_sharded(opt, folder)
         return
     model.load_state_dict(checkpoint["model"])
     if checkpoint["optimizer"].get("stage") is not None:

@@ -406,7 +406,7 @@ def train(
 
     def save() -> dict[str, Any]:
         history["seconds"] = base_seconds + time.perf_counter() - started
-        model_state = dist_train.save_states(opt, model, run_dir) if ctx else model.state_dict()
+        model_state = dist_train.save_states(opt, model, run_dir, step) if ctx else model.state_dict()
         if ctx is not None and not ctx.main:
             return write_metrics()  # computed, not written
         state_mod.save_checkpoint(run_dir / state_mod.CHECKPOINT, {
@@ -415,6 +415,8 @@ def train(
             "rng": state_mod.rng_state(), "history": history, "breakdown": breakdown,
             "corpus": run_info["corpus"],
         })
+        if ctx is not None:
+            dist_train.prune_sharded(run_dir, step)
         return write_metrics()
 
     def write_metrics() -> dict[str, Any]:
