@@ -97,9 +97,3 @@ def test_resumed_strategy_run_continues_the_trajectory(tmp_path, strategy):
     assert len(whole[0]) == len(resumed[0]) == 4
     assert resumed[0] == pytest.approx(whole[0], rel=1e-6)
 
-
-def _launch(*argv: str) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "memfit", "train", *argv], env=env, capture_output=True,
-                          text=True, timeout=600)
-
