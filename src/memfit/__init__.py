@@ -19,6 +19,7 @@ _EXPORTS = {
     "checkpoint": "memfit.apply.checkpoint:checkpoint",
     "find_blocks": "memfit.apply.checkpoint:find_blocks",
     "TrainingOptimizer": "memfit.apply.optimizer:TrainingOptimizer",
+    "distribute": "memfit.distributed.strategy:distribute",
     "LossScaler": "memfit.apply.loss_scale:LossScaler",
     "trace_step": "memfit.measure.trace:trace_step",
     "measure_step": "memfit.measure.trace:measure_step",

@@ -26,6 +26,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(p, "optimizer", default="adamw")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--world", type=integer(1), default=1, help="data-parallel world size (default 1)")
+    p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3"),
+                   help="data-parallel strategy: print each rank's figures for --world ranks (docs/distributed.md)")
     add(p, "checkpoint", default="none")
     add(p, "offload_optimizer", default="none")
     p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 24GiB or 80GB: says if it fits")
@@ -49,9 +51,13 @@ def run(args: argparse.Namespace) -> int:
         spec.check_shape(args.batch, args.seq)  # what `memfit train` would refuse, refused here too
     est = estimate(
         spec, params=params, batch=args.batch, seq=args.seq, precision=args.precision,
-        optimizer=args.optimizer, zero=args.zero, world=args.world, checkpoint=args.checkpoint,
-        offload_optimizer=args.offload_optimizer, device_memory=budget,
+        optimizer=args.optimizer, zero=0 if args.strategy else args.zero, world=1 if args.strategy else args.world,
+        checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
     )
+    if args.strategy:  # per-rank figures (memfit.distributed.rank_memory)
+        from memfit.cli.ranks import print_per_rank
+
+        return print_per_rank(args, est)
     if args.json:
         print(json.dumps(est.to_json(), indent=1))
         return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from memfit.cli.args import integer, number
 from memfit.cli.options import add
@@ -67,6 +68,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--no-track", dest="track", action="store_false",
                    help="skip measuring one step's memory breakdown with the tracker")
     g.add_argument("--quiet", action="store_true", help="no progress output, only the final summary")
+    g = p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)")
+    g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3"),
+                   help="data-parallel strategy; --batch stays per process (default none)")
+    g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")
     return p
 
 
@@ -90,6 +95,21 @@ def run(args: argparse.Namespace) -> int:
 
     given = vars(args)
     cfg, ckpt = config_of(given)
+    if given.get("nproc", 1) != 1:
+        return _launch(cfg, given, ckpt is not None)
     result = loop.train(cfg, ckpt, progress=not given.get("quiet", False))
-    print(format_summary(result.metrics, result.run_dir, result.stopped))
+    if os.environ.get("RANK", "0") == "0":  # several processes: rank 0 speaks
+        print(format_summary(result.metrics, result.run_dir, result.stopped))
     return EXIT_CODES.get(result.stopped, 0)  # the shell's codes for Ctrl-C (130) and SIGTERM (143)
+
+
+def _launch(cfg: TrainConfig, given: dict, resuming: bool) -> int:
+    from memfit.cli.launch import launch, to_argv
+    from memfit.core.errors import ConfigError
+    from memfit.train.distributed import precheck
+
+    if given["nproc"] < 2:
+        raise ConfigError(f"--nproc must be at least 2 (or left out for one process), got {given['nproc']}")
+    cfg.validate()
+    precheck(cfg, resuming)
+    return launch(given["nproc"], to_argv("train", given))

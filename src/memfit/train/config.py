@@ -69,6 +69,8 @@ class TrainConfig:
     """Dropout of memfit's GPT; None = the model spec's own (0 unless the spec sets dropout=)."""
     track: bool = True
     """Measure one step's memory breakdown with memfit's tracker (params, grads, optimizer, activations)."""
+    strategy: str = "none"
+    """Data-parallel strategy over the processes torchrun started: none, ddp, ps, zero1, zero2, zero3."""
 
     def validate(self) -> None:
         """Raise ConfigError for the first option that cannot work, naming it as the command line does."""
@@ -110,3 +112,8 @@ def _check_int(name: str, value: Any, low: int, high: int) -> None:
 def _check_float(name: str, value: Any, what: str, ok: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
         raise ConfigError(f"{flag(name)} must be {what}, got {value!r}")
+
+
+def optimizer_extra(cfg: TrainConfig) -> dict[str, Any]:
+    """What `memfit train` sets beyond torch's defaults: AdamW's betas (0.9, 0.95), as GPT training does."""
+    return {"betas": ADAMW_BETAS} if cfg.optimizer.lower() == "adamw" else {}

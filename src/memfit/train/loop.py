@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from memfit.core.errors import MemfitError
-from memfit.train import report, state as state_mod
+from memfit.train import distributed as dist_train, report, state as state_mod
 from memfit.train.config import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, RESUMABLE, TrainConfig
 from memfit.train.data import absolute
 from memfit.train.resume import check_checkpoint, check_steps, resume_config
@@ -72,11 +72,14 @@ def train(
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg = _checked(cfg, checkpoint)
+    ctx = dist_train.setup(cfg, resolve_device(cfg.device), resuming=checkpoint is not None)
+    if ctx is not None and not ctx.main:  # several processes: rank 0 reports and writes the run folder
+        log, progress = (lambda msg: None), False
     # Leaving the block closes the bar and the optimizer (spill files, hooks), removes the activation
     # hooks and restores the signal handlers, also when a step raises.
     with contextlib.ExitStack() as cleanup:
         signals = cleanup.enter_context(StopSignals(log))
-        run = setup(cfg, checkpoint, cleanup, log)
+        run = setup(cfg, checkpoint, cleanup, log, ctx)
         clock = Clock(cfg.time_limit, cfg.eval_every, run.auto_horizon)
         base_seconds = run.history["seconds"]
         bar = cleanup.enter_context(report.Progress(run.step, run.horizon, enabled=progress, log=log))
@@ -100,7 +103,8 @@ def train(
         if run.history["val"]["step"][-1] != run.step:
             _evaluate(run, clock)
         metrics = _save(run, base_seconds + clock.elapsed(), last=True)
-    _plot(metrics, run.run_dir, log)
+    if ctx is None or ctx.main:
+        _plot(metrics, run.run_dir, log)
     return TrainResult(run_dir=run.run_dir, metrics=metrics, step=run.step, stopped=stopped)
 
 
@@ -140,17 +144,24 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
     micro = [tuple(t.to(device, non_blocking=True) for t in run.sampler.next()) for _ in range(cfg.accum)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    tracker = enter_tracker(run.model, run.opt, device, log) if cfg.track and run.step == run.track_at else None
+    tracked = getattr(run.opt, "tracked_module", run.model)  # ZeRO: the model and this rank's shard
+    tracker = enter_tracker(tracked, run.opt, device, log) if cfg.track and run.step == run.track_at else None
     t0 = time.perf_counter()
+    if run.ctx is not None:
+        dist_train.TRAFFIC.reset()
+    one_step = (lambda: StepOutput(*dist_train.accumulate_step(run.opt, micro, loss_sum))) if run.ctx \
+        else (lambda: accumulate_step(run.model, run.opt, micro))
     with memory_errors(lambda: f"at step {run.step + 1}"):
         if tracker is not None:
             try:
-                out = accumulate_step(run.model, run.opt, micro)
+                out = one_step()
             finally:
                 tracker.__exit__(None, None, None)
             run.breakdown = report.tracker_breakdown(tracker, run.step + 1)  # steps count from 1 in the history
+            if run.ctx is not None:
+                run.breakdown = dist_train.gather_breakdown(run.ctx, run.breakdown)
         else:
-            out = accumulate_step(run.model, run.opt, micro)
+            out = one_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
@@ -179,12 +190,18 @@ def _save(run: Run, seconds: float, *, last: bool) -> dict[str, Any]:
     run.history["seconds"] = seconds
     metrics = report.metrics_payload(run.cfg.to_dict(), {**run.info, "horizon": run.horizon}, run.history,
                                      run.breakdown)
+    ctx = run.ctx
+    model_state = dist_train.save_states(run.opt, run.model, run.run_dir, run.step) if ctx else run.model.state_dict()
+    if ctx is not None and not ctx.main:  # rank 0 writes checkpoint.pt and metrics.json
+        return metrics
     run.saver.save(run.step, {
         "format": 1, "step": run.step, "horizon": run.horizon, "config": run.cfg.to_dict(),
-        "model": run.model.state_dict(), "optimizer": run.opt.state_dict(), "sampler": run.sampler.state_dict(),
+        "model": model_state, "optimizer": run.opt.state_dict(), "sampler": run.sampler.state_dict(),
         "rng": state_mod.rng_state(), "history": run.history, "breakdown": run.breakdown,
         "corpus": run.info["corpus"],
     }, metrics, last=last)
+    if ctx is not None:
+        dist_train.prune_sharded(run.run_dir, run.step)
     return metrics
 
 

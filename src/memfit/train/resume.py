@@ -71,11 +71,15 @@ def check_steps(cfg: TrainConfig, ckpt: dict[str, Any]) -> None:
                           f"give --steps above {ckpt['step']} to continue it")
 
 
-def restore(ckpt: dict[str, Any], where: str, model: torch.nn.Module, opt: Any, sampler: Any) -> None:
-    """Load the model, optimizer, sampler and RNG state; a part that does not fit is one ConfigError."""
-    parts: list[tuple[str, Callable[[], Any]]] = [
+def restore(ckpt: dict[str, Any], where: str, model: torch.nn.Module, opt: Any, sampler: Any,
+            load_states: Callable[[], None] | None = None) -> None:
+    """Load the model, optimizer, sampler and RNG state; a part that does not fit is one ConfigError.
+    `load_states` replaces the model and optimizer loads (several processes: ZeRO's sharded files)."""
+    states: list[tuple[str, Callable[[], Any]]] = [
         ("model weights", lambda: model.load_state_dict(ckpt["model"])),
         ("optimizer state", lambda: opt.load_state_dict(ckpt["optimizer"])),
+    ] if load_states is None else [("model and optimizer state", load_states)]
+    parts = states + [
         ("data sampler state", lambda: sampler.load_state_dict(ckpt["sampler"])),
         ("RNG state", lambda: state_mod.set_rng_state(ckpt["rng"])),
     ]

@@ -16,7 +16,7 @@ from memfit.core.device import resolve_device  # noqa: F401  (the one device che
 from memfit.core.errors import ConfigError, MemfitError
 from memfit.train import data as data_mod
 from memfit.train import report
-from memfit.train.config import ADAMW_BETAS, TrainConfig
+from memfit.train.config import TrainConfig, optimizer_extra
 from memfit.train.resume import restore
 from memfit.train.rundir import prepare_run_dir
 from memfit.train.saver import Saver
@@ -59,11 +59,10 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, precision: str) -> Any:
     from memfit.apply.optimizer import TrainingOptimizer
 
     disk = cfg.offload_optimizer == "disk"
-    extra = {"betas": ADAMW_BETAS} if cfg.optimizer.lower() == "adamw" else {}
     return TrainingOptimizer(
         model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, precision=precision, clip=cfg.clip,
         offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer,
-        spill_dir=cfg.spill_dir if disk else None, **extra,
+        spill_dir=cfg.spill_dir if disk else None, **optimizer_extra(cfg),
     )
 
 
@@ -142,15 +141,18 @@ class Run:
     """No --steps: the schedule length is fitted to the time limit (a resume keeps the fitted one)."""
     track_at: int = 1
     """The step measured with the tracker: steady state, once the optimizer state exists."""
+    ctx: Any = None
+    """Several processes (memfit.train.distributed.DistContext), or None for one."""
 
 
 def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextlib.ExitStack,
-          log: Callable[[str], None]) -> Run:
+          log: Callable[[str], None], ctx: Any = None) -> Run:
     """Build the run of `cfg` (from `checkpoint` when resuming); what needs releasing goes on `cleanup`.
 
     Every refusal comes before the first step; the run folder is created last, so a bad request
     leaves no empty folder behind (and `cleanup` removes any spill folder already made)."""
     from memfit.apply.checkpoint import checkpoint as apply_checkpoint, remove
+    from memfit.train import distributed as dist_train
 
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
@@ -160,20 +162,24 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
         model = build_model(cfg).to(device)
     apply_checkpoint(model, cfg.checkpoint, spill_dir=cfg.spill_dir)
     cleanup.callback(remove, model)  # removes an activation spill folder with the hooks
-    sampler = data_mod.WindowSampler(corpus.train, cfg.batch, cfg.seq, cfg.seed)
+    sampler = (dist_train.RankSampler(corpus.train, cfg.batch, cfg.seq, cfg.seed, ctx.rank, ctx.world) if ctx
+               else data_mod.WindowSampler(corpus.train, cfg.batch, cfg.seq, cfg.seed))
     val_batches = data_mod.fixed_windows(corpus.val, cfg.eval_batches, cfg.batch, cfg.seq, (cfg.seed + 1) % 2**64)
-    opt = cleanup.enter_context(build_optimizer(cfg, model, precision))
+    opt = cleanup.enter_context(dist_train.make_optimizer(ctx, model, cfg, precision) if ctx
+                                else build_optimizer(cfg, model, precision))
     run_dir = prepare_run_dir(cfg.out, log)  # the last refusal: a bad request leaves no empty run folder
     n_params = sum(p.numel() for p in model.parameters())
     info = {"device": str(device), "precision": precision, "params": n_params,
             # The resolved files beside their digest: a resume reads the same bytes from any folder.
             "corpus": {"name": corpus.name, "files": len(corpus.files), "bytes": corpus.num_bytes,
                        "digest": corpus.digest, "paths": corpus.files},
-            "tokens_per_step": cfg.batch * cfg.seq * cfg.accum}
+            "tokens_per_step": cfg.batch * cfg.seq * cfg.accum * (ctx.world if ctx else 1)}
     run = Run(cfg, device, model, opt, sampler, val_batches, run_dir, Saver(run_dir, log), info, horizon=cfg.steps,
-              auto_horizon=cfg.steps is None and (checkpoint is None or checkpoint["horizon"] is None))
+              auto_horizon=cfg.steps is None and (checkpoint is None or checkpoint["horizon"] is None), ctx=ctx)
     if checkpoint is not None:
-        restore(checkpoint, repr(str(run_dir)), model, opt, sampler)
+        # Several processes: ZeRO's weights and optimizer slices come from its sharded checkpoint.
+        states = (lambda: dist_train.restore(opt, model, checkpoint, run_dir)) if ctx else None
+        restore(checkpoint, repr(str(run_dir)), model, opt, sampler, states)
         run.step, run.history, run.breakdown = checkpoint["step"], checkpoint["history"], checkpoint.get("breakdown")
         run.horizon = cfg.steps if cfg.steps is not None else checkpoint["horizon"]
         run.saver.saved_step = run.step

@@ -1,0 +1,233 @@
+"""Data-parallel strategies side by side on 2 gloo ranks (CPU): memfit ddp/zero1/zero2/zero3 against
+torch's ZeroRedundancyOptimizer (+ DDP) and FSDP2 (fully_shard, reshard_after_forward True/False).
+
+    PYTHONPATH=src python bench/distributed.py [--rounds 5] [--steps 3]
+
+Same model, seed and global batch for every contender; each round runs them in a shuffled order
+(the same on both ranks). Per rank and contender: the allocator's peak over a training step
+(profiler ground truth: everything the rank allocated, weights and communication buffers
+included), memfit's tracked peak where the tracker can see the contender's storages (memfit's
+strategies; FSDP2 frees by resizing storages, which the tracker does not see), RSS growth, step
+time, bytes sent per step. Bytes are counted where the collectives are called: memfit's own
+counter; for the peers, torch.distributed's Python collectives are wrapped for the run and DDP's
+reducer reports through a counting communication hook. On this CPU machine host and device are the
+same RAM: the peaks are the rank's allocations, not a device's.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import fmt_bytes, save  # noqa: E402
+
+MODEL = dict(layers=6, hidden=96, heads=4, vocab=256, seq=64)
+BATCH = 4  # per rank
+CONTENDERS = ["memfit ddp", "memfit zero1", "memfit zero2", "memfit zero3", "ZeroRedundancyOptimizer+DDP",
+              "FSDP2 reshard=True", "FSDP2 reshard=False"]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeerCounter:
+    """Wraps torch.distributed's Python collectives for a peer's run and counts bytes sent (ring costs)."""
+
+    # all_reduce is left alone: DDP's reducer is C++, its bytes come through the counting hook.
+    NAMES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+             "broadcast")
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        from memfit.distributed import comm
+
+        self.saved = {n: getattr(dist, n) for n in self.NAMES}
+        n = dist.get_world_size()
+
+        def wrap(name, orig):
+            def f(*args, **kw):
+                t = args[0] if args else next(iter(kw.values()))  # all_gather_*: the gathered output
+                if name.startswith("reduce_scatter"):  # the full input
+                    t = args[1] if len(args) > 1 else kw.get("input", kw.get("input_tensor"))
+                nbytes = t.numel() * t.element_size()
+                if name == "broadcast":
+                    src = args[1] if len(args) > 1 else kw.get("src", 0)
+                    if dist.get_rank() == src:
+                        comm.TRAFFIC.add(name, nbytes * (n - 1))
+                else:
+                    comm.TRAFFIC.add(name, nbytes * (n - 1) / n)
+                return orig(*args, **kw)
+            return f
+
+        for name, orig in self.saved.items():
+            setattr(dist, name, wrap(name, orig))
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, orig in self.saved.items():
+            setattr(dist, name, orig)
+
+
+def _build(name: str):
+    """(model to call, object with backward/step, what the tracker watches or None)."""
+    import torch.distributed as dist
+
+    from memfit.distributed import comm, distribute
+    from memfit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL))
+    if name.startswith("memfit"):
+        opt = distribute(model, name.split()[1], "adamw", lr=1e-3)
+        return opt.model, opt, opt
+    if name.startswith("ZeroRedundancy"):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(dist.group.WORLD, comm.ddp_counting_hook)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        return ddp, _Plain(opt), None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    reshard = name.endswith("True")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model, _Plain(torch.optim.AdamW(model.parameters(), lr=1e-3)), None
+
+
+class _Plain:
+    def __init__(self, opt):
+        self.opt = opt
+
+    def backward(self, loss, final=True):
+        loss.backward()
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _contender(name: str, steps: int, rank: int, world: int) -> dict:
+    from memfit.core.tracker import track
+    from memfit.distributed import comm
+    from memfit.measure.allocator import AllocatorProfile
+
+    gc.collect()
+    rss0 = _rss()
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, MODEL["vocab"], (BATCH * world, MODEL["seq"] + 1), generator=g) for _ in range(steps)]
+    peer = None if name.startswith("memfit") else _PeerCounter().__enter__()
+    times, sent, tracked = [], [], None
+    try:
+        with AllocatorProfile() as prof:
+            call, opt, watch = _build(name)
+            for s, b in enumerate(batches):
+                b = b[rank * BATCH:(rank + 1) * BATCH]
+                comm.TRAFFIC.reset()
+                tr = track(watch.tracked_module, watch, device="cpu") if watch is not None and s == steps - 1 else None
+                if tr is not None:
+                    tr.__enter__()
+                t0 = time.perf_counter()
+                with prof.window(f"step{s}"):
+                    _, loss, n = call(b[:, :-1].contiguous(), b[:, 1:].contiguous())
+                    opt.backward(loss / (n * world))
+                    opt.step()
+                times.append(time.perf_counter() - t0)
+                if tr is not None:
+                    tr.__exit__(None, None, None)
+                    tracked = tr.peak_bytes
+                sent.append(comm.TRAFFIC.total)
+        peak = max(prof.peak(f"step{s}") for s in range(1, steps))
+    finally:
+        if peer is not None:
+            peer.__exit__()
+    if hasattr(opt, "close"):
+        opt.close()
+    return {"peak": peak, "tracked": tracked, "rss_growth": _rss() - rss0, "step_s": statistics.median(times[1:]),
+            "bytes_sent": sent[-1]}
+
+
+def _work(rank: int, world: int, rounds: int, steps: int) -> dict:
+    out: dict = {name: [] for name in CONTENDERS}
+    for r in range(rounds):
+        order = CONTENDERS[:]
+        random.Random(r).shuffle(order)  # the same order on every rank
+        for name in order:
+            out[name].append(_contender(name, steps, rank, world))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    from memfit.distributed.spawn import run_world
+
+    load0 = os.getloadavg()
+    ranks = run_world(_work, 2, args=(args.rounds, args.steps), timeout_s=3000)
+    summary = {}
+    for name in CONTENDERS:
+        summary[name] = []
+        for rank, res in enumerate(ranks):
+            rows = res[name]
+            med = {k: statistics.median([x[k] for x in rows if x[k] is not None]) if any(x[k] is not None for x in rows)
+                   else None for k in rows[0]}
+            spread = [min(x["step_s"] for x in rows), max(x["step_s"] for x in rows)]
+            summary[name].append({"rank": rank, **med, "step_s_range": spread})
+    from memfit.models.gpt import GPT, GPTConfig
+
+    n_params = GPT(GPTConfig(**MODEL)).num_params()
+    path = save("distributed", {
+        "command": "PYTHONPATH=src python bench/distributed.py " + f"--rounds {args.rounds} --steps {args.steps}",
+        "model": MODEL, "params": n_params, "batch_per_rank": BATCH, "world": 2, "rounds": args.rounds,
+        "load_before": load0, "load_after": os.getloadavg(), "results": summary, "raw": ranks,
+    })
+    print(render(__import__("json").loads(path.read_text())))
+
+
+def render(result: dict) -> str:
+    from render import machine_line  # bench/render.py
+
+    lines = [
+        "## Data-parallel strategies, 2 gloo ranks on CPU", "",
+        f"`{result['command']}`", "",
+        f"GPT {result['model']} ({result['params']:,} parameters), AdamW, fp32, batch {result['batch_per_rank']} "
+        f"per rank; {result['rounds']} rounds, contenders shuffled each round; medians over rounds (rank 0; "
+        "ranks agree unless marked). Peak: the allocator's (profiler) over a step, everything the rank "
+        "allocated; tracked: memfit's tracker (memfit's strategies only). Host = device RAM here. "
+        f"Load average before/after: {result['load_before'][0]:.1f} / {result['load_after'][0]:.1f}.", "",
+        "| contender | peak per rank | tracked | RSS growth | step time (range) | bytes sent / step / rank |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, ranks in result["results"].items():
+        r = ranks[0]
+        other = ranks[1]
+        peak = fmt_bytes(r["peak"]) + ("" if other["peak"] == r["peak"] else f" (rank 1: {fmt_bytes(other['peak'])})")
+        tracked = fmt_bytes(r["tracked"]) if r["tracked"] else "-"
+        lines.append(f"| {name} | {peak} | {tracked} | {fmt_bytes(r['rss_growth'])} | "
+                     f"{r['step_s'] * 1e3:.0f} ms ({r['step_s_range'][0] * 1e3:.0f}-{r['step_s_range'][1] * 1e3:.0f}) | "
+                     f"{fmt_bytes(r['bytes_sent'])} |")
+    lines += ["", machine_line(result), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""`memfit train --nproc N`: start N local processes through torchrun's API (elastic launch).
+
+Each process runs the same `memfit train` command line (without --nproc) with torchrun's
+environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), rendezvous on 127.0.0.1 at a free port. Rank 0
+speaks; another rank's output is shown only when it ended differently from rank 0. The exit code
+is the worst rank's.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import uuid
+from typing import Any
+
+
+def to_argv(command: str, given: dict[str, Any], drop: tuple[str, ...] = ("nproc",)) -> list[str]:
+    """The command line that parses back to `given` (options the user gave; argparse SUPPRESS)."""
+    argv = [command]
+    for key, value in given.items():
+        if key.startswith("_") or key in drop or key == "command":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key == "track":
+            if value is False:
+                argv.append("--no-track")
+        elif isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif isinstance(value, list):
+            for v in value:
+                argv += [flag, str(v)]
+        else:
+            argv += [flag, str(0 if key == "clip" and value is None else value)]
+    return argv
+
+
+def _worker(argv: list[str]) -> tuple[int, str]:
+    from memfit.cli import main
+
+    if os.environ.get("RANK", "0") == "0":
+        return main(argv), ""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+    except BaseException:
+        sys.stderr.write(err.getvalue())  # an unexpected failure: show what this rank said
+        raise
+    return code, err.getvalue()
+
+
+def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from memfit.distributed.env import free_port
+
+    port = free_port()
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memfit-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=max_restarts,
+        monitor_interval=0.2, start_method="spawn",
+    )
+    results = elastic_launch(config, _worker)(argv)
+    codes = {r: res[0] for r, res in results.items()}
+    for r in sorted(results):
+        if r != 0 and codes[r] != codes.get(0):
+            sys.stderr.write(f"[rank {r}] {results[r][1]}")
+    return max(codes.values())

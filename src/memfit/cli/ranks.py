@@ -1,0 +1,44 @@
+"""`memfit estimate ... --strategy S --world N`: each rank's figures under a data-parallel strategy."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from memfit.cli.options import model_of
+from memfit.core.errors import ConfigError
+from memfit.core.units import format_bytes
+
+COLUMNS = ("params", "gathered", "grads", "in_flight", "optimizer", "activations", "temporaries", "total")
+
+
+def per_rank(args: Any, est: Any) -> list[dict]:
+    """Rows for every rank: model states from the strategy's shard layout, activations and
+    temporaries from the one-device trace of the per-rank micro-batch (`est`)."""
+    import torch
+
+    from memfit.distributed.rank_memory import rank_model_state, rank_totals
+    from memfit.models.spec import parse_model
+
+    if not est.traced:
+        raise ConfigError("--strategy needs a model to trace (not --params): give a model name or spec")
+    spec = parse_model(model_of(args))
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = spec.build(seq=est.seq) if spec.config is not None else spec.build()
+    rows = rank_model_state(model, args.strategy, args.world, args.precision, args.optimizer)
+    return rank_totals(rows, est.per_device)
+
+
+def print_per_rank(args: Any, est: Any) -> int:
+    rows = per_rank(args, est)
+    if args.json:
+        print(json.dumps({"estimate": est.to_json(), "ranks": rows}, indent=1))
+        return 0
+    print(f"{est.model}: --strategy {args.strategy} on {args.world} ranks, batch {est.batch} x seq {est.seq} per "
+          f"rank, {est.precision}, {est.optimizer}")
+    print("  " + f"{'rank':<6}" + "".join(f"{c:>13}" for c in COLUMNS))
+    shown = rows if len({r['total'] for r in rows}) > 1 else rows[:1]  # ranks that differ are listed apart
+    for r in shown:
+        label = str(r["rank"]) if len(shown) > 1 else "each"
+        print("  " + f"{label:<6}" + "".join(f"{format_bytes(r[c]):>13}" for c in COLUMNS))
+    print("\n  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO-2/3's gradient bucket")
+    return 0

@@ -1,0 +1,106 @@
+"""Collectives that count the bytes this rank sends, where they are called.
+
+Counts are per rank and follow the algorithm each collective is costed with (ring for the
+symmetric collectives, a star for the parameter server's reduce and broadcast), over M bytes of
+payload and N ranks:
+
+    all_reduce      2 M (N-1)/N        reduce-scatter + all-gather of the ring
+    reduce_scatter  M (N-1)/N          M: the full (unscattered) input
+    all_gather      M (N-1)/N          M: the full (gathered) output
+    reduce          M on every rank but the root, 0 on the root
+    broadcast       M (N-1) on the root, 0 elsewhere
+
+These are the volumes the ZeRO paper compares (DDP 2Ψ(N-1)/N per rank and step, ZeRO-3 1.5x).
+Scalar control messages (token counts, overflow flags) are counted apart as "control".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Traffic:
+    """Bytes sent by this rank, per collective, since the last reset()."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, op: str, nbytes: float) -> None:
+        self.sent[op] = self.sent.get(op, 0) + int(round(nbytes))
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    @property
+    def total(self) -> int:
+        """Payload bytes, control messages excluded."""
+        return sum(v for k, v in self.sent.items() if k != "control")
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.calls.clear()
+
+    def as_dict(self) -> dict:
+        return {"total": self.total, "sent": dict(self.sent), "calls": dict(self.calls)}
+
+
+TRAFFIC = Traffic()
+"""This process's counter; strategies add to it, the train loop reads it per step."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _n(group) -> int:
+    return dist.get_world_size(group)
+
+
+def all_reduce(t: torch.Tensor, group=None, async_op: bool = False):
+    n = _n(group)
+    TRAFFIC.add("all_reduce", 2 * _nbytes(t) * (n - 1) / n)
+    return dist.all_reduce(t, group=group, async_op=async_op)
+
+
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
+    n = _n(group)
+    TRAFFIC.add("reduce_scatter", _nbytes(full) * (n - 1) / n)
+    return dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
+
+
+def all_gather(full: torch.Tensor, part: torch.Tensor, group=None, async_op: bool = False):
+    n = _n(group)
+    TRAFFIC.add("all_gather", _nbytes(full) * (n - 1) / n)
+    return dist.all_gather_single(full, part, group=group, async_op=async_op)
+
+
+def reduce(t: torch.Tensor, dst: int = 0, group=None):
+    if dist.get_rank(group) != dst:
+        TRAFFIC.add("reduce", _nbytes(t))
+    return dist.reduce(t, dst=dst, group=group)
+
+
+def broadcast(t: torch.Tensor, src: int = 0, group=None, count: bool = True):
+    if count and dist.get_rank(group) == src:
+        TRAFFIC.add("broadcast", _nbytes(t) * (_n(group) - 1))
+    return dist.broadcast(t, src=src, group=group)
+
+
+def control_sum(values: list[float], group=None, op=dist.ReduceOp.SUM) -> list[float]:
+    """All-reduce a few scalars (token counts, overflow flags, squared norms) in one message."""
+    t = torch.tensor(values, dtype=torch.float64)
+    n = _n(group)
+    TRAFFIC.add("control", 2 * _nbytes(t) * (n - 1) / n)
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
+
+
+def ddp_counting_hook(group, bucket):
+    """DDP communication hook: sum-all-reduce each bucket (no averaging: memfit divides each
+    rank's loss by the global token count) and count its bytes."""
+    buf = bucket.buffer()
+    n = _n(group)
+    TRAFFIC.add("all_reduce", 2 * _nbytes(buf) * (n - 1) / n)
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])

@@ -1,0 +1,90 @@
+"""Each rank's model-state bytes under a strategy, from the same flat layout the strategies use.
+
+    rank_model_state(model, "zero3", world=2, precision="32-true", optimizer="adamw")
+    -> [{"rank": 0, "params": ..., "grads": ..., "optimizer": ..., "gathered": ..., "in_flight": ...}, ...]
+
+Figures are the bytes held at the step's peak (plain data, so a planner can rank strategies):
+
+    params     ddp/ps/zero1/zero2: every weight. zero3: the rank's slices, plus `gathered`: the rest
+               (embeddings, head, norms: held from forward to their backward) and two blocks (the
+               running one and the prefetched one).
+    grads      ddp/ps/zero1: every gradient. zero2/zero3: the rank's slices (they exist from their
+               bucket's first reduce-scatter to the step), plus `in_flight`: one bucket (a block)
+               of full gradients waiting for its reduce-scatter.
+    optimizer  ddp, and ps's rank 0: all the state; ps's other ranks none; zero*: the rank's slices'
+               state (master weights included in -master modes), plus torch's per-tensor step counters.
+
+The model may live on the meta device (nothing is allocated). Ranks differ only for ps.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from memfit.apply.precision import precision_mode
+from memfit.distributed.layout import FlatLayout
+
+_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+_STEP_COUNTER = {"adam", "adamw"}
+
+
+def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str = "32-true",
+                     optimizer: str = "adamw") -> list[dict]:
+    from memfit.distributed.strategy import check_strategy
+
+    check_strategy(strategy)
+    mode = precision_mode(precision)
+    w = mode.param_dtype.itemsize if hasattr(mode.param_dtype, "itemsize") else 4
+    state_bytes = mode.state_dtype.itemsize * _STATES.get(optimizer.lower(), 2)
+    per_elem_opt = state_bytes + (4 if mode.master_dtype is not None else 0)
+    layout = FlatLayout(model, world if strategy.startswith("zero") else 1)
+    full = layout.numel
+    counters = 4 if optimizer.lower() in _STEP_COUNTER else 0
+    tensors = len(layout.buckets) if strategy.startswith("zero") else sum(len(b.params) for b in layout.buckets)
+    blocks = [b.padded for b in layout.buckets if b.block is not None]
+    rest = layout.rest.padded if layout.rest is not None else 0
+    out = []
+    for rank in range(world):
+        row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0}
+        if strategy.startswith("zero"):
+            stage, shard = int(strategy[-1]), layout.shard_numel
+            row["params"] = w * (shard if stage == 3 else sum(b.padded for b in layout.buckets))
+            if stage == 3:
+                row["gathered"] = w * (rest + sum(sorted(blocks)[-2:]))
+            row["grads"] = w * (shard if stage >= 2 else sum(b.padded for b in layout.buckets))
+            if stage >= 2:
+                row["in_flight"] = w * max(blocks or [0])
+            row["optimizer"] = per_elem_opt * shard + counters * tensors
+        else:
+            holds = strategy == "ddp" or rank == 0
+            row["params"], row["grads"] = w * full, w * full
+            row["optimizer"] = (per_elem_opt * full + counters * tensors) if holds else 0
+        out.append(row)
+    return out
+
+
+def rank_totals(rows: list[dict], one_device: dict[str, int]) -> list[dict]:
+    """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
+    (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total").
+
+    ZeRO: the states held (weights or slices, gathered weights, optimizer slices; zero1's full
+    gradients; zero2/3's bucket in flight) plus the trace's activations and temporaries. ps and ddp hold the
+    gradients only transiently as one process does, so their peak is the one-device peak with the
+    rank's optimizer state in place of the full one; ddp adds its gradient buckets, which live
+    between steps (gradient_as_bucket_view)."""
+    out = []
+    for r in rows:
+        if r["strategy"] == "zero1":  # full gradients live between steps
+            states = r["params"] + r["grads"] + r["optimizer"]
+            total = states + one_device["activations"] + one_device["temporaries"]
+        elif r["strategy"].startswith("zero"):
+            # Gradient slices appear during backward as activations are freed: the peak is at the
+            # start of backward (one bucket in flight) or, for small activations, at its end.
+            held = r["params"] + r["gathered"] + r["optimizer"] + r["in_flight"]
+            total = held + max(one_device["activations"] + one_device["temporaries"], r["grads"])
+        else:
+            total = one_device["total"] - one_device["optimizer"] + r["optimizer"]
+            if r["strategy"] == "ddp":
+                total += r["grads"]
+        out.append({**r, "activations": one_device["activations"], "temporaries": one_device["temporaries"],
+                    "total": total})
+    return out

@@ -1,0 +1,70 @@
+"""Run a function on N local processes joined in a gloo group on 127.0.0.1 (tests, benchmarks).
+
+    results = run_world(fn, 2, args=(...,), timeout_s=120)   # fn(rank, world, *args) -> picklable
+
+Never hangs: the group's collectives time out after `timeout_s`, and processes still running at
+the deadline are killed. A rank's exception comes back as RuntimeError with its traceback.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from memfit.distributed import env
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str, timeout_s: float, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(threads)
+    try:
+        env.init("cpu", timeout_s=timeout_s)
+        result: Any = ("ok", fn(rank, world, *args))
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    finally:
+        try:
+            env.shutdown()
+        except Exception:
+            pass
+    torch.save(result, Path(out) / f"{rank}.pt")
+
+
+def run_world(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, threads: int = 1) -> list[Any]:
+    """fn(rank, world, *args) on `world` spawned processes; their return values in rank order."""
+    with tempfile.TemporaryDirectory(prefix="memfit-world-") as out:
+        port = env.free_port()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out, timeout_s, threads), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s + 30
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results, errors = [], []
+        for r in range(world):
+            f = Path(out) / f"{r}.pt"
+            if not f.exists():
+                errors.append(f"rank {r}: " + ("still running at the deadline" if r in hung else
+                                               f"exited with code {procs[r].exitcode} and no result"))
+                continue
+            status, value = torch.load(f, weights_only=False)
+            if status == "error":
+                errors.append(f"rank {r}:\n{value}")
+            results.append(value)
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results

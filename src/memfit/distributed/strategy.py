@@ -1,0 +1,70 @@
+"""One call puts a model and its optimizer on a data-parallel strategy.
+
+    from memfit.distributed import distribute, init
+    init("cpu")                                   # under torchrun: gloo on CPU, NCCL on CUDA
+    opt = distribute(model, "zero2", optimizer="adamw", lr=3e-4, precision="bf16-master", clip=1.0)
+    for i, (x, y) in enumerate(micro_batches):    # this rank's share of the global batch
+        with opt.micro_batch(last=i == k - 1), opt.autocast():
+            _, loss, _ = opt.model(x, y)          # opt.model: the model to call (DDP wraps it)
+        opt.backward(loss / global_tokens, final=i == k - 1)
+    opt.step()
+
+Every strategy has TrainingOptimizer's interface (autocast, backward, step, param_groups,
+state_tensors, state_dict) plus `model`, `micro_batch(last)` and `tracked_module` (what
+memfit.track should watch: the model and, for ZeRO, this rank's shard). Gradients are *summed*
+across ranks: divide each rank's loss by the token count of the whole global batch
+(`global_count`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from memfit.core.errors import ConfigError
+from memfit.distributed import comm
+
+STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3")
+
+
+def check_strategy(name: str) -> str:
+    if name not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {name!r}; accepted: {', '.join(STRATEGIES)}")
+    return name
+
+
+def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: float = 3e-4, **kw: Any):
+    """The strategy's optimizer over `model` (cast to the precision in place); see the module docstring.
+
+    Keyword arguments are TrainingOptimizer's (weight_decay, precision, clip, offload, spill_dir, ...),
+    plus group= (a process group; default the world) and, for zero3, prefetch=."""
+    check_strategy(strategy)
+    if not dist.is_initialized():
+        raise ConfigError("distribute() needs a process group: call memfit.distributed.init() under torchrun first")
+    if strategy == "ddp":
+        from memfit.distributed.ddp import DDPOptimizer
+
+        return DDPOptimizer(model, optimizer, lr, **kw)
+    if strategy == "ps":
+        from memfit.distributed.ps import ParameterServer
+
+        return ParameterServer(model, optimizer, lr, **kw)
+    from memfit.distributed.sharded import ShardedOptimizer
+
+    return ShardedOptimizer(model, int(strategy[-1]), optimizer, lr, **kw)
+
+
+def global_count(n: int | float, group=None) -> float:
+    """Sum a per-rank count (target tokens) over the ranks: the divisor for each rank's summed loss."""
+    return comm.control_sum([float(n)], group=group)[0]
+
+
+def rank_slice(batch_size: int, rank: int, world: int) -> slice:
+    """Rows of a global batch that `rank` takes: contiguous, in rank order, so the ranks together
+    see exactly the sequences one process with the whole batch would see."""
+    if batch_size % world:
+        raise ConfigError(f"a global batch of {batch_size} sequences does not split over {world} ranks; "
+                          f"use a batch divisible by {world}")
+    per = batch_size // world
+    return slice(rank * per, (rank + 1) * per)

@@ -1,0 +1,190 @@
+"""`memfit train --strategy S`: the training loop's hook-up to memfit.distributed.
+
+One process per rank (torchrun, or `--nproc N` which launches through torchrun's API). Every rank
+builds the same model from the same seed, draws the same global batch of N x batch sequences and
+keeps its own contiguous rows, so N ranks with --batch B see exactly the sequences of one process
+with --batch N*B. Rank 0 writes the run folder; metrics.json carries every rank's tracked memory
+breakdown and the bytes each rank sent in the tracked step.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+from memfit.core.errors import ConfigError
+from memfit.models.gpt import GPT
+from memfit.distributed.comm import TRAFFIC
+from memfit.train.data import WindowSampler
+
+
+@dataclasses.dataclass
+class DistContext:
+    strategy: str
+    rank: int
+    world: int
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def precheck(cfg: Any, resuming: bool = False) -> None:
+    """The checks a --strategy run needs no process group for: made before anything starts (and
+    again on every rank), so an impossible config fails at once with one message, never a hang."""
+    from memfit.distributed.strategy import check_strategy
+
+    strategy = check_strategy(cfg.strategy)
+    if cfg.steps is None:
+        raise ConfigError(f"--strategy {strategy} needs --steps: the ranks must agree on when to stop, and a "
+                          "time limit is measured by each rank on its own clock")
+    if strategy in ("ddp", "ps") and cfg.offload_optimizer != "none":
+        raise ConfigError(f"--offload-optimizer with --strategy {strategy} is not supported: the offload takes "
+                          "gradients before they are reduced; use --strategy zero1, zero2 or zero3")
+
+
+def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext | None:
+    """Join the process group for `cfg.strategy` (None: a single-process run)."""
+    from memfit.distributed import env
+
+    if cfg.strategy in (None, "none"):
+        if env.launched() and int(os.environ["WORLD_SIZE"]) > 1:
+            raise ConfigError("started with several processes but no --strategy; pass --strategy ddp, ps, zero1, "
+                              "zero2 or zero3")
+        return None
+    precheck(cfg, resuming)
+    if not env.launched():
+        raise ConfigError(f"--strategy {cfg.strategy} needs several processes: add --nproc N, or start with "
+                          "torchrun --nproc-per-node N -m memfit train ...")
+    rank, world = env.init(env.local_device(device))
+    return DistContext(cfg.strategy, rank, world)
+
+
+def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str):
+    from memfit.distributed.strategy import distribute
+    from memfit.train.config import optimizer_extra
+
+    return distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                      precision=precision, clip=cfg.clip,
+                      offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer,
+                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg))
+
+
+class RankSampler:
+    """This rank's rows of the global batch a WindowSampler of world x batch draws."""
+
+    def __init__(self, data: torch.Tensor, batch: int, seq: int, seed: int, rank: int, world: int) -> None:
+        self.inner = WindowSampler(data, batch * world, seq, seed)
+        self.rows = slice(rank * batch, (rank + 1) * batch)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.inner.next()
+        return x[self.rows].contiguous(), y[self.rows].contiguous()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def accumulate_step(opt, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_sum):
+    """The distributed accumulate_step: each rank's summed loss over the *global* token count,
+    DDP's no_sync on all but the last micro-batch; returns (global mean loss, global tokens, result)."""
+    from memfit.distributed.comm import control_sum
+
+    micro = list(micro_batches)
+    local = float(sum((y != -1).sum() for _, y in micro))
+    total = max(control_sum([local])[0], 1.0)
+    running = torch.zeros((), dtype=torch.float64)
+    for i, (x, y) in enumerate(micro):
+        last = i == len(micro) - 1
+        with opt.micro_batch(last), opt.autocast():
+            if isinstance(getattr(opt.model, "module", opt.model), GPT):  # DDP wraps the model
+                _, loss, _ = opt.model(x, y)
+            else:
+                loss, _ = loss_sum(opt.model, x, y)
+        opt.backward(loss / total, final=last)
+        running += loss.detach().double().cpu()
+    result = opt.step()
+    return control_sum([float(running)])[0] / total, int(total), result
+
+
+def gather_breakdown(ctx: DistContext, breakdown: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's breakdown with every rank's under "ranks" (and the bytes each sent that step)."""
+    import torch.distributed as dist
+
+    mine = {"rank": ctx.rank, "peak_bytes": breakdown["peak_bytes"], "breakdown": breakdown["breakdown"],
+            "bytes_sent": TRAFFIC.as_dict()}
+    everyone: list[Any] = [None] * ctx.world
+    dist.all_gather_object(everyone, mine)
+    return {**breakdown, "strategy": ctx.strategy, "world": ctx.world, "ranks": everyone}
+
+
+SHARDED = "sharded"
+"""Folders sharded-<step> in the run folder hold ZeRO's optimizer state (torch.distributed.checkpoint)."""
+
+
+def save_states(opt, model: nn.Module, run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every rank: ZeRO writes its slices under run_dir/sharded-<step> (checkpoint.pt, written after
+    it, names the folder, so a crash between the two leaves the previous pair intact); returns the
+    full model state dict. checkpoint.pt holds it with rank 0's optimizer state: all of it for ddp
+    and ps, whose rank 0 has the whole state."""
+    if getattr(opt, "engine", None) is not None:
+        from memfit.distributed.checkpoint import save_sharded
+
+        save_sharded(opt, run_dir / f"{SHARDED}-{step}")
+    return model_state(opt, model)
+
+
+def prune_sharded(run_dir: Path, step: int) -> None:
+    """Rank 0, after checkpoint.pt names sharded-<step>: remove the older folders."""
+    import shutil
+
+    for old in run_dir.glob(f"{SHARDED}-*"):
+        if old.name != f"{SHARDED}-{step}":
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
+    """Resume: ZeRO reads weights and optimizer slices from the checkpoint's sharded-<step> folder
+    (any world size); ddp and ps load checkpoint.pt's model and optimizer state on every rank."""
+    if getattr(opt, "engine", None) is not None:
+        from memfit.distributed.checkpoint import load_sharded
+
+        folder = run_dir / f"{SHARDED}-{checkpoint['step']}"
+        if not folder.exists():
+            raise ConfigError(f"{run_dir} has no {folder.name}/: it was not written by a zero1-3 run; "
+                              "resume it with the strategy it was written with")
+        load_sharded(opt, folder)
+        return
+    model.load_state_dict(checkpoint["model"])
+    if checkpoint["optimizer"].get("stage") is not None:
+        raise ConfigError("this checkpoint's optimizer state is a ZeRO shard; resume with --strategy zero1-3")
+    opt.load_state_dict(checkpoint["optimizer"])
+
+
+def model_state(opt, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full model state dict on every rank (ZeRO-3 gathers its released weights for it)."""
+    engine = getattr(opt, "engine", None)
+    if engine is None or engine.stage < 3:
+        return model.state_dict()
+    with gathered(engine):
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def gathered(engine):
+    for b in engine.layout.buckets:
+        engine.gather(b.index)
+    try:
+        yield
+    finally:
+        for b in engine.layout.buckets:
+            engine._release(b.index)
+
