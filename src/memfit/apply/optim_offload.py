@@ -87,6 +87,8 @@ class StreamedOptimizer:
         itemsize = torch.empty((), dtype=master_dtype).element_size()
         self.chunks = [Chunk(idx, make_optimizer([self.masters[i] for i in idx]))
                        for idx in plan_chunks([p.numel() for p in params], itemsize, chunk_bytes)]
+        self.chunk_index = {i: k for k, c in enumerate(self.chunks) for i in c.idx}
+        """Parameter index -> the chunk (and so the torch optimizer) that updates it."""
         if where == "device":
             return
         # Instance post-hooks run before global ones, so state an optimizer step creates is

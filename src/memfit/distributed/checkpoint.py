@@ -36,7 +36,7 @@ def _slots(opt, create: dict[str, torch.dtype] | None = None) -> list[dict[str, 
         if streamed is not None:
             m = streamed.masters[i]
             slot["master"] = m.data
-            state = streamed.chunks[streamed._chunk_index[i]].optimizer.state[m]
+            state = streamed.chunks[streamed.chunk_index[i]].optimizer.state[m]
         else:
             m, state = s, inner.optimizer.state[s]
         for name, dtype in (create or {}).items():
@@ -72,7 +72,7 @@ def _step_of(opt) -> float:
 def _opt_states(opt) -> list[dict]:
     inner, st = opt.inner, opt.inner.streamed
     if st is not None:
-        return [st.chunks[st._chunk_index[i]].optimizer.state[st.masters[i]] for i in range(len(st.masters))]
+        return [st.chunks[st.chunk_index[i]].optimizer.state[st.masters[i]] for i in range(len(st.masters))]
     return [inner.optimizer.state[s] for s in opt.engine.shards]
 
 
