@@ -1,0 +1,137 @@
+"""Where composed estimates get their short chains: a model spec, or any module with an example.
+
+A *chain source* is (build_k, n_blocks, step): build_k(k) builds the model with its repeated blocks
+cut to the first k (inside FakeTensorMode), and step(model, opt) runs one training step. Blocks must
+be identical (same class, parameter names, shapes, dtypes and trainability); otherwise there is no
+chain and callers fall back to tracing the whole step.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from memfit.apply.policy import BlockAction, resolve_policy
+from memfit.core.errors import ConfigError
+from memfit.measure.compose import BASE_ACTIONS, ChainProfile, profile_chain
+from memfit.measure.timeline import NotAChain
+
+
+@dataclass
+class ChainSource:
+    build_k: Callable[[int], nn.Module]
+    n_blocks: int
+    step: Callable[[nn.Module, Any], None]
+    key: tuple
+    """Identifies the model shape and batch (for caching profiles)."""
+
+
+def block_signature(block: nn.Module) -> tuple:
+    return (type(block).__name__,) + tuple(
+        (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in block.named_parameters())
+
+
+def identical_blocks(model: nn.Module) -> nn.ModuleList | None:
+    from memfit.apply.checkpoint import find_blocks
+
+    try:
+        blocks = find_blocks(model)
+    except ConfigError:
+        return None
+    sigs = {block_signature(b) for b in blocks}
+    return blocks if len(sigs) == 1 else None
+
+
+def truncate(model: nn.Module, k: int) -> nn.Module:
+    blocks = identical_blocks(model)
+    if blocks is None:
+        raise NotAChain("no identical repeated blocks")
+    del blocks[k:]
+    return model
+
+
+def spec_source(spec: Any, batch: int, seq: int) -> ChainSource:
+    """A memfit GPT spec (built directly with k layers) or a Hugging Face config (built, then cut)."""
+    from memfit.measure.trace import _train_step, _vocab
+    from memfit.models.spec import ModelSpec
+
+    if spec.config is not None:
+        def build_k(k: int) -> nn.Module:
+            return ModelSpec(spec.name, config=replace(spec.config, layers=k)).build(seq=seq)
+        n = spec.config.layers
+    else:
+        import transformers  # noqa: F401  (imported before tracing, as trace_step does)
+
+        def build_k(k: int) -> nn.Module:
+            return truncate(spec.build(seq=seq), k)
+        with torch.device("meta"):
+            n = len(identical_blocks(spec.build()) or [])
+        if n == 0:
+            raise NotAChain("no identical repeated blocks")
+
+    def step(model: nn.Module, opt: Any) -> None:
+        dev = next(iter(model.parameters())).device
+        _train_step(model, opt, batch, seq, _vocab(model), dev)
+
+    key = ("spec", spec.name, repr(spec.config), str(spec.hf_config), batch, seq)
+    return ChainSource(build_k, n, step, key)
+
+
+def module_source(model: Any, example: Any, loss_fn: Callable | None) -> ChainSource:
+    """Any module (real, meta) or factory, with one example micro-batch."""
+    from memfit.measure.anymodel import example_step, module_builder
+
+    build = module_builder(model)
+    with torch.device("meta"):
+        probe = build()
+    blocks = identical_blocks(probe)
+    n = len(blocks) if blocks is not None else 0
+
+    def build_k(k: int) -> nn.Module:
+        return truncate(build(), k)
+
+    key = ("module", id(model), repr(_shapes(example)))
+    return ChainSource(build_k, n, example_step(example, loss_fn), key)
+
+
+def _shapes(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return (tuple(obj.shape), str(obj.dtype))
+    if isinstance(obj, dict):
+        return {k: _shapes(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return [_shapes(v) for v in obj]
+    return obj
+
+
+_CACHE: dict[tuple, ChainProfile] = {}
+
+
+def chain_profile(src: ChainSource, precision: str, optimizer: str, device: str = "cpu",
+                  bases: Sequence[BlockAction] = BASE_ACTIONS, with_segments: bool = True) -> ChainProfile:
+    """The source's ChainProfile (cached in this process)."""
+    key = src.key + (precision, optimizer, device, tuple(str(b) for b in bases), with_segments)
+    prof = _CACHE.get(key)
+    if prof is None:
+        if src.n_blocks < 1:
+            raise NotAChain("no identical repeated blocks")
+        prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases, with_segments)
+        _CACHE[key] = prof
+    return prof
+
+
+def bases_of(actions: Sequence[BlockAction]) -> tuple[list[BlockAction], bool]:
+    """The distinct actions (segment ids dropped) and whether any segment has two blocks or more."""
+    from memfit.apply.policy import segments
+
+    seen: list[BlockAction] = []
+    for a in actions:
+        b = replace(a, segment=None)
+        if b not in seen:
+            seen.append(b)
+    multi = any(len(r) > 1 for r in segments(actions))
+    return seen, multi
