@@ -47,10 +47,19 @@ def identical_blocks(model: nn.Module) -> nn.ModuleList | None:
 
 
 def truncate(model: nn.Module, k: int) -> nn.Module:
+    """Cut the repeated blocks to the first k (or add copies of the first one up to k)."""
+    import copy
+
     blocks = identical_blocks(model)
     if blocks is None:
         raise NotAChain("no identical repeated blocks")
     del blocks[k:]
+    while len(blocks) < k:
+        new = copy.deepcopy(blocks[0])
+        for m in new.modules():  # Hugging Face layers know their index (KV cache slots)
+            if isinstance(getattr(m, "layer_idx", None), int):
+                m.layer_idx = len(blocks)
+        blocks.append(new)
     return model
 
 
