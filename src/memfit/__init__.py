@@ -15,6 +15,8 @@ _EXPORTS = {
     "Estimate": "memfit.measure.estimate:Estimate",
     "model_state_bytes": "memfit.measure.formulas:model_state_bytes",
     "track": "memfit.core.tracker:track",
+    "fit": "memfit.plan.fit:fit",
+    "Plan": "memfit.plan.plan:Plan",
     "MemoryTracker": "memfit.core.tracker:MemoryTracker",
     "checkpoint": "memfit.apply.checkpoint:checkpoint",
     "find_blocks": "memfit.apply.checkpoint:find_blocks",

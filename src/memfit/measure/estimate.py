@@ -69,7 +69,8 @@ def _positive(name: str, value: int | None) -> int | None:
 
 
 def estimate(
-    model: str | ModelSpec | None = None,
+    model: Any = None,
+    example: Any = None,
     *,
     params: int | None = None,
     batch: int = 1,
@@ -81,10 +82,14 @@ def estimate(
     checkpoint: str = "none",
     offload_optimizer: str | None = None,
     device_memory: int | str | None = None,
+    loss_fn: Any = None,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
     With `params=N` and no model, only model states (params, grads, optimizer) are estimated.
+    `model` may also be any nn.Module (real or meta weights) or a zero-argument factory, with `example`
+    one micro-batch (dict of keyword arguments, tuple of positional arguments or a tensor) and
+    optionally `loss_fn(output, example)` (memfit.measure.anymodel).
     """
     check_precision(precision)
     optimizer_states(optimizer)
@@ -94,6 +99,12 @@ def estimate(
     if offload_optimizer == "none":
         offload_optimizer = None
     budget = parse_bytes(device_memory) if device_memory is not None else None
+    if model is not None and not isinstance(model, (str, ModelSpec)):  # any nn.Module or factory + example
+        from memfit.measure.anymodel_estimate import estimate_module
+
+        return Estimate(**estimate_module(model, example, optimizer=optimizer, precision=precision, checkpoint=checkpoint,
+                               loss_fn=loss_fn, zero=zero, world=world, offload_optimizer=offload_optimizer,
+                               device_memory=budget))
     common = dict(precision=precision, optimizer=optimizer)
     if model is None:
         if params is None:

@@ -22,41 +22,8 @@ from memfit.core.units import format_bytes, parse_bytes
 from memfit.measure.blocks import ChainSource, chain_profile, module_source, spec_source
 from memfit.measure.compose import ChainProfile
 from memfit.measure.formulas import check_precision
-from memfit.plan.plan import Candidate, Plan, parse_allow
-from memfit.plan.solve import Choice, solve
-
-FLOPS = 5e10
-"""Assumed sustained FLOP/s for the relative time model when no profile is given."""
-SELECTIVE_SHARE = 0.15
-"""Share of a block's forward that selective recomputation runs again (the elementwise ops)."""
-HOST_BW = 1e10
-"""Bytes/s assumed for optimizer offload transfers."""
-
-
-class PlanError(ConfigError):
-    """No configuration fits the budget."""
-
-
-def _budget(budget: Any) -> int:
-    try:
-        value = parse_bytes(budget)
-    except ConfigError:
-        raise
-    except Exception:
-        raise ConfigError(f"budget {budget!r} is not a size; use e.g. 8GiB, 300MiB or a byte count") from None
-    if value <= 0:
-        raise ConfigError(f"budget must be positive, got {budget!r}")
-    return value
-
-
-def _bases(allow: tuple[str, ...]) -> list[BlockAction]:
-    out = [BlockAction("keep")]
-    if "selective" in allow:
-        out.append(BlockAction("selective"))
-    if "recompute" in allow:
-        out.append(BlockAction("recompute"))
-    return out
-
+from memfit.plan.plan import Plan, parse_allow
+from memfit.plan.costs import PlanError, parse_budget as _budget
 
 def _slice_batch(example: Any, micro: int) -> Any:
     if isinstance(example, torch.Tensor):
@@ -98,6 +65,9 @@ class _Problem:
             return spec_source(self.spec, micro, self.seq)
         return module_source(self.model, _slice_batch(self.example, micro), self.loss_fn)
 
+    def example_for(self, micro: int) -> Any:
+        return _slice_batch(self.example, micro)
+
     def tokens(self, micro: int) -> int:
         if self.spec is not None:
             return micro * self.seq
@@ -115,19 +85,6 @@ def _leaves(obj: Any):
     elif isinstance(obj, (tuple, list)):
         for v in obj:
             yield from _leaves(v)
-
-
-def _block_seconds(prof: ChainProfile, tokens: int) -> float:
-    # Gradients of one block (bytes) / 4 ~ its parameters; forward ~ 2 FLOPs per parameter per token.
-    g = prof.fwd["keep"].net_bytes + prof.bwd["keep"].net_bytes
-    return 2 * max(g, 1) / 4 * tokens / FLOPS
-
-
-def _cost(t_fwd: float) -> Callable[[BlockAction, int], float]:
-    def cost(b: BlockAction, k: int) -> float:
-        return {"keep": 0.0, "selective": SELECTIVE_SHARE * t_fwd, "recompute": t_fwd}[b.mode]
-
-    return cost
 
 
 def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str = "adamw",

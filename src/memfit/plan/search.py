@@ -5,7 +5,7 @@ from typing import Any
 
 from memfit.core.units import format_bytes
 from memfit.measure.blocks import chain_profile
-from memfit.plan.fit import HOST_BW, PlanError, _bases, _block_seconds, _cost
+from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost
 from memfit.plan.plan import Candidate, Plan
 from memfit.plan.solve import solve
 from memfit.apply.policy import to_string
@@ -80,10 +80,9 @@ def _trace_peak(problem, plan: Plan) -> int:
         return trace_step(problem.spec, batch=plan.micro_batch, seq=problem.seq, precision=plan.precision,
                           optimizer=plan.optimizer, checkpoint=plan.actions).peak
     from memfit.measure.anymodel import example_step, fake_mode, module_builder, run_steps
-    from memfit.plan.fit import _slice_batch
 
     with fake_mode():
-        r = run_steps(module_builder(problem.model), example_step(_slice_batch(problem.example, plan.micro_batch),
+        r = run_steps(module_builder(problem.model), example_step(problem.example_for(plan.micro_batch),
                       problem.loss_fn), plan.precision, plan.optimizer, plan.actions, "cpu")
     return r.tracker.peak_bytes
 
