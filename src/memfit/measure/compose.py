@@ -161,17 +161,21 @@ def fwd_kinds(actions: Sequence[BlockAction]) -> list[str]:
 
 
 def _without_deferred(st: StepStretches, kinds: list[str]) -> tuple[dict[str, Stretch], dict[str, dict[str, Vec]]]:
-    """The stretches around the blocks with the traced blocks' deferred frees added back, and those
-    frees per forward kind."""
+    """The stretches around the blocks with the middle blocks' deferred frees added back, and those
+    frees per forward kind. The first and last block's frees beyond their kind's (the last block's
+    output, freed by the head's backward) belong to the position and stay in the stretch."""
     parts, per_kind = {}, {}
+    last = len(kinds) - 1
     for name in AROUND:
         s = getattr(st, name)
         d = st.deferred.get(name, {})
-        back = ZERO
         kd: dict[str, Vec] = {}
+        for i, v in sorted(d.items()):
+            if 0 < i < last:
+                kd.setdefault(kinds[i], v)
+        back = ZERO
         for i, v in d.items():
-            back = vadd(back, v)
-            kd.setdefault(kinds[i], v)
+            back = vadd(back, v if 0 < i < last else kd.get(kinds[i], ZERO))
         parts[name] = Stretch(s.peak, vadd(s.net, back))
         per_kind[name] = kd
     return parts, per_kind
