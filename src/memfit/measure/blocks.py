@@ -28,6 +28,8 @@ class ChainSource:
     step: Callable[[nn.Module, Any], None]
     key: tuple
     """Identifies the model shape and batch (for caching profiles)."""
+    plain_differs: bool = False
+    """The model runs differently once any block is checkpointed (a Hugging Face KV cache is switched off)."""
 
 
 def block_signature(block: nn.Module) -> tuple:
@@ -78,7 +80,9 @@ def spec_source(spec: Any, batch: int, seq: int) -> ChainSource:
         def build_k(k: int) -> nn.Module:
             return truncate(spec.build(seq=seq), k)
         with torch.device("meta"):
-            n = len(identical_blocks(spec.build()) or [])
+            probe = spec.build()
+        n = len(identical_blocks(probe) or [])
+        cache = bool(getattr(getattr(probe, "config", None), "use_cache", False))
         if n == 0:
             raise NotAChain("no identical repeated blocks")
 
@@ -87,7 +91,7 @@ def spec_source(spec: Any, batch: int, seq: int) -> ChainSource:
         _train_step(model, opt, batch, seq, _vocab(model), dev)
 
     key = ("spec", spec.name, repr(spec.config), str(spec.hf_config), batch, seq)
-    return ChainSource(build_k, n, step, key)
+    return ChainSource(build_k, n, step, key, plain_differs=spec.config is None and cache)
 
 
 def module_source(model: Any, example: Any, loss_fn: Callable | None) -> ChainSource:
@@ -104,7 +108,8 @@ def module_source(model: Any, example: Any, loss_fn: Callable | None) -> ChainSo
         return truncate(build(), k)
 
     key = ("module", id(model), repr(_shapes(example)))
-    return ChainSource(build_k, n, example_step(example, loss_fn), key)
+    cache = bool(getattr(getattr(probe, "config", None), "use_cache", False))
+    return ChainSource(build_k, n, example_step(example, loss_fn), key, plain_differs=cache)
 
 
 def _shapes(obj: Any) -> Any:
@@ -128,7 +133,8 @@ def chain_profile(src: ChainSource, precision: str, optimizer: str, device: str 
     if prof is None:
         if src.n_blocks < 1:
             raise NotAChain("no identical repeated blocks")
-        prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases, with_segments)
+        prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases, with_segments,
+                             src.plain_differs)
         _CACHE[key] = prof
     return prof
 

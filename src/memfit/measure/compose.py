@@ -71,6 +71,9 @@ class ChainProfile:
     """Per forward kind: what the first block's forward and backward stretches differ by from a middle block's."""
     last: dict[str, tuple[Stretch, Stretch]] = field(default_factory=dict)
     bw_temps: int = 0
+    plain: "ChainProfile | None" = None
+    """For models that change behaviour once any block is checkpointed (Hugging Face models switch
+    their KV cache off): the profile of the untouched model, used when every block is plain."""
     seconds: float = 0.0
 
     def actions(self) -> list[BlockAction]:
@@ -101,6 +104,8 @@ class ChainProfile:
 
     def compose(self, actions: Sequence[BlockAction]) -> Composed:
         """The step's peak (and its breakdown) with `actions` on this profile's blocks."""
+        if self.plain is not None and all(a.is_plain for a in actions):
+            return self.plain.compose(actions)
         n = len(actions)
         kinds, fwd, bwd = self.keys(actions)
         f, b = self.first[kinds[0]]
@@ -251,12 +256,15 @@ def _trace(build_k: Callable[[int], nn.Module], k: int, step, pattern, precision
 
 def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, precision: str, optimizer: str,
                   device: str = "cpu", bases: Sequence[BlockAction] = BASE_ACTIONS,
-                  with_segments: bool = True) -> ChainProfile:
+                  with_segments: bool = True, plain_differs: bool = False) -> ChainProfile:
     """Trace a short chain covering `bases` (and one block more) and reduce it to a ChainProfile.
 
     build_k(k) builds the model with k repeated blocks (inside FakeTensorMode)."""
     t0 = time.perf_counter()
     keep = BlockAction("keep")
+    plain = None
+    if plain_differs and any(not b.is_plain for b in bases):
+        plain = profile_chain(build_k, n_blocks, step, precision, optimizer, device, [keep], False)
     if keep not in bases:
         bases = [keep, *bases]
     # The kinds sit between two kept blocks: the first and last block of a chain differ a little
@@ -282,5 +290,5 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
     return ChainProfile(
         n_blocks=n_blocks, start=a.start, start_per_block=vsub(b.start, a.start), **pa,
         per_block={p: pb[p] - pa[p] for p in AROUND}, deferred=deferred,
-        fwd=fwd, bwd=bwd, seg_extra=seg_extra, traced_blocks=k, first=first, last=last, bw_temps=a.bw_temps, seconds=time.perf_counter() - t0,
+        fwd=fwd, bwd=bwd, seg_extra=seg_extra, traced_blocks=k, first=first, last=last, bw_temps=a.bw_temps, plain=plain, seconds=time.perf_counter() - t0,
     )
