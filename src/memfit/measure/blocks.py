@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from memfit.apply.policy import BlockAction, resolve_policy
+from memfit.apply.policy import BlockAction, resolve_policy, segments
 from memfit.core.errors import ConfigError
 from memfit.measure.compose import BASE_ACTIONS, ChainProfile, profile_chain
 from memfit.measure.timeline import NotAChain
@@ -50,14 +50,25 @@ def identical_blocks(model: nn.Module) -> nn.ModuleList | None:
 
 def truncate(model: nn.Module, k: int) -> nn.Module:
     """Cut the repeated blocks to the first k (or add copies of the first one up to k)."""
-    import copy
-
     blocks = identical_blocks(model)
     if blocks is None:
         raise NotAChain("no identical repeated blocks")
+    n = len(blocks)
     del blocks[k:]
+    # Hugging Face models run `layers[:config.num_hidden_layers]` (and may list a type per layer).
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and getattr(cfg, "num_hidden_layers", None) == n:
+            cfg.num_hidden_layers = k
+            types = getattr(cfg, "layer_types", None)
+            if isinstance(types, list) and len(types) == n and len(set(types)) == 1:
+                cfg.layer_types = types[:1] * k
+    from memfit.measure.anymodel import _materialise, _meta_copy
+
     while len(blocks) < k:
-        new = copy.deepcopy(blocks[0])
+        # Fresh empty parameters (a deepcopy of fake tensors would not be seen as the same storages).
+        dev = next(iter(blocks[0].parameters())).device
+        new = _materialise(_meta_copy(blocks[0]), dev)
         for m in new.modules():  # Hugging Face layers know their index (KV cache slots)
             if isinstance(getattr(m, "layer_idx", None), int):
                 m.layer_idx = len(blocks)
@@ -126,15 +137,17 @@ _CACHE: dict[tuple, ChainProfile] = {}
 
 
 def chain_profile(src: ChainSource, precision: str, optimizer: str, device: str = "cpu",
-                  bases: Sequence[BlockAction] = BASE_ACTIONS, with_segments: bool = True) -> ChainProfile:
+                  bases: Sequence[BlockAction] = BASE_ACTIONS, with_segments: bool = True,
+                  ends: tuple[list[BlockAction], list[BlockAction]] | None = None) -> ChainProfile:
     """The source's ChainProfile (cached in this process)."""
-    key = src.key + (precision, optimizer, device, tuple(str(b) for b in bases), with_segments)
+    key = src.key + (precision, optimizer, device, tuple(str(b) for b in bases), with_segments,
+                     None if ends is None else tuple(str(a) for e in ends for a in e))
     prof = _CACHE.get(key)
     if prof is None:
         if src.n_blocks < 1:
             raise NotAChain("no identical repeated blocks")
         prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases, with_segments,
-                             src.plain_differs)
+                             src.plain_differs, ends)
         _CACHE[key] = prof
     return prof
 
@@ -150,3 +163,29 @@ def bases_of(actions: Sequence[BlockAction]) -> tuple[list[BlockAction], bool]:
             seen.append(b)
     multi = any(len(r) > 1 for r in segments(actions))
     return seen, multi
+
+
+def composed_step(spec: Any, batch: int, seq: int, precision: str = "32-true", optimizer: str = "adamw",
+                  checkpoint: Any = "none", min_blocks: int = 12):
+    """trace_step's TraceResult for a repeated-block model, composed from short traces (exact, see
+    memfit.measure.compose); None when the model is not a chain of identical blocks or too short to gain."""
+    from memfit.measure.trace import TraceResult
+
+    t0 = time.perf_counter()
+    try:
+        src = spec_source(spec, batch, seq)
+        if src.n_blocks < min_blocks:
+            return None
+        actions = resolve_policy(checkpoint, src.n_blocks)
+        bases, multi = bases_of(actions)
+        regions = segments(actions)
+        ends = ([actions[i] for i in regions[0][:2]], [actions[i] for i in regions[-1][-2:]])
+        prof = chain_profile(src, precision, optimizer, bases=bases, with_segments=multi, ends=ends)
+        got = prof.compose(actions)
+    except NotAChain:
+        return None
+    cats = dict(zip(("params", "grads", "optimizer", "activations", "temporaries"), got.at_peak))
+    root = "GPT" if spec.config is not None else "model"
+    modules = {root: got.peak, **{f"block {i}": p for i, p in enumerate(got.block_peaks)}}
+    modules = dict(sorted(modules.items(), key=lambda kv: -kv[1]))
+    return TraceResult(peak=got.peak, modules=modules, seconds=time.perf_counter() - t0, **cats)

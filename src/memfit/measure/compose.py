@@ -256,23 +256,30 @@ def _trace(build_k: Callable[[int], nn.Module], k: int, step, pattern, precision
 
 def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, precision: str, optimizer: str,
                   device: str = "cpu", bases: Sequence[BlockAction] = BASE_ACTIONS,
-                  with_segments: bool = True, plain_differs: bool = False) -> ChainProfile:
+                  with_segments: bool = True, plain_differs: bool = False,
+                  ends: tuple[list[BlockAction], list[BlockAction]] | None = None) -> ChainProfile:
     """Trace a short chain covering `bases` (and one block more) and reduce it to a ChainProfile.
 
-    build_k(k) builds the model with k repeated blocks (inside FakeTensorMode)."""
+    build_k(k) builds the model with k repeated blocks (inside FakeTensorMode). `ends`: the first and
+    last region of the one action list to be composed (then only those end positions are measured, in
+    the same traces); without it every base is measured at both ends (for the planner)."""
     t0 = time.perf_counter()
     keep = BlockAction("keep")
     plain = None
     if plain_differs and any(not b.is_plain for b in bases):
         plain = profile_chain(build_k, n_blocks, step, precision, optimizer, device, [keep], False)
-    if keep not in bases:
+    if keep not in bases and ends is None:
         bases = [keep, *bases]
-    # The kinds sit between two kept blocks: the first and last block of a chain differ a little
-    # (what the embedding hands over, what the head takes), which the two sentinels measure.
-    pattern = [keep] + pattern_for(bases, with_segments) + [keep]
+    # The kinds sit between two end blocks: the first and last block of a chain differ a little
+    # (what the embedding hands over, what the head takes), which the end blocks measure.
+    head, tail = ends if ends is not None else ([keep], [keep])
+    head = [replace(a, segment=1000) if a.segment is not None else a for a in head]
+    tail = [replace(a, segment=1001) if a.segment is not None else a for a in tail]
+    pattern = head + pattern_for(bases, with_segments) + tail
     k = len(pattern)
     a = _trace(build_k, k, step, pattern, precision, optimizer, device)
-    b = _trace(build_k, k + 1, step, pattern + [keep], precision, optimizer, device)
+    more = pattern + pattern[-1:]
+    b = _trace(build_k, k + 1, step, more, precision, optimizer, device)
     fwd: dict[str, Stretch] = {}
     bwd: dict[str, Stretch] = {}
     seg_extra: dict[str, Stretch] = {}
@@ -285,10 +292,24 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
             bwd[key + "|rest"] = a.bwd[region[0]]
             seg_extra[key] = a.bwd[region[1]] - a.bwd[region[0] - 1]  # the single-block stretch precedes it
     pa, deferred = _without_deferred(a, fwd_kinds(pattern))
-    pb, _ = _without_deferred(b, fwd_kinds(pattern + [keep]))
-    first, last = _ends(build_k, step, bases, with_segments, fwd, bwd, seg_extra, a, precision, optimizer, device)
+    pb, _ = _without_deferred(b, fwd_kinds(more))
+    if ends is None:
+        first, last = _ends(build_k, step, bases, with_segments, fwd, bwd, seg_extra, a, precision, optimizer, device)
+    else:
+        first, last = _end_corrections(pattern, a, fwd, bwd, seg_extra, len(head), len(tail))
     return ChainProfile(
         n_blocks=n_blocks, start=a.start, start_per_block=vsub(b.start, a.start), **pa,
-        per_block={p: pb[p] - pa[p] for p in AROUND}, deferred=deferred,
-        fwd=fwd, bwd=bwd, seg_extra=seg_extra, traced_blocks=k, first=first, last=last, bw_temps=a.bw_temps, plain=plain, seconds=time.perf_counter() - t0,
+        per_block={p: pb[p] - pa[p] for p in AROUND}, deferred=deferred, fwd=fwd, bwd=bwd, seg_extra=seg_extra,
+        traced_blocks=k, first=first, last=last, bw_temps=a.bw_temps, plain=plain,
+        seconds=time.perf_counter() - t0,
     )
+
+
+def _end_corrections(pattern, a: StepStretches, fwd, bwd, seg_extra, n_head: int, n_tail: int) -> tuple[dict, dict]:
+    kinds = fwd_kinds(pattern)
+    key_h, key_t = str(base_of(pattern[0])), str(base_of(pattern[-1]))
+    bw_first = bwd[key_h] if n_head == 1 else bwd[key_h + "|rest"]
+    bw_last = bwd[key_t] if n_tail == 1 else bwd[key_t] + seg_extra[key_t].scaled(n_tail - 1)
+    first = {kinds[0]: (a.fwd[0] - fwd[kinds[0]], a.bwd[0] - bw_first)}
+    last = {kinds[-1]: (a.fwd[-1] - fwd[kinds[-1]], a.bwd[-1] - bw_last)}
+    return first, last

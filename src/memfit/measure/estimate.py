@@ -127,7 +127,11 @@ def estimate(
 
     from memfit.measure.trace import trace_step  # heavy import (FakeTensorMode) only when tracing
 
-    tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint)
+    from memfit.measure.blocks import composed_step  # one block per action, composed (exact) for long chains
+
+    tr = composed_step(spec, batch, seq, precision, optimizer, checkpoint)
+    if tr is None:
+        tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint)
     per = {}
     for cat in ("params", "grads", "optimizer"):
         full, mine = getattr(single, cat), getattr(sharded, cat)
