@@ -46,6 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--checkpoint", metavar="POLICY", help="activation checkpoint policy: none, full, every:K, ... (default none)")
     g.add_argument("--offload-optimizer", choices=("none", "cpu", "disk"), help="keep optimizer state off the device (default none)")
     g.add_argument("--spill-dir", metavar="DIR", help="folder for --offload-optimizer disk")
+    g.add_argument("--budget", metavar="SIZE", help="plan the run to fit this device memory (e.g. 200MiB); see memfit plan")
+    g.add_argument("--plan", metavar="FILE", help="apply a plan saved by `memfit plan ... --json`")
+    g.add_argument("--allow", metavar="LIST", help="what --budget may use (see memfit plan --help)")
     g.add_argument("--clip", metavar="NORM", type=float, help=f"max gradient norm, 0 = off (default {d.clip})")
     g = p.add_argument_group("run")
     g.add_argument("--eval-every", type=int, metavar="N",
@@ -76,6 +79,15 @@ def run(args: argparse.Namespace) -> int:
         cfg, ckpt = loop.resume_config(given["resume"], overrides)
     else:
         cfg, ckpt = TrainConfig(**overrides), None
+    plan = None
+    if "budget" in given or "plan" in given:
+        from memfit.train.budget import plan_config
+
+        cfg, plan = plan_config(cfg, given.get("budget"), given.get("plan"), given.get("allow"))
     result = loop.train(cfg, ckpt, progress=not given.get("quiet", False))
     print(format_summary(result.metrics, result.run_dir, result.stopped))
+    if plan is not None:
+        from memfit.train.budget import report
+
+        print(report(result.run_dir, plan))
     return 130 if result.stopped == "interrupted" else 0  # the shell's code for a Ctrl-C
