@@ -78,10 +78,12 @@ def _dp(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: Cos
             options += [(b, k) for k in range(1, max_segment + 1)]
         elif str(b) in prof.fwd:
             options.append((b, 1))
-    # front[i]: {saved F: (time, actions)} Pareto front for the first i blocks.
+    # Every decision (an action, or a segment of k blocks) at block i is feasible iff F <= its
+    # threshold, and moves F by its forward nets: the DP only compares integers.
+    head_net = post_f.net_bytes + post_b.net_bytes
     front: list[dict[int, tuple[float, tuple]]] = [dict() for _ in range(n + 1)]
-    front[0][0] = (0.0, ())
-    seg_id = 0
+    front[0][0] = (0.0, None)
+    shapes: dict[tuple, tuple[int, int, int, int]] = {}
     for i in range(n):
         if not front[i]:
             continue
@@ -89,27 +91,40 @@ def _dp(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: Cos
         for b, k in options:
             if i + k > n:
                 continue
-            seg_id += 1
-            acts = _macro(prof, b, k, seg_id)
-            f, bw = _stretches(prof, acts, i, n)
+            ckey = (b, k, i == 0, i + k == n)
+            got = shapes.get(ckey)
+            if got is None:  # a decision's stretches depend on its position only at the chain's ends
+                got = shapes[ckey] = _shape(*_stretches(prof, _macro(prof, b, k, 0), i, n))
+            limit, delta = _threshold_fast(got, c0, i, k, n, g, budget, head_net)
             t_add = cost(b, k) * k
-            for F, (t, prev) in items:
-                ok, F2 = _feasible(f, bw, F, c0, i, n, g, budget, post_f, post_b, pre_b, opt)
-                if not ok:
-                    continue
-                cur = front[i + k].get(F2)
-                if cur is None or t + t_add < cur[0]:
-                    front[i + k][F2] = (t + t_add, prev + tuple(acts))
+            target = front[i + k]
+            for F, (t, _) in items:
+                if F > limit:
+                    break
+                F2, t2 = F + delta, t + t_add
+                cur = target.get(F2)
+                if cur is None or t2 < cur[0]:
+                    target[F2] = (t2, (i, F, b, k))  # back-pointer
     if not front[n]:
         return None
     best = None
-    for F, (t, acts) in front[n].items():
+    for F, (t, _) in front[n].items():
         head_base = c0 + F
         head_ok = head_base + post_f.peak_bytes <= budget and \
             head_base + post_f.net_bytes + post_b.peak_bytes <= budget
         if head_ok and (best is None or t < best[0]):
-            best = (t, acts)
-    return None if best is None else Choice(best[1], 0, best[0])
+            best = (t, F)
+    if best is None:
+        return None
+    decisions, j, F = [], n, best[1]
+    while j > 0:
+        _, (i, F_prev, b, k) = front[j][F]
+        decisions.append((b, k))
+        j, F = i, F_prev
+    acts: list[BlockAction] = []
+    for seg_id, (b, k) in enumerate(reversed(decisions)):
+        acts += _macro(prof, b, k, seg_id)
+    return Choice(tuple(acts), 0, best[0])
 
 
 def _pareto(states: dict[int, tuple[float, tuple]]) -> list[tuple[int, tuple[float, tuple]]]:
@@ -140,17 +155,40 @@ def _grads_per_block(prof: ChainProfile) -> int:
     return prof.fwd[k].net_bytes + prof.bwd[k].net_bytes
 
 
-def _feasible(f, bw, F, c0, i, n, g, budget, post_f, post_b, pre_b, opt) -> tuple[bool, int]:
-    """Check the forward stretches of a decision (blocks i..) taken with F saved before it, and its
-    backward stretches: through the identity (a decision's forward nets + backward nets = its
-    blocks' gradients, g each) its backward starts from c0 + F after it + head nets + g per later block."""
+def _shape(f, bw) -> tuple[int, int, int, int]:
+    """(worst forward excursion, forward delta, worst backward excursion over its own start, bwd net)."""
+    run, worst_f = 0, -(1 << 62)
     for s in f:
-        if c0 + F + s.peak_bytes > budget:
-            return False, 0
-        F += s.net_bytes
-    base = c0 + F + post_f.net_bytes + post_b.net_bytes + (n - i - len(f)) * g
+        worst_f = max(worst_f, run + s.peak_bytes)
+        run += s.net_bytes
+    base, worst_b = 0, -(1 << 62)
     for b in reversed(bw):
-        if base + b.peak_bytes > budget:
-            return False, 0
+        worst_b = max(worst_b, base + b.peak_bytes)
         base += b.net_bytes
-    return True, F
+    return worst_f, run, worst_b, base
+
+
+def _threshold_fast(shape, c0: int, i: int, k: int, n: int, g: int, budget: int, head_net: int) -> tuple[int, int]:
+    worst_f, delta, worst_b, _ = shape
+    worst = max(worst_f, delta + head_net + (n - i - k) * g + worst_b)
+    return budget - c0 - worst, delta
+
+
+def _threshold(f, bw, c0: int, i: int, n: int, g: int, budget: int, head_net: int) -> tuple[int, int]:
+    """The largest F (bytes saved before block i) for which this decision fits, and how much it adds.
+
+    Forward: c0 + F + (nets of its earlier blocks) + peak <= budget for each block. Backward: through
+    the identity (a decision's forward nets + backward nets = its blocks' gradients, g each) its
+    backward starts from c0 + F + delta + head nets + g per later block."""
+    limit = budget - c0
+    run = 0
+    worst = -(1 << 62)
+    for s in f:
+        worst = max(worst, run + s.peak_bytes)
+        run += s.net_bytes
+    delta = run
+    base = delta + head_net + (n - i - len(f)) * g
+    for b in reversed(bw):
+        worst = max(worst, base + b.peak_bytes)
+        base += b.net_bytes
+    return limit - worst, delta
