@@ -16,6 +16,7 @@ _EXPORTS = {
     "model_state_bytes": "memfit.measure.formulas:model_state_bytes",
     "track": "memfit.core.tracker:track",
     "fit": "memfit.plan.fit:fit",
+    "profile": "memfit.profile.measure:profile",
     "Plan": "memfit.plan.plan:Plan",
     "MemoryTracker": "memfit.core.tracker:MemoryTracker",
     "checkpoint": "memfit.apply.checkpoint:checkpoint",

@@ -24,6 +24,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="optimizer (default adamw)")
     p.add_argument("--allow", metavar="LIST", help="comma list of what the plan may use (default: recompute, selective, "
                    "offload-cpu, offload-disk, accumulate, chunked-head, optimizer-offload)")
+    p.add_argument("--profile", action="store_true",
+                   help="time blocks on this machine (memfit profile, cached) instead of the FLOP time model")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the chosen plan with a full trace of the step")
     p.add_argument("--json", action="store_true", help="print one JSON object with a `plan` field (for memfit train --plan)")
@@ -33,8 +35,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from memfit.plan.fit import fit
 
+    costs = None
+    if args.profile:
+        from memfit.plan.costs import parse_budget
+        from memfit.plan.plan import parse_allow
+        from memfit.profile.measure import profile
+
+        parse_budget(args.budget), parse_allow(args.allow)  # fail on bad input before measuring
+        costs = profile(args.model, batch=args.batch, seq=args.seq, precision=args.precision).blocks
     plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
-               allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify)
+               allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs)
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0

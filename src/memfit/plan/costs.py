@@ -47,9 +47,13 @@ def _block_seconds(prof: ChainProfile, tokens: int) -> float:
     return 2 * max(g, 1) / 4 * tokens / FLOPS
 
 
-def _cost(t_fwd: float) -> Callable[[BlockAction, int], float]:
+def _cost(t_fwd: float, t_selective: float | None = None) -> Callable[[BlockAction, int], float]:
+    """Extra seconds per block: a recomputed block reruns its forward; selective reruns part of it
+    (measured when a profile is given, else SELECTIVE_SHARE of a forward)."""
+    sel = SELECTIVE_SHARE * t_fwd if t_selective is None else t_selective
+
     def cost(b: BlockAction, k: int) -> float:
-        return {"keep": 0.0, "selective": SELECTIVE_SHARE * t_fwd, "recompute": t_fwd}[b.mode]
+        return {"keep": 0.0, "selective": sel, "recompute": t_fwd}[b.mode]
 
     return cost
 

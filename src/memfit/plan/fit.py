@@ -89,7 +89,7 @@ def _leaves(obj: Any):
 
 def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str = "adamw",
         precision: str = "32-true", allow: Any = None, loss_fn: Callable | None = None,
-        batch: int | None = None, seq: int | None = None, verify: bool = True) -> Plan:
+        batch: int | None = None, seq: int | None = None, verify: bool = True, costs: Any = None) -> Plan:
     """Plan `model` (a module, a zero-argument factory, or a model name/spec for the CLI) to fit `budget`."""
     from memfit.plan.search import search
 
@@ -103,4 +103,5 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
 
         check_example(example)
     problem = _Problem(model, example, loss_fn, batch, seq)
+    problem.costs = costs  # memfit.profile BlockCosts measured at the full batch, or None for the FLOP model
     return search(problem, limit, allowed, optimizer, precision, verify)

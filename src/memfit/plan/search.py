@@ -44,9 +44,13 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
         src = problem.source(micro)
         prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
         n = src.n_blocks
-        t_fwd = _block_seconds(prof, problem.tokens(micro))
+        t_fwd, t_sel = _block_seconds(prof, problem.tokens(micro)), None
+        costs = getattr(problem, "costs", None)
+        if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
+            scale = micro / problem.batch
+            t_fwd, t_sel = costs.recompute_s * scale, costs.selective_s * scale
         relief = _opt_bytes(prof, n) if off else 0
-        choice = solve(prof, limit + relief, bases, _cost(t_fwd), n_blocks=n, max_segment=min(n, 16))
+        choice = solve(prof, limit + relief, bases, _cost(t_fwd, t_sel), n_blocks=n, max_segment=min(n, 16))
         accum = problem.batch // micro
         base = 3 * n * t_fwd
         transfer = 2 * relief / HOST_BW
