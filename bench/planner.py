@@ -86,10 +86,14 @@ def run(quick: bool, rounds: int) -> dict:
         lo, hi = (mid, hi) if solve(prof, mid, BASE_ACTIONS, cost, n_blocks=n) is None else (lo, mid)
     budgets = [round(hi + (none_peak - hi) * i / 5) for i in range(6)]
     uniform_peaks = {p: prof.peak_of(resolve_policy(p, n)) for p in UNIFORM}
+    from memfit.profile.measure import profile
+
+    costs = profile(name, batch=batch, seq=seq, use_cache=False).blocks  # this machine's block costs
     plans, solve_s = {}, []
     for b in budgets:
         s0 = time.perf_counter()
-        plans[b] = fit(name, budget=b, batch=batch, seq=seq, allow=("recompute", "selective"), verify=False)
+        plans[b] = fit(name, budget=b, batch=batch, seq=seq, allow=("recompute", "selective"), verify=False,
+                       costs=costs)
         solve_s.append(time.perf_counter() - s0)
     policies = {p: p for p in UNIFORM}
     for b, plan in plans.items():
@@ -119,7 +123,8 @@ def run(quick: bool, rounds: int) -> dict:
     return {"model": name, "batch": batch, "seq": seq, "rounds": rounds, "rows": rows, "none_peak": none_peak,
             "uniform_peaks": uniform_peaks, "uniform_times": {p: med[p] for p in UNIFORM},
             "full_time": med["full"], "none_time": med["none"], "load": loads, "solve_100_blocks_s": s100,
-            "fit_seconds": solve_s, "wall_s": time.perf_counter() - t0}
+            "fit_seconds": solve_s, "costs": {"recompute_s": costs.recompute_s, "selective_s": costs.selective_s},
+            "wall_s": time.perf_counter() - t0}
 
 
 def _solve_100(prof) -> float:
