@@ -138,7 +138,11 @@ def estimate(
         per[cat] = round(getattr(tr, cat) * mine / full) if full else getattr(tr, cat)
     per["activations"], per["temporaries"] = tr.activations, tr.temporaries
     per["total"] = sum(per.values())
-    modules = dict(sorted(tr.modules.items(), key=lambda kv: -kv[1]))
+    # Module peaks were traced unsharded: weights and optimizer state (held through the whole step)
+    # shrink by the same amount under ZeRO / offload, so the table agrees with the total.
+    shrink = (tr.params - per["params"]) + (tr.optimizer - per["optimizer"])
+    modules = {k: min(v - shrink, per["total"]) for k, v in tr.modules.items()}
+    modules = dict(sorted(modules.items(), key=lambda kv: -kv[1]))
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
                     module_activations=dict(tr.module_activations))
