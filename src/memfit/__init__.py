@@ -18,6 +18,7 @@ _EXPORTS = {
     "fit": "memfit.plan.fit:fit",
     "profile": "memfit.profile.measure:profile",
     "Plan": "memfit.plan.plan:Plan",
+    "AdaptivePlan": "memfit.plan.adaptive:AdaptivePlan",
     "MemoryTracker": "memfit.core.tracker:MemoryTracker",
     "checkpoint": "memfit.apply.checkpoint:checkpoint",
     "find_blocks": "memfit.apply.checkpoint:find_blocks",
