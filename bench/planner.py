@@ -140,7 +140,10 @@ def _solve_100(prof) -> float:
 
 
 def render(result: dict) -> str:
-    lines = [f"Planner on {result['model']} (batch {result['batch']}, seq {result['seq']}), {result['rounds']} "
+    load = result.get("load") or [0]
+    lines = [f"Command: `python bench/planner.py{' --quick' if result.get('quick') else ''}`. "
+             f"Machine load (1-min average) during the rounds: {min(load):.1f}-{max(load):.1f}. "
+             f"Planner on {result['model']} (batch {result['batch']}, seq {result['seq']}), {result['rounds']} "
              f"shuffled rounds, CPU; peaks by memfit's tracker on real steps. No checkpointing: "
              f"{fmt_bytes(result['none_peak'])}, {result['none_time'] * 1000:.0f} ms; full: "
              f"{result['full_time'] * 1000:.0f} ms. One 100-block solve: {result['solve_100_blocks_s']:.2f} s.", "",
@@ -152,7 +155,33 @@ def render(result: dict) -> str:
         up = fmt_bytes(r["uniform_peak"]) if r["uniform_peak"] else "-"
         lines.append(f"| {fmt_bytes(r['budget'])} | {fmt_bytes(r['plan_peak'])} | {r['plan_time'] * 1000:.0f} "
                      f"[{r['plan_spread'][0] * 1000:.0f}-{r['plan_spread'][1] * 1000:.0f}] | {u} | {up} | {ut} |")
+    lines += ["", "![frontier](planner_frontier.png)"]
     return "\n".join(lines)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def plot(result: dict, path: Path) -> None:
+    """Step time against measured peak: memfit's plans and the uniform policies."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = result["rows"]
+    ax.plot([r["plan_peak"] / 2**20 for r in rows], [r["plan_time"] * 1000 for r in rows], "o-", label="memfit plan")
+    up, ut = result["uniform_peaks"], result["uniform_times"]
+    for name in ut:
+        ax.plot(up[name] / 2**20, ut[name] * 1000, "s", color="gray")
+        ax.annotate(name, (up[name] / 2**20, ut[name] * 1000), fontsize=7)
+    ax.set_xlabel("measured peak (MiB)")
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"{result['model']}, batch {result['batch']} x seq {result['seq']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -162,7 +191,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     result = run(args.quick, args.rounds)
-    path = save("planner" + ("_quick" if args.quick else ""), result)
+    path = save("planner", {**result, "quick": args.quick})
+    plot(result, ROOT / "docs" / "planner_frontier.png")
     print(render(result))
     print(f"\nwrote {path} in {result['wall_s']:.0f} s")
 
