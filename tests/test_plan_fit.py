@@ -51,3 +51,25 @@ def test_bad_input_exits_2_with_one_line(argv, capsys):
 def test_fit_needs_an_example():
     with pytest.raises(ConfigError, match="example"):
         fit(small(), None, budget="1GiB")
+
+
+@pytest.mark.slow
+def test_a_loop_holding_more_than_planned_is_replanned_to_fit():
+    from memfit.plan.verify import check
+
+    model = small()
+    x = torch.randint(0, 256, (4, 32))
+    budget = 5_000_000
+    plan = fit(model, (x, x), budget=budget, allow=("recompute", "selective"))
+    opt = plan.apply(model, lr=1e-3)
+    held = {}
+
+    def step():  # keeps the logits alive through backward, which the planned step does not
+        with opt.autocast():
+            held["logits"], loss, _ = model(x, x)
+        opt.backward(loss)
+        opt.step()
+
+    new = check(plan, model, opt, step)
+    assert plan.measured_peak > budget
+    assert new is not plan and new.measured_peak <= budget and "over the budget" in new.notes[-1]

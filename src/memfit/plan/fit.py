@@ -104,4 +104,7 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
         check_example(example)
     problem = _Problem(model, example, loss_fn, batch, seq)
     problem.costs = costs  # memfit.profile BlockCosts measured at the full batch, or None for the FLOP model
-    return search(problem, limit, allowed, optimizer, precision, verify)
+    plan = search(problem, limit, allowed, optimizer, precision, verify)
+    plan.fit_args = dict(model=model, example=example, budget=limit, optimizer=optimizer, precision=precision,
+                         allow=allowed, loss_fn=loss_fn, batch=batch, seq=seq, verify=verify, costs=costs)
+    return plan
