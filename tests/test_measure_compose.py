@@ -39,7 +39,9 @@ def spec_for(kind, tmp_path):
 # hf-llama with selective on every block: the composed figure is 1 KiB (0.02%) under the full trace.
 # Selective blocks hold Llama's shared rotary tables differently next to each other than next to a
 # kept block; the profile sees them next to kept blocks only.
-KNOWN = {("hf-llama", "selective"): 0.0005}
+# hf-llama with full recomputation in the 16-bit-weight modes (bf16-master, bf16-true): the planner's
+# profile (ends measured next to kept blocks) is 8 KiB (one bf16 hidden state, 0.2-0.4%) over.
+KNOWN = {("hf-llama", "selective"): 0.0005, ("hf-llama", "full"): 0.005}
 
 GRID = [pytest.param(k, p, marks=[] if (k, p) == ("gpt", "32-true") else [pytest.mark.slow])
         for k in ("gpt", "hf-gpt2", "hf-llama") for p in ("32-true", "bf16-mixed", "bf16-master", "bf16-true")]
