@@ -13,7 +13,7 @@ import sys
 from memfit.core.errors import MemfitError
 
 # Subcommands in the order `memfit --help` lists them. A module that is not there yet is skipped.
-SUBCOMMANDS = ["estimate", "train", "track"]
+SUBCOMMANDS = ["estimate", "plan", "profile", "train", "track"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -54,6 +54,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(g, "checkpoint", shown=d.checkpoint)
     add(g, "offload_optimizer", shown=d.offload_optimizer)
     add(g, "spill_dir")
+    g.add_argument("--budget", metavar="SIZE", help="plan the run to fit this device memory (e.g. 200MiB); see memfit plan")
+    g.add_argument("--plan", metavar="FILE", help="apply a plan saved by `memfit plan ... --json`")
+    g.add_argument("--allow", metavar="LIST", help="what --budget may use (see memfit plan --help)")
     g.add_argument("--clip", metavar="NORM", type=number(0), help=f"max gradient norm, 0 = off (default {d.clip})")
     g = p.add_argument_group("run")
     g.add_argument("--eval-every", type=integer(0), metavar="N",
@@ -95,11 +98,20 @@ def run(args: argparse.Namespace) -> int:
 
     given = vars(args)
     cfg, ckpt = config_of(given)
+    plan = None
+    if "budget" in given or "plan" in given:
+        from memfit.train.budget import plan_config
+
+        cfg, plan = plan_config(cfg, given.get("budget"), given.get("plan"), given.get("allow"))
     if given.get("nproc", 1) != 1:
         return _launch(cfg, given, ckpt is not None)
     result = loop.train(cfg, ckpt, progress=not given.get("quiet", False))
     if os.environ.get("RANK", "0") == "0":  # several processes: rank 0 speaks
         print(format_summary(result.metrics, result.run_dir, result.stopped))
+        if plan is not None:
+            from memfit.train.budget import report
+
+            print(report(result.run_dir, plan))
     return EXIT_CODES.get(result.stopped, 0)  # the shell's codes for Ctrl-C (130) and SIGTERM (143)
 
 

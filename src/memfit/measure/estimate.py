@@ -73,7 +73,8 @@ def _positive(name: str, value: int | None) -> int | None:
 
 
 def estimate(
-    model: str | ModelSpec | None = None,
+    model: Any = None,
+    example: Any = None,
     *,
     params: int | None = None,
     batch: int = 1,
@@ -85,10 +86,14 @@ def estimate(
     checkpoint: str = "none",
     offload_optimizer: str | None = None,
     device_memory: int | str | None = None,
+    loss_fn: Any = None,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
     With `params=N` and no model, only model states (params, grads, optimizer) are estimated.
+    `model` may also be any nn.Module (real or meta weights) or a zero-argument factory, with `example`
+    one micro-batch (dict of keyword arguments, tuple of positional arguments or a tensor) and
+    optionally `loss_fn(output, example)` (memfit.measure.anymodel).
     """
     check_precision(precision)
     optimizer_states(optimizer)
@@ -98,6 +103,12 @@ def estimate(
     if offload_optimizer == "none":
         offload_optimizer = None
     budget = parse_bytes(device_memory) if device_memory is not None else None
+    if model is not None and not isinstance(model, (str, ModelSpec)):  # any nn.Module or factory + example
+        from memfit.measure.anymodel_estimate import estimate_module
+
+        return Estimate(**estimate_module(model, example, optimizer=optimizer, precision=precision, checkpoint=checkpoint,
+                               loss_fn=loss_fn, zero=zero, world=world, offload_optimizer=offload_optimizer,
+                               device_memory=budget))
     common = dict(precision=precision, optimizer=optimizer)
     if model is None:
         if params is None:
@@ -122,18 +133,33 @@ def estimate(
 
     from memfit.measure.trace import trace_step  # heavy import (FakeTensorMode) only when tracing
 
-    tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint,
-                    offload_optimizer=offload_optimizer)
-    ratios = {cat: (getattr(sharded, cat), getattr(single, cat)) for cat in MODEL_STATES}
-    per = _shard(tr.breakdown(), ratios)
-    modules = {name: _shard(cats, ratios) for name, cats in tr.module_categories.items()}
-    for cats in modules.values():  # a module's moment may be the higher one once model states shrink
-        if cats["total"] > per["total"]:
-            per = cats
-    modules = dict(sorted(((name, cats["total"]) for name, cats in modules.items()), key=lambda kv: -kv[1]))
+    tr = None
+    if offload_optimizer in (None, "none"):  # long chains of identical blocks: composed, exact, fast
+        from memfit.measure.blocks import composed_step
+
+        tr = composed_step(spec, batch, seq, precision, optimizer, checkpoint)
+    if tr is None:
+        tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint,
+                        offload_optimizer=offload_optimizer)
+    per, modules = _per_device(tr, {cat: (getattr(sharded, cat), getattr(single, cat)) for cat in MODEL_STATES})
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
                     module_activations=dict(tr.module_activations))
+
+
+def _per_device(tr: Any, ratios: dict[str, tuple[int, int]]) -> tuple[dict[str, int], dict[str, int]]:
+    """The per-device figures and module table of a traced step whose model states shrink by `ratios`."""
+    per = _shard(tr.breakdown(), ratios)
+    if tr.module_categories:
+        modules = {name: _shard(cats, ratios) for name, cats in tr.module_categories.items()}
+        for cats in modules.values():  # a module's moment may be the higher one once model states shrink
+            if cats["total"] > per["total"]:
+                per = cats
+        return per, dict(sorted(((name, cats["total"]) for name, cats in modules.items()), key=lambda kv: -kv[1]))
+    # Composed: per-block peaks traced unsharded; weights and optimizer state shrink alike.
+    shrink = (tr.params - per["params"]) + (tr.optimizer - per["optimizer"])
+    modules = {k: min(v - shrink, per["total"]) for k, v in tr.modules.items()}
+    return per, dict(sorted(modules.items(), key=lambda kv: -kv[1]))
 
 
 def _shard(cats: dict[str, int], ratios: dict[str, tuple[int, int]]) -> dict[str, int]:

@@ -1,0 +1,59 @@
+"""`memfit plan`: the fastest configuration that fits a byte budget, ranked candidates and the chosen plan."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from memfit.cli.args import positive_int
+from memfit.core.units import format_bytes
+from memfit.measure.formulas import OPTIMIZER_STATES, PRECISIONS
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="find the fastest configuration that fits a memory budget",
+                       description="Choose per-block activation actions (keep / selective / recompute / segments), "
+                       "micro-batch x accumulation and optimizer offload so the predicted peak fits --budget; "
+                       "prints the ranked configurations and the chosen plan. Exit code 2 when nothing fits.")
+    p.add_argument("model", help="a known architecture, a gpt:/llama: spec or a Hugging Face config.json")
+    p.add_argument("--budget", required=True, metavar="SIZE", help="device memory budget, e.g. 8GiB or 300MiB")
+    p.add_argument("--batch", type=positive_int("--batch"), default=1, help="global batch per step (default 1)")
+    p.add_argument("--seq", type=positive_int("--seq"), help="sequence length (default: the model's, at most 4096)")
+    p.add_argument("--precision", default="32-true", choices=PRECISIONS, metavar="MODE",
+                   help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES), metavar="NAME",
+                   help="optimizer (default adamw)")
+    p.add_argument("--allow", metavar="LIST", help="comma list of what the plan may use (default: recompute, selective, "
+                   "offload-cpu, offload-disk, accumulate, chunked-head, optimizer-offload)")
+    p.add_argument("--profile", action="store_true",
+                   help="time blocks on this machine (memfit profile, cached) instead of the FLOP time model")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip checking the chosen plan with a full trace of the step")
+    p.add_argument("--json", action="store_true", help="print one JSON object with a `plan` field (for memfit train --plan)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.plan.fit import fit
+
+    costs = None
+    if args.profile:
+        from memfit.plan.costs import parse_budget
+        from memfit.plan.plan import parse_allow
+        from memfit.profile.measure import profile
+
+        parse_budget(args.budget), parse_allow(args.allow)  # fail on bad input before measuring
+        costs = profile(args.model, batch=args.batch, seq=args.seq, precision=args.precision).blocks
+    plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
+               allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs)
+    if args.json:
+        print(json.dumps({"plan": plan.to_json()}, indent=1))
+        return 0
+    print(f"  {'micro x accum':<15}{'offload':<9}{'precision':<13}{'peak':>12}{'time':>11}  actions")
+    for c in plan.ranked:
+        peak = format_bytes(c.peak) if c.feasible else "does not fit"
+        time = f"{c.time * 1000:.1f} ms" if c.feasible else ""
+        print(f"  {f'{c.micro_batch} x {c.accumulation}':<15}{c.offload_optimizer or '-':<9}{c.precision:<13}"
+              f"{peak:>12}{time:>11}  {c.actions}")
+    print()
+    print(plan.summary())
+    return 0

@@ -1,0 +1,197 @@
+"""Any nn.Module with an example micro-batch, traced without allocating.
+
+    memfit.estimate(model, {"input_ids": x, "labels": x}, optimizer="adamw", precision="bf16-mixed")
+
+`model` is a module with real weights, a module on the meta device, or a zero-argument factory.
+A module is copied structurally with every parameter and buffer replaced by a fake tensor of the
+same shape, dtype and `requires_grad` (tied weights stay tied), so its real weights are never
+touched and nothing is allocated. `example` is one micro-batch: a dict of keyword arguments
+(Hugging Face style), a tuple of positional arguments or one tensor; its tensors (real, meta or
+`torch.empty`) stand for their shapes and dtypes only. The loss is `loss_fn(output, example)` when
+given, else `output.loss`, else `output[1]`, else the output itself when it is a single number.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from memfit.core.errors import ConfigError
+from memfit.core.tracker import MemoryTracker
+
+Step = Callable[[nn.Module, Any], None]
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A structural copy whose parameters and buffers are meta tensors (nothing is copied)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _materialise(model: nn.Module, device: torch.device) -> nn.Module:
+    """Replace every parameter and buffer by an empty tensor on `device` (fake under FakeTensorMode)."""
+    new: dict[int, Any] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+            mod._parameters[name] = new[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in new:
+                new[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            mod._buffers[name] = new[id(b)]
+    return model
+
+
+def module_builder(model: Any) -> Callable[[], nn.Module]:
+    """A zero-argument builder to call inside FakeTensorMode and a torch.device context."""
+    if isinstance(model, nn.Module):
+        template = _meta_copy(model)
+
+        def build() -> nn.Module:
+            dev = torch.empty(0).device  # the surrounding torch.device context
+            return _materialise(copy.deepcopy(template), dev)
+
+        return build
+    if callable(model):
+        def build_factory() -> nn.Module:
+            try:
+                m = model()
+            except ConfigError:
+                raise
+            except Exception as exc:
+                raise ConfigError(f"the model factory failed: {type(exc).__name__}: {_one_line(exc)}") from None
+            if not isinstance(m, nn.Module):
+                raise ConfigError(f"the model factory returned {type(m).__name__}, not an nn.Module")
+            return m
+
+        return build_factory
+    raise ConfigError(f"model must be an nn.Module or a zero-argument factory, got {type(model).__name__}")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def fake_like(obj: Any, device: torch.device) -> Any:
+    """The example with every tensor replaced by an empty one of the same shape and dtype."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(obj.shape, dtype=obj.dtype, device=device)
+    if isinstance(obj, Mapping):
+        return {k: fake_like(v, device) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(fake_like(v, device) for v in obj)
+    return obj
+
+
+def check_example(example: Any) -> None:
+    if example is None:
+        raise ConfigError("an nn.Module needs an example micro-batch: a dict of keyword arguments "
+                          "(e.g. {'input_ids': x, 'labels': x}), a tuple of positional arguments or a tensor")
+    if not isinstance(example, (Mapping, tuple, list, torch.Tensor)):
+        raise ConfigError(f"example must be a dict, a tuple or a tensor, got {type(example).__name__}")
+
+
+def call(model: nn.Module, example: Any) -> Any:
+    if isinstance(example, Mapping):
+        return model(**example)
+    if isinstance(example, (tuple, list)):
+        return model(*example)
+    return model(example)
+
+
+def extract_loss(output: Any, example: Any, loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is not None:
+        loss = loss_fn(output, example)
+    else:
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, Mapping):
+            loss = output.get("loss")
+        if loss is None and isinstance(output, (tuple, list)) and len(output) > 1:
+            loss = output[1]
+        if loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
+            loss = output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError(f"cannot find a scalar loss in the model's output ({type(output).__name__}); "
+                          "expected output.loss, output[1] or a single number: pass loss_fn=fn(output, example)")
+    return loss
+
+
+def example_step(example: Any, loss_fn: Callable | None) -> Step:
+    """One training step on (a fake copy of) the example, in its own frame as in a training loop."""
+
+    def step(model: nn.Module, opt: Any) -> None:
+        dev = next(iter(model.parameters())).device
+        batch = fake_like(example, dev)
+        with opt.autocast():
+            try:
+                out = call(model, batch)
+            except ConfigError:
+                raise
+            except Exception as exc:
+                raise ConfigError(f"the model's forward failed on the example: {type(exc).__name__}: "
+                                  f"{_one_line(exc)}") from None
+            loss = extract_loss(out, batch, loss_fn)
+        del out  # a user's loop drops the output (logits) before backward too
+        opt.backward(loss)
+        opt.step()
+
+    return step
+
+
+@dataclass
+class RunResult:
+    tracker: MemoryTracker
+    model: nn.Module
+
+
+def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimizer: str, checkpoint: Any,
+              device: str, steps: int = 2, tracker: Callable[..., MemoryTracker] | None = None,
+              prepare: Callable[[nn.Module], None] | None = None) -> RunResult:
+    """Build the model, apply the policy and optimizer, run `steps` steps inside a tracker; the tracker's
+    peak window is the last step. Call inside FakeTensorMode to predict, outside to measure."""
+    from memfit.apply.checkpoint import checkpoint as apply_checkpoint
+    from memfit.apply.optimizer import TrainingOptimizer
+
+    dev = torch.device(device)
+    with torch.device(dev):
+        model = build()
+    if prepare is not None:
+        prepare(model)
+    model.train()
+    if not (isinstance(checkpoint, str) and checkpoint == "none"):
+        apply_checkpoint(model, checkpoint)
+    opt = TrainingOptimizer(model, optimizer, precision=precision)
+    tr = (tracker or MemoryTracker)(model, opt, dev)
+    try:
+        with tr:
+            for i in range(steps):
+                if i == steps - 1:
+                    tr.reset_peak()
+                step(model, opt)
+    finally:
+        opt.close()
+    return RunResult(tr, model)
+
+
+@contextlib.contextmanager
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.measure.trace import _unpacked_batches
+
+    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
+        yield

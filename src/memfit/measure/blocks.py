@@ -1,0 +1,193 @@
+"""Where composed estimates get their short chains: a model spec, or any module with an example.
+
+A *chain source* is (build_k, n_blocks, step): build_k(k) builds the model with its repeated blocks
+cut to the first k (inside FakeTensorMode), and step(model, opt) runs one training step. Blocks must
+be identical (same class, parameter names, shapes, dtypes and trainability); otherwise there is no
+chain and callers fall back to tracing the whole step.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from memfit.apply.policy import BlockAction, resolve_policy, segments
+from memfit.core.errors import ConfigError
+from memfit.measure.compose import BASE_ACTIONS, ChainProfile, profile_chain
+from memfit.measure.timeline import NotAChain
+
+
+@dataclass
+class ChainSource:
+    build_k: Callable[[int], nn.Module]
+    n_blocks: int
+    step: Callable[[nn.Module, Any], None]
+    key: tuple
+    """Identifies the model shape and batch (for caching profiles)."""
+    plain_differs: bool = False
+    """The model runs differently once any block is checkpointed (a Hugging Face KV cache is switched off)."""
+
+
+def block_signature(block: nn.Module) -> tuple:
+    return (type(block).__name__,) + tuple(
+        (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in block.named_parameters())
+
+
+def identical_blocks(model: nn.Module) -> nn.ModuleList | None:
+    from memfit.apply.checkpoint import find_blocks
+
+    try:
+        blocks = find_blocks(model)
+    except ConfigError:
+        return None
+    sigs = {block_signature(b) for b in blocks}
+    return blocks if len(sigs) == 1 else None
+
+
+def truncate(model: nn.Module, k: int) -> nn.Module:
+    """Cut the repeated blocks to the first k (or add copies of the first one up to k)."""
+    blocks = identical_blocks(model)
+    if blocks is None:
+        raise NotAChain("no identical repeated blocks")
+    n = len(blocks)
+    del blocks[k:]
+    # Hugging Face models run `layers[:config.num_hidden_layers]` (and may list a type per layer).
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and getattr(cfg, "num_hidden_layers", None) == n:
+            cfg.num_hidden_layers = k
+            types = getattr(cfg, "layer_types", None)
+            if isinstance(types, list) and len(types) == n and len(set(types)) == 1:
+                cfg.layer_types = types[:1] * k
+    from memfit.measure.anymodel import _materialise, _meta_copy
+
+    while len(blocks) < k:
+        # Fresh empty parameters (a deepcopy of fake tensors would not be seen as the same storages).
+        dev = next(iter(blocks[0].parameters())).device
+        new = _materialise(_meta_copy(blocks[0]), dev)
+        for m in new.modules():  # Hugging Face layers know their index (KV cache slots)
+            if isinstance(getattr(m, "layer_idx", None), int):
+                m.layer_idx = len(blocks)
+        blocks.append(new)
+    return model
+
+
+def spec_source(spec: Any, batch: int, seq: int) -> ChainSource:
+    """A memfit GPT spec (built directly with k layers) or a Hugging Face config (built, then cut)."""
+    from memfit.measure.trace import _train_step, _vocab
+    from memfit.models.spec import ModelSpec
+
+    if spec.config is not None:
+        def build_k(k: int) -> nn.Module:
+            return ModelSpec(spec.name, config=replace(spec.config, layers=k)).build(seq=seq)
+        n = spec.config.layers
+    else:
+        import transformers  # noqa: F401  (imported before tracing, as trace_step does)
+
+        def build_k(k: int) -> nn.Module:
+            return truncate(spec.build(seq=seq), k)
+        with torch.device("meta"):
+            probe = spec.build()
+        n = len(identical_blocks(probe) or [])
+        cache = bool(getattr(getattr(probe, "config", None), "use_cache", False))
+        if n == 0:
+            raise NotAChain("no identical repeated blocks")
+
+    def step(model: nn.Module, opt: Any) -> None:
+        dev = next(iter(model.parameters())).device
+        _train_step(model, opt, batch, seq, _vocab(model), dev)
+
+    key = ("spec", spec.name, repr(spec.config), str(spec.hf_config), batch, seq)
+    return ChainSource(build_k, n, step, key, plain_differs=spec.config is None and cache)
+
+
+def module_source(model: Any, example: Any, loss_fn: Callable | None) -> ChainSource:
+    """Any module (real, meta) or factory, with one example micro-batch."""
+    from memfit.measure.anymodel import example_step, module_builder
+
+    build = module_builder(model)
+    with torch.device("meta"):
+        probe = build()
+    blocks = identical_blocks(probe)
+    n = len(blocks) if blocks is not None else 0
+
+    def build_k(k: int) -> nn.Module:
+        return truncate(build(), k)
+
+    key = ("module", id(model), repr(_shapes(example)))
+    cache = bool(getattr(getattr(probe, "config", None), "use_cache", False))
+    return ChainSource(build_k, n, example_step(example, loss_fn), key, plain_differs=cache)
+
+
+def _shapes(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return (tuple(obj.shape), str(obj.dtype))
+    if isinstance(obj, dict):
+        return {k: _shapes(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return [_shapes(v) for v in obj]
+    return obj
+
+
+_CACHE: dict[tuple, ChainProfile] = {}
+
+
+def chain_profile(src: ChainSource, precision: str, optimizer: str, device: str = "cpu",
+                  bases: Sequence[BlockAction] = BASE_ACTIONS, with_segments: bool = True,
+                  ends: tuple[list[BlockAction], list[BlockAction]] | None = None) -> ChainProfile:
+    """The source's ChainProfile (cached in this process)."""
+    key = src.key + (precision, optimizer, device, tuple(str(b) for b in bases), with_segments,
+                     None if ends is None else tuple(str(a) for e in ends for a in e))
+    prof = _CACHE.get(key)
+    if prof is None:
+        if src.n_blocks < 1:
+            raise NotAChain("no identical repeated blocks")
+        prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases, with_segments,
+                             src.plain_differs, ends)
+        _CACHE[key] = prof
+    return prof
+
+
+def bases_of(actions: Sequence[BlockAction]) -> tuple[list[BlockAction], bool]:
+    """The distinct actions (segment ids dropped) and whether any segment has two blocks or more."""
+    from memfit.apply.policy import segments
+
+    seen: list[BlockAction] = []
+    for a in actions:
+        b = replace(a, segment=None)
+        if b not in seen:
+            seen.append(b)
+    multi = any(len(r) > 1 for r in segments(actions))
+    return seen, multi
+
+
+def composed_step(spec: Any, batch: int, seq: int, precision: str = "32-true", optimizer: str = "adamw",
+                  checkpoint: Any = "none", min_blocks: int = 12):
+    """trace_step's TraceResult for a repeated-block model, composed from short traces (exact, see
+    memfit.measure.compose); None when the model is not a chain of identical blocks or too short to gain."""
+    from memfit.measure.trace import TraceResult
+
+    t0 = time.perf_counter()
+    try:
+        src = spec_source(spec, batch, seq)
+        if src.n_blocks < min_blocks:
+            return None
+        actions = resolve_policy(checkpoint, src.n_blocks)
+        if any(a.offload or a.compress for a in actions):
+            return None  # offload/compression traces are not checked against the composition yet
+        bases, multi = bases_of(actions)
+        regions = segments(actions)
+        ends = ([actions[i] for i in regions[0][:2]], [actions[i] for i in regions[-1][-2:]])
+        prof = chain_profile(src, precision, optimizer, bases=bases, with_segments=multi, ends=ends)
+        got = prof.compose(actions)
+    except NotAChain:
+        return None
+    cats = dict(zip(("params", "grads", "optimizer", "activations", "temporaries"), got.at_peak))
+    root = "GPT" if spec.config is not None else "model"
+    modules = {root: got.peak, **{f"block {i}": p for i, p in enumerate(got.block_peaks)}}
+    modules = dict(sorted(modules.items(), key=lambda kv: -kv[1]))
+    return TraceResult(peak=got.peak, modules=modules, seconds=time.perf_counter() - t0, **cats)

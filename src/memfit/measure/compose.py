@@ -1,0 +1,315 @@
+"""The composed estimate: a step's exact peak for any per-block action list, from a few short traces.
+
+Repeated blocks have the same memory behaviour, and memory is additive along a chain: live bytes
+at any moment are what the step started with plus the net change of every stretch that ran before,
+plus the current stretch's excursion (memfit.measure.timeline). So a model with L identical blocks
+is traced once with a *short* chain (one block per action, two per recompute segment) and once with
+one more block (which gives what each further block adds to the weights, optimizer state and the
+optimizer step). `ChainProfile.compose(actions)` then walks
+
+    pre-fwd, fwd of each block, head fwd + loss, head bwd, bwd of each block (reversed), pre bwd, optimizer
+
+adding each stretch's excursion to the running total. A recomputed segment of n blocks does its
+recomputation in its last block's backward: that stretch is the single-block one plus (n - 1) times
+what one more block adds (traced with a segment of two). Tests compare the result to the byte with
+a full trace of the whole model.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import torch.nn as nn
+
+from memfit.apply.policy import BlockAction, segments
+from memfit.measure.timeline import (ZERO, Stretch, StepStretches, TimelineTracker, Vec, stretches, vadd,
+                                     vscale, vsub)
+
+AROUND = ("pre_fwd", "post_fwd", "post_bwd", "pre_bwd", "opt")
+BASE_ACTIONS = (BlockAction("keep"), BlockAction("selective"), BlockAction("recompute"))
+
+
+def base_of(a: BlockAction) -> BlockAction:
+    return replace(a, segment=None)
+
+
+@dataclass
+class Composed:
+    peak: int
+    at_peak: Vec
+    """Bytes per category (tracker order) at the peak moment; they sum to `peak`."""
+    block_peaks: list[int] = field(default_factory=list)
+    where: str = ""
+    """Which stretch holds the peak (e.g. "block 3 backward", "head backward")."""
+
+
+@dataclass
+class ChainProfile:
+    """Per-stretch memory of one model shape, batch, precision and optimizer (bytes, exact)."""
+
+    n_blocks: int
+    start: Vec
+    start_per_block: Vec
+    pre_fwd: Stretch
+    post_fwd: Stretch
+    post_bwd: Stretch
+    pre_bwd: Stretch
+    opt: Stretch
+    per_block: dict[str, Stretch]
+    """What each further block adds to the stretches around the blocks (e.g. autocast's cached weight
+    casts, freed when the forward's autocast region ends; the optimizer's per-tensor temporaries)."""
+    fwd: dict[str, Stretch]
+    bwd: dict[str, Stretch]
+    seg_extra: dict[str, Stretch]
+    deferred: dict[str, dict[str, Vec]]
+    """Per stretch around the blocks, per forward kind: bytes a block of that kind made in its forward
+    and that stretch frees (autocast's cached casts of recomputed blocks). `pre_fwd` etc. exclude them."""
+    traced_blocks: int
+    first: dict[str, tuple[Stretch, Stretch]] = field(default_factory=dict)
+    """Per forward kind: what the first block's forward and backward stretches differ by from a middle block's."""
+    last: dict[str, tuple[Stretch, Stretch]] = field(default_factory=dict)
+    bw_temps: int = 0
+    plain: "ChainProfile | None" = None
+    """For models that change behaviour once any block is checkpointed (Hugging Face models switch
+    their KV cache off): the profile of the untouched model, used when every block is plain."""
+    seconds: float = 0.0
+
+    def actions(self) -> list[BlockAction]:
+        return [a for a in (_parse_key(k) for k in self.fwd if "|" not in k)]
+
+    def supports(self, actions: Sequence[BlockAction]) -> bool:
+        for region in segments(actions):
+            key = str(base_of(actions[region[0]]))
+            if key not in self.fwd or (len(region) > 1 and key not in self.seg_extra):
+                return False
+        return True
+
+    def keys(self, actions: Sequence[BlockAction]) -> tuple[list[str], list[Stretch], list[Stretch]]:
+        """Forward kind, forward stretch and backward stretch of every block under `actions`."""
+        kinds = fwd_kinds(actions)
+        fwd = [self.fwd[k] for k in kinds]
+        bwd: list[Stretch] = [None] * len(actions)  # type: ignore[list-item]
+        for region in segments(actions):
+            key = str(base_of(actions[region[0]]))
+            n = len(region)
+            if n == 1:
+                bwd[region[0]] = self.bwd[key]
+                continue
+            for i in region[:-1]:
+                bwd[i] = self.bwd[key + "|rest"]
+            bwd[region[-1]] = self.bwd[key] + self.seg_extra[key].scaled(n - 1)
+        return kinds, fwd, bwd
+
+    def compose(self, actions: Sequence[BlockAction]) -> Composed:
+        """The step's peak (and its breakdown) with `actions` on this profile's blocks."""
+        if self.plain is not None and all(a.is_plain for a in actions):
+            return self.plain.compose(actions)
+        n = len(actions)
+        kinds, fwd, bwd = self.keys(actions)
+        f, b = self.first[kinds[0]]
+        fwd[0], bwd[0] = fwd[0] + f, bwd[0] + b
+        f, b = self.last[kinds[-1]]
+        fwd[-1], bwd[-1] = fwd[-1] + f, bwd[-1] + b
+        extra = n - self.traced_blocks
+        cur = vadd(self.start, vscale(self.start_per_block, extra))
+        pb = self.per_block
+
+        def part(name: str) -> Stretch:
+            s = getattr(self, name) + pb[name].scaled(extra)
+            d = self.deferred.get(name)
+            if d:
+                freed = ZERO
+                for k in kinds:
+                    if k in d:
+                        freed = vadd(freed, d[k])
+                s = Stretch(s.peak, vsub(s.net, freed))
+            return s
+
+        order: list[tuple[str, Stretch]] = [("before the blocks", part("pre_fwd"))]
+        order += [(f"block {i} forward", s) for i, s in enumerate(fwd)]
+        order += [("head and loss", part("post_fwd")), ("head backward", part("post_bwd"))]
+        order += [(f"block {i} backward", bwd[i]) for i in range(n - 1, -1, -1)]
+        order += [("backward before the blocks", part("pre_bwd")), ("optimizer step", part("opt"))]
+        total = sum(cur)
+        best, at, where = total, cur, "step start"
+        block_peaks = [0] * n
+        for name, s in order:
+            cand = total + s.peak_bytes
+            if cand > best:
+                best, at, where = cand, vadd(cur, s.peak), name
+            if name.startswith("block "):
+                i = int(name.split()[1])
+                block_peaks[i] = max(block_peaks[i], cand)
+            cur = vadd(cur, s.net)
+            total += s.net_bytes
+            if name == "head and loss":  # backward starts: the tracker relabels (see timeline.StepStretches)
+                cur = cur[:3] + (cur[3] + cur[4] - self.bw_temps, self.bw_temps)
+        return Composed(best, at, block_peaks, where)
+
+    def peak_of(self, actions: Sequence[BlockAction]) -> int:
+        return self.compose(actions).peak
+
+
+def fwd_kinds(actions: Sequence[BlockAction]) -> list[str]:
+    kinds: list[str] = [""] * len(actions)
+    for region in segments(actions):
+        key = str(base_of(actions[region[0]]))
+        if len(region) == 1:
+            kinds[region[0]] = key
+        else:
+            kinds[region[0]] = key + "|first"
+            for i in region[1:]:
+                kinds[i] = key + "|rest"
+    return kinds
+
+
+def _without_deferred(st: StepStretches, kinds: list[str]) -> tuple[dict[str, Stretch], dict[str, dict[str, Vec]]]:
+    """The stretches around the blocks with the middle blocks' deferred frees added back, and those
+    frees per forward kind. The first and last block's frees beyond their kind's (the last block's
+    output, freed by the head's backward) belong to the position and stay in the stretch."""
+    parts, per_kind = {}, {}
+    last = len(kinds) - 1
+    for name in AROUND:
+        s = getattr(st, name)
+        d = st.deferred.get(name, {})
+        kd: dict[str, Vec] = {}
+        for i, v in sorted(d.items()):
+            if 0 < i < last:
+                kd.setdefault(kinds[i], v)
+        back = ZERO
+        for i, v in d.items():
+            back = vadd(back, v if 0 < i < last else kd.get(kinds[i], ZERO))
+        parts[name] = Stretch(s.peak, vadd(s.net, back))
+        per_kind[name] = kd
+    return parts, per_kind
+
+
+def _ends(build_k, step, bases, with_segments, fwd, bwd, seg_extra, a: StepStretches, *run) -> tuple[dict, dict]:
+    """First- and last-position corrections per forward kind: each kind traced at both ends of a
+    short chain [kind, keep, kind] (the kept sentinels of the main trace give keep's)."""
+    first = {"keep": (a.fwd[0] - fwd["keep"], a.bwd[0] - bwd["keep"])}
+    last = {"keep": (a.fwd[-1] - fwd["keep"], a.bwd[-1] - bwd["keep"])}
+    keep = BlockAction("keep")
+    for b in bases:
+        if b == keep:
+            continue
+        ends = [[b]]
+        if b.mode == "recompute" and with_segments:
+            ends.append([replace(b, segment=0)] * 2)
+        for end in ends:
+            tail = [replace(x, segment=1) if x.segment is not None else x for x in end]
+            pattern = end + [keep] + tail
+            t = _trace(build_k, len(pattern), step, pattern, *run)
+            kf, kl = fwd_kinds(pattern)[0], fwd_kinds(pattern)[-1]
+            key = str(b)
+            bw_first = bwd[key] if len(end) == 1 else bwd[key + "|rest"]
+            bw_last = bwd[key] if len(end) == 1 else bwd[key] + seg_extra[key]
+            first[kf] = (t.fwd[0] - fwd[kf], t.bwd[0] - bw_first)
+            last[kl] = (t.fwd[-1] - fwd[kl], t.bwd[-1] - bw_last)
+    return first, last
+
+
+def _parse_key(key: str) -> BlockAction:
+    from memfit.apply.policy import parse_items
+
+    return parse_items(key)[0]
+
+
+def pattern_for(bases: Sequence[BlockAction], with_segments: bool = True) -> list[BlockAction]:
+    """One block per action, plus a two-block segment per recompute action (to see what each added
+    block of a segment costs)."""
+    out: list[BlockAction] = []
+    seg = 0
+    for b in bases:
+        out.append(b)
+        if b.mode == "recompute" and with_segments:
+            out += [replace(b, segment=seg)] * 2
+            seg += 1
+    return out
+
+
+def _tracker_factory(holder: dict) -> Callable[..., TimelineTracker]:
+    def make(model: nn.Module, opt: Any, dev: Any) -> TimelineTracker:
+        from memfit.apply.checkpoint import find_blocks
+
+        blocks = find_blocks(model)
+        ids = {id(b): i for i, b in enumerate(blocks)}
+        names = {name: ids[id(m)] for name, m in model.named_modules() if id(m) in ids}
+        t = TimelineTracker(model, opt, dev, names)
+        holder["t"] = t
+        return t
+
+    return make
+
+
+def _trace(build_k: Callable[[int], nn.Module], k: int, step, pattern, precision, optimizer, device) -> StepStretches:
+    from memfit.measure.anymodel import fake_mode, run_steps
+
+    holder: dict = {}
+    with fake_mode():
+        run_steps(lambda: build_k(k), step, precision, optimizer, list(pattern), device,
+                  tracker=_tracker_factory(holder))
+    return stretches(holder["t"], k)
+
+
+def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, precision: str, optimizer: str,
+                  device: str = "cpu", bases: Sequence[BlockAction] = BASE_ACTIONS,
+                  with_segments: bool = True, plain_differs: bool = False,
+                  ends: tuple[list[BlockAction], list[BlockAction]] | None = None) -> ChainProfile:
+    """Trace a short chain covering `bases` (and one block more) and reduce it to a ChainProfile.
+
+    build_k(k) builds the model with k repeated blocks (inside FakeTensorMode). `ends`: the first and
+    last region of the one action list to be composed (then only those end positions are measured, in
+    the same traces); without it every base is measured at both ends (for the planner)."""
+    t0 = time.perf_counter()
+    keep = BlockAction("keep")
+    plain = None
+    if plain_differs and any(not b.is_plain for b in bases):
+        plain = profile_chain(build_k, n_blocks, step, precision, optimizer, device, [keep], False)
+    if keep not in bases and ends is None:
+        bases = [keep, *bases]
+    # The kinds sit between two end blocks: the first and last block of a chain differ a little
+    # (what the embedding hands over, what the head takes), which the end blocks measure.
+    head, tail = ends if ends is not None else ([keep], [keep])
+    head = [replace(a, segment=1000) if a.segment is not None else a for a in head]
+    tail = [replace(a, segment=1001) if a.segment is not None else a for a in tail]
+    pattern = head + pattern_for(bases, with_segments) + tail
+    k = len(pattern)
+    a = _trace(build_k, k, step, pattern, precision, optimizer, device)
+    more = pattern + pattern[-1:]
+    b = _trace(build_k, k + 1, step, more, precision, optimizer, device)
+    fwd: dict[str, Stretch] = {}
+    bwd: dict[str, Stretch] = {}
+    seg_extra: dict[str, Stretch] = {}
+    for region in segments(pattern)[1:-1]:
+        key = str(base_of(pattern[region[0]]))
+        if len(region) == 1:
+            fwd[key], bwd[key] = a.fwd[region[0]], a.bwd[region[0]]
+        else:
+            fwd[key + "|first"], fwd[key + "|rest"] = a.fwd[region[0]], a.fwd[region[1]]
+            bwd[key + "|rest"] = a.bwd[region[0]]
+            seg_extra[key] = a.bwd[region[1]] - a.bwd[region[0] - 1]  # the single-block stretch precedes it
+    pa, deferred = _without_deferred(a, fwd_kinds(pattern))
+    pb, _ = _without_deferred(b, fwd_kinds(more))
+    if ends is None:
+        first, last = _ends(build_k, step, bases, with_segments, fwd, bwd, seg_extra, a, precision, optimizer, device)
+    else:
+        first, last = _end_corrections(pattern, a, fwd, bwd, seg_extra, len(head), len(tail))
+    return ChainProfile(
+        n_blocks=n_blocks, start=a.start, start_per_block=vsub(b.start, a.start), **pa,
+        per_block={p: pb[p] - pa[p] for p in AROUND}, deferred=deferred, fwd=fwd, bwd=bwd, seg_extra=seg_extra,
+        traced_blocks=k, first=first, last=last, bw_temps=a.bw_temps, plain=plain,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _end_corrections(pattern, a: StepStretches, fwd, bwd, seg_extra, n_head: int, n_tail: int) -> tuple[dict, dict]:
+    kinds = fwd_kinds(pattern)
+    key_h, key_t = str(base_of(pattern[0])), str(base_of(pattern[-1]))
+    bw_first = bwd[key_h] if n_head == 1 else bwd[key_h + "|rest"]
+    bw_last = bwd[key_t] if n_tail == 1 else bwd[key_t] + seg_extra[key_t].scaled(n_tail - 1)
+    first = {kinds[0]: (a.fwd[0] - fwd[kinds[0]], a.bwd[0] - bw_first)}
+    last = {kinds[-1]: (a.fwd[-1] - fwd[kinds[-1]], a.bwd[-1] - bw_last)}
+    return first, last

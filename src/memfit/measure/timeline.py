@@ -1,0 +1,249 @@
+"""A step's live-bytes timeline, cut into stretches: before the blocks, each block, after them.
+
+A `TimelineTracker` is a MemoryTracker that also records, at every op and every peak check, the
+live device bytes (per category) and which repeated block was running. `stretches()` cuts the last
+step's record into the canonical sequence
+
+    pre-fwd, block 0 .. L-1 fwd, head fwd + loss, head bwd, block L-1 .. 0 bwd, pre bwd, optimizer
+
+and reduces each stretch to two vectors relative to the live bytes when it began: its peak and its
+net change (up to where the next stretch begins, so frees between stretches belong to the one
+before). Memory is additive along the chain, which is what lets memfit.measure.compose rebuild the
+whole step's peak from one traced block per action.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.core.tracker import CATEGORIES, MemoryTracker
+
+N_CAT = len(CATEGORIES)
+Vec = tuple  # bytes per category, CATEGORIES order
+
+
+def vadd(a: Vec, b: Vec) -> Vec:
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def vsub(a: Vec, b: Vec) -> Vec:
+    return tuple(x - y for x, y in zip(a, b))
+
+
+def vscale(a: Vec, k: int) -> Vec:
+    return tuple(x * k for x in a)
+
+
+ZERO: Vec = (0,) * N_CAT
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """One part of a step: live bytes at its peak and at its end, both relative to its start."""
+
+    peak: Vec
+    net: Vec
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.peak)
+
+    @property
+    def net_bytes(self) -> int:
+        return sum(self.net)
+
+    def __add__(self, other: "Stretch") -> "Stretch":
+        return Stretch(vadd(self.peak, other.peak), vadd(self.net, other.net))
+
+    def __sub__(self, other: "Stretch") -> "Stretch":
+        return Stretch(vsub(self.peak, other.peak), vsub(self.net, other.net))
+
+    def scaled(self, k: int) -> "Stretch":
+        return Stretch(vscale(self.peak, k), vscale(self.net, k))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"peak": list(self.peak), "net": list(self.net)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Stretch":
+        return cls(tuple(d["peak"]), tuple(d["net"]))
+
+
+class TimelineTracker(MemoryTracker):
+    """MemoryTracker that records (total, categories, in backward, block index) at every event."""
+
+    def __init__(self, model, optimizer, device, block_names: dict[str, int]) -> None:
+        super().__init__(model, optimizer, device)
+        self.block_names = block_names
+        self.record: list[tuple[int, Vec, bool, int | None]] = []
+        self.frees: list[tuple[int, int, int, int]] = []
+        """(record index, creating block, bytes, category) of storages made in a block's forward."""
+        self._fwd_phase = -1
+
+    def _tag(self) -> int | None:
+        names = self.block_names
+        for m in self._current_mods():
+            i = names.get(m)
+            if i is not None:
+                return i
+        return None
+
+    def _note(self) -> None:
+        self.record.append((self.current_bytes, tuple(self._cur), self._in_bw, self._tag()))
+
+    def _check_peak(self) -> None:
+        super()._check_peak()
+        self._note()
+
+    def _recat(self, e, cat: int) -> None:
+        super()._recat(e, cat)
+        # A relabel right after an allocation (a new gradient becomes p.grad) belongs to that moment.
+        if self.record and self.record[-1][0] == self.current_bytes:
+            total, _, bw, tag = self.record[-1]
+            self.record[-1] = (total, tuple(self._cur), bw, tag)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._note()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self._note()
+        return out
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.record.clear()
+        self.frees.clear()
+        self._fwd_phase = self._phase
+        self._note()
+
+    def _on_free(self, key: int) -> None:
+        e = self._live.get(key)
+        if e is not None and e.device and not e.host and e.phase == self._fwd_phase:
+            names = self.block_names
+            creator = next((names[m] for m in e.mods if m in names), None)
+            if creator is not None:
+                self.frees.append((len(self.record), creator, e.nbytes, e.cat))
+        super()._on_free(key)
+
+
+@dataclass
+class StepStretches:
+    start: Vec
+    pre_fwd: Stretch
+    fwd: list[Stretch]
+    post_fwd: Stretch
+    post_bwd: Stretch
+    bwd: list[Stretch]
+    """Indexed by block (not by the order they run in)."""
+    pre_bwd: Stretch
+    opt: Stretch
+    peak: int
+    deferred: dict[str, dict[int, Vec]] = None  # type: ignore[assignment]
+    """Per stretch around the blocks: bytes it frees that block i's forward made (e.g. autocast's
+    cached weight casts of a recomputed block, freed when the autocast region ends)."""
+    bw_temps: int = 0
+    """Temporaries when backward starts: the tracker then relabels what the forward made and is
+    still alive as activations, so only older temporaries remain."""
+
+
+class NotAChain(Exception):
+    """The step's record does not have the canonical shape (e.g. blocks run out of order)."""
+
+
+def _runs(record: list) -> tuple[list, list[int]]:
+    """Consecutive records with the same (backward, block) tag -> (tag, start vec, peak vec), and the
+    record index where each run begins."""
+    runs: list[list] = []
+    first: list[int] = []
+    for i, (total, cats, bw, tag) in enumerate(record):
+        key = (bw, tag)
+        if not runs or runs[-1][0] != key:
+            runs.append([key, cats, cats, total])
+            first.append(i)
+        elif total > runs[-1][3]:
+            runs[-1][2], runs[-1][3] = cats, total
+    return [(k, s, p) for k, s, p, _ in runs], first
+
+
+def stretches(tracker: TimelineTracker, n_blocks: int) -> StepStretches:
+    """Cut the last step's record into the canonical stretches (raises NotAChain otherwise)."""
+    rec = tracker.record
+    if not rec:
+        raise NotAChain("empty record")
+    runs, first = _runs(rec)
+    starts = [r[1] for r in runs] + [rec[-1][1]]
+    # Runs grouped by tag; untagged runs between two blocks of a phase go to the following block.
+    groups: list[list] = []
+    for j, ((bw, tag), _, _) in enumerate(runs):
+        k = ("none", bw) if tag is None else ("blk", bw, tag)
+        if groups and groups[-1][0] == k:
+            groups[-1][1].append(j)
+        else:
+            groups.append([k, [j]])
+    # A free between records r-1 and r belongs to the run whose net spans it.
+    bounds = first[1:] + [len(rec) + 1]
+    owner: dict[int, list] = {}
+    for r, creator, nbytes, cat in tracker.frees:
+        j = bisect.bisect_left(bounds, r)
+        owner.setdefault(j, []).append((creator, nbytes, cat))
+    return _assemble(groups, runs, starts, n_blocks, tracker.peak_bytes, owner)
+
+
+def _frees_in(idx: list[int], owner: dict[int, list]) -> dict[int, Vec]:
+    out: dict[int, list[int]] = {}
+    for j in idx:
+        for creator, nbytes, cat in owner.get(j, ()):
+            v = out.setdefault(creator, [0] * N_CAT)
+            v[cat] += nbytes
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _stretch(idx: list[int], runs, starts) -> Stretch:
+    s = starts[idx[0]]
+    best = max(idx, key=lambda j: sum(runs[j][2]))
+    return Stretch(vsub(runs[best][2], s), vsub(starts[idx[-1] + 1], s))
+
+
+def _assemble(groups, runs, starts, n: int, peak: int, owner: dict) -> StepStretches:
+    fwd_blocks = [g for g in groups if g[0][0] == "blk" and not g[0][1]]
+    bwd_blocks = [g for g in groups if g[0][0] == "blk" and g[0][1]]
+    if [g[0][2] for g in fwd_blocks] != list(range(n)) or [g[0][2] for g in bwd_blocks] != list(range(n - 1, -1, -1)):
+        raise NotAChain("blocks did not run once each, in order, in forward and in reverse in backward")
+    pos = {id(g): i for i, g in enumerate(groups)}
+    f0, fl = pos[id(fwd_blocks[0])], pos[id(fwd_blocks[-1])]
+    b0, bl = pos[id(bwd_blocks[0])], pos[id(bwd_blocks[-1])]
+
+    def idx(lo: int, hi: int) -> list[int]:
+        return [j for g in groups[lo:hi] for j in g[1]]
+
+    def block_runs(first: int, last: int) -> list[list[int]]:
+        out, pending = [], []
+        for g in groups[first:last + 1]:
+            pending.extend(g[1])
+            if g[0][0] == "blk":
+                out.append(pending)
+                pending = []
+        return out
+
+    fwd = block_runs(f0, fl)
+    bwd = block_runs(b0, bl)[::-1]
+    head = idx(fl + 1, b0)
+    first_bw = next((k for k, j in enumerate(head) if runs[j][0][0]), None)
+    if first_bw is None or first_bw == 0:
+        raise NotAChain("no head stretch between the last block's forward and its backward")
+    tail = idx(bl + 1, len(groups))
+    last_bw = max((k for k, j in enumerate(tail) if runs[j][0][0]), default=None)
+    if last_bw is None or last_bw == len(tail) - 1:
+        raise NotAChain("no optimizer stretch after backward")
+    pre = idx(0, f0)
+    if not pre:
+        raise NotAChain("no stretch before the first block")
+    mk = lambda ix: _stretch(ix, runs, starts)  # noqa: E731
+    parts = {"pre_fwd": pre, "post_fwd": head[:first_bw], "post_bwd": head[first_bw:],
+             "pre_bwd": tail[:last_bw + 1], "opt": tail[last_bw + 1:]}
+    deferred = {name: _frees_in(ix, owner) for name, ix in parts.items()}
+    return StepStretches(deferred=deferred, 
+        start=starts[0], pre_fwd=mk(pre), fwd=[mk(r) for r in fwd], post_fwd=mk(head[:first_bw]),
+        post_bwd=mk(head[first_bw:]), bwd=[mk(r) for r in bwd], pre_bwd=mk(tail[:last_bw + 1]),
+        opt=mk(tail[last_bw + 1:]), peak=peak, bw_temps=starts[head[first_bw]][-1],
+    )

@@ -1,0 +1,110 @@
+"""memfit.fit(): the fastest configuration whose predicted peak fits a byte budget.
+
+    plan = memfit.fit(model, {"input_ids": x, "labels": x}, budget="300MiB", optimizer="adamw")
+    print(plan.summary()); opt = plan.apply(model, lr=3e-4)
+
+Inner problem: per-block actions, solved exactly over the composed estimate (memfit.plan.solve).
+Outer search: micro-batch x accumulation at the same global batch, optimizer offload, precision
+(only when allowed). Every feasible configuration is ranked by predicted time. The chosen plan is
+then checked with a full trace of the step; if that exceeds the budget the solve is repeated with
+the bound lowered by the difference.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from memfit.apply.policy import BlockAction, to_string
+from memfit.core.errors import ConfigError
+from memfit.core.units import format_bytes, parse_bytes
+from memfit.measure.blocks import ChainSource, chain_profile, module_source, spec_source
+from memfit.measure.compose import ChainProfile
+from memfit.measure.formulas import check_precision
+from memfit.plan.plan import Plan, parse_allow
+from memfit.plan.costs import PlanError, parse_budget as _budget
+
+def _slice_batch(example: Any, micro: int) -> Any:
+    if isinstance(example, torch.Tensor):
+        return example[:micro] if example.dim() > 0 else example
+    if isinstance(example, dict):
+        return {k: _slice_batch(v, micro) for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        return type(example)(_slice_batch(v, micro) for v in example)
+    return example
+
+
+def _batch_of(example: Any) -> int | None:
+    if isinstance(example, torch.Tensor):
+        return int(example.shape[0]) if example.dim() > 0 else None
+    items = example.values() if isinstance(example, dict) else example if isinstance(example, (tuple, list)) else []
+    sizes = {b for b in (_batch_of(v) for v in items) if b is not None}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+class _Problem:
+    """The model, how to build chain sources per micro-batch, and the time model."""
+
+    def __init__(self, model: Any, example: Any, loss_fn: Callable | None, batch: int | None, seq: int | None):
+        self.model, self.example, self.loss_fn, self.seq = model, example, loss_fn, seq
+        if isinstance(model, str):
+            from memfit.models.spec import parse_model
+
+            self.spec = parse_model(model)
+            self.name = self.spec.name
+            self.seq = seq or min(self.spec.seq or 1024, 4096)
+            self.batch = batch or 1
+        else:
+            self.spec = None
+            self.name = type(model).__name__ if hasattr(model, "parameters") else getattr(model, "__name__", "model")
+            self.batch = _batch_of(example) or 1
+
+    def source(self, micro: int) -> ChainSource:
+        if self.spec is not None:
+            return spec_source(self.spec, micro, self.seq)
+        return module_source(self.model, _slice_batch(self.example, micro), self.loss_fn)
+
+    def example_for(self, micro: int) -> Any:
+        return _slice_batch(self.example, micro)
+
+    def tokens(self, micro: int) -> int:
+        if self.spec is not None:
+            return micro * self.seq
+        ex = _slice_batch(self.example, micro)
+        first = next((t for t in _leaves(ex) if t.dim() >= 1), None)
+        return int(first.shape[0] * (first.shape[1] if first.dim() > 1 else 1)) if first is not None else micro
+
+
+def _leaves(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _leaves(v)
+
+
+def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str = "adamw",
+        precision: str = "32-true", allow: Any = None, loss_fn: Callable | None = None,
+        batch: int | None = None, seq: int | None = None, verify: bool = True, costs: Any = None) -> Plan:
+    """Plan `model` (a module, a zero-argument factory, or a model name/spec for the CLI) to fit `budget`."""
+    from memfit.plan.search import search
+
+    if budget is None:
+        raise ConfigError("give a budget, e.g. budget='8GiB'")
+    limit = _budget(budget)
+    allowed = parse_allow(allow)
+    check_precision(precision)
+    if not isinstance(model, str):
+        from memfit.measure.anymodel import check_example
+
+        check_example(example)
+    problem = _Problem(model, example, loss_fn, batch, seq)
+    problem.costs = costs  # memfit.profile BlockCosts measured at the full batch, or None for the FLOP model
+    plan = search(problem, limit, allowed, optimizer, precision, verify)
+    plan.fit_args = dict(model=model, example=example, budget=limit, optimizer=optimizer, precision=precision,
+                         allow=allowed, loss_fn=loss_fn, batch=batch, seq=seq, verify=verify, costs=costs)
+    return plan

@@ -1,0 +1,111 @@
+"""Plan: what the planner chose (plain data), its summary text, JSON form, and how to apply it."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from memfit.apply.policy import BlockAction, parse_items, to_string
+from memfit.core.errors import ConfigError
+from memfit.core.units import format_bytes
+
+ALLOW = ("recompute", "selective", "offload-cpu", "offload-disk", "compress", "chunked-head", "accumulate",
+         "optimizer-offload", "precision")
+DEFAULT_ALLOW = ("recompute", "selective", "offload-cpu", "offload-disk", "accumulate", "chunked-head",
+                 "optimizer-offload")
+
+
+def parse_allow(allow: Any) -> tuple[str, ...]:
+    if allow is None:
+        return DEFAULT_ALLOW
+    items = [a.strip() for a in allow.split(",")] if isinstance(allow, str) else [str(a).strip() for a in allow]
+    items = [a for a in items if a]
+    bad = [a for a in items if a not in ALLOW]
+    if bad:
+        raise ConfigError(f"unknown allow name {bad[0]!r}; accepted: {', '.join(ALLOW)}")
+    return tuple(items)
+
+
+@dataclass
+class Candidate:
+    """One configuration of the outer search, with its best per-block actions."""
+
+    micro_batch: int
+    accumulation: int
+    offload_optimizer: str | None
+    precision: str
+    peak: int
+    time: float
+    actions: str
+    feasible: bool
+
+
+@dataclass
+class Plan:
+    model: str
+    budget: int
+    actions: list[BlockAction]
+    micro_batch: int
+    accumulation: int
+    optimizer: str
+    precision: str
+    offload_optimizer: str | None
+    predicted_peak: int
+    predicted_time: float
+    """Predicted seconds of extra work per optimizer step over keeping every activation."""
+    n_blocks: int
+    head_chunks: int | None = None
+    ranked: list[Candidate] = field(default_factory=list)
+    where: str = ""
+    measured_peak: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [f"plan for {self.model} under {format_bytes(self.budget)}: predicted peak "
+                 f"{format_bytes(self.predicted_peak)} ({self.where or 'peak'})",
+                 f"  blocks ({self.n_blocks}): {to_string(self.actions)}",
+                 f"  micro-batch {self.micro_batch} x accumulation {self.accumulation}, {self.precision}, "
+                 f"{self.optimizer}" + (f", optimizer offloaded to {self.offload_optimizer}" if self.offload_optimizer else ""),
+                 f"  head chunks: {self.head_chunks or 'none'}",
+                 f"  predicted step time: {self.predicted_time * 1000:.1f} ms (relative time model, for ranking)"]
+        if self.measured_peak is not None:
+            lines.append(f"  checked by a full trace of the step: peak {format_bytes(self.measured_peak)}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["actions"] = to_string(self.actions)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Plan":
+        if not isinstance(d, dict) or "actions" not in d:
+            raise ConfigError("not a memfit plan: expected a JSON object with a 'plan' field from `memfit plan --json`")
+        d = dict(d)
+        parsed = parse_items(d["actions"])
+        if isinstance(parsed, str):
+            raise ConfigError("a plan's actions must be a per-block list")
+        d["actions"] = list(parsed)
+        d["ranked"] = [Candidate(**c) for c in d.get("ranked", [])]
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def check_model(self, model: nn.Module) -> None:
+        from memfit.apply.checkpoint import find_blocks
+
+        n = len(find_blocks(model))
+        if n != self.n_blocks:
+            raise ConfigError(f"this plan is for a model with {self.n_blocks} blocks ({self.model}); "
+                              f"the model has {n}: plan it again for this model")
+
+    def apply(self, model: nn.Module, lr: float = 3e-4, spill_dir: str | None = None, **optimizer_kwargs: Any):
+        """Apply the per-block actions in place and return the TrainingOptimizer this plan was made for."""
+        from memfit.apply.checkpoint import checkpoint
+        from memfit.apply.optimizer import TrainingOptimizer
+
+        self.check_model(model)
+        checkpoint(model, self.actions, spill_dir=spill_dir)
+        return TrainingOptimizer(model, self.optimizer, lr=lr, precision=self.precision,
+                                 offload=self.offload_optimizer, **optimizer_kwargs)

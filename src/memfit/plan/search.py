@@ -1,0 +1,143 @@
+"""The outer search of memfit.fit: micro-batch x accumulation, optimizer offload, precision."""
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.core.units import format_bytes
+from memfit.measure.blocks import chain_profile
+from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost
+from memfit.plan.plan import Candidate, Plan
+from memfit.plan.solve import solve
+from memfit.apply.policy import to_string
+
+
+def _opt_bytes(prof, n: int) -> int:
+    extra = n - prof.traced_blocks
+    return prof.start[2] + extra * prof.start_per_block[2]
+
+
+def _fixed(prof, n: int) -> int:
+    extra = n - prof.traced_blocks
+    return prof.start[0] + prof.start[2] + extra * (prof.start_per_block[0] + prof.start_per_block[2])
+
+
+def _configs(problem, allowed, precision):
+    micros = [problem.batch]
+    if "accumulate" in allowed:
+        b = problem.batch
+        while b % 2 == 0 and b > 1:
+            b //= 2
+            micros.append(b)
+    offloads = [None] + (["cpu"] if "optimizer-offload" in allowed else [])
+    precisions = [precision] + (["bf16-master"] if "precision" in allowed and precision != "bf16-master" else [])
+    return [(p, m, o) for p in precisions for m in micros for o in offloads]
+
+
+def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precision: str, verify: bool) -> Plan:
+    bases = _bases(allowed)
+    segs = "recompute" in allowed
+    rows: list[tuple[Candidate, Any, Any, int]] = []
+    for prec, micro, off in _configs(problem, allowed, precision):
+        # Smaller micro-batches, offload and other precisions cost time: tried only while nothing fits.
+        if any(r[0].feasible for r in rows):
+            break
+        src = problem.source(micro)
+        prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
+        n = src.n_blocks
+        t_fwd, t_sel = _block_seconds(prof, problem.tokens(micro)), None
+        costs = getattr(problem, "costs", None)
+        if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
+            scale = micro / problem.batch
+            t_fwd, t_sel = costs.recompute_s * scale, costs.selective_s * scale
+        relief = _opt_bytes(prof, n) if off else 0
+        choice = solve(prof, limit + relief, bases, _cost(t_fwd, t_sel), n_blocks=n, max_segment=min(n, 16))
+        accum = problem.batch // micro
+        base = 3 * n * t_fwd
+        transfer = 2 * relief / HOST_BW
+        if choice is None:
+            rows.append((Candidate(micro, accum, off, prec, 0, 0.0, "", False), None, prof, n))
+            continue
+        cand = Candidate(micro, accum, off, prec, choice.peak - relief, accum * (base + choice.time) + transfer,
+                         to_string(choice.actions), True)
+        rows.append((cand, choice, prof, n))
+    feasible = sorted((r for r in rows if r[0].feasible), key=lambda r: r[0].time)
+    if not feasible:
+        raise PlanError(_impossible(rows, limit, bases, allowed))
+    cand, choice, prof, n = feasible[0]
+    composed = prof.compose(list(choice.actions))
+    plan = Plan(model=problem.name, budget=limit, actions=list(choice.actions), micro_batch=cand.micro_batch,
+                accumulation=cand.accumulation, optimizer=optimizer, precision=cand.precision,
+                offload_optimizer=cand.offload_optimizer, predicted_peak=cand.peak, predicted_time=cand.time,
+                n_blocks=n, ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
+                where=composed.where)
+    if verify and cand.offload_optimizer is None:
+        _verify(problem, plan, prof, bases, _cost(_block_seconds(prof, problem.tokens(cand.micro_batch))))
+    elif cand.offload_optimizer:
+        plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
+    return plan
+
+
+def _trace_peak(problem, plan: Plan) -> int:
+    from memfit.measure.trace import trace_step
+
+    if problem.spec is not None:
+        return trace_step(problem.spec, batch=plan.micro_batch, seq=problem.seq, precision=plan.precision,
+                          optimizer=plan.optimizer, checkpoint=plan.actions).peak
+    from memfit.measure.anymodel import example_step, fake_mode, module_builder, run_steps
+
+    with fake_mode():
+        r = run_steps(module_builder(problem.model), example_step(problem.example_for(plan.micro_batch),
+                      problem.loss_fn), plan.precision, plan.optimizer, plan.actions, "cpu")
+    return r.tracker.peak_bytes
+
+
+def _verify(problem, plan: Plan, prof, bases, cost) -> None:
+    """A full trace of the chosen step; if it exceeds the budget, solve again with the bound lowered."""
+    bound = plan.budget
+    for _ in range(3):
+        traced = _trace_peak(problem, plan)
+        plan.measured_peak = traced
+        if traced <= plan.budget:
+            return
+        over = traced - plan.budget
+        bound -= over
+        plan.notes.append(f"the full trace found {format_bytes(traced)}, {format_bytes(over)} over the composed "
+                          "figure's budget: solved again with the bound lowered by that much")
+        choice = solve(prof, bound, bases, cost, n_blocks=plan.n_blocks, max_segment=min(plan.n_blocks, 16))
+        if choice is None:
+            raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
+        plan.actions, plan.predicted_peak = list(choice.actions), choice.peak
+    raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
+
+
+def _impossible(rows, limit: int, bases, allowed) -> str:
+    """The smallest budget that would fit (over the configurations tried) and what dominates it."""
+    best = None
+    for cand, _, prof, n in rows:
+        lo, hi = 0, prof.peak_of([bases[0]] * n) if n else 0
+        cost = lambda b, k: 0.0  # noqa: E731  (only feasibility matters here)
+        if solve(prof, hi, bases, cost, n_blocks=n) is None:
+            continue
+        while hi - lo > max(1, hi // 1000):
+            mid = (lo + hi) // 2
+            if solve(prof, mid, bases, cost, n_blocks=n, rounds=2) is None:
+                lo = mid
+            else:
+                hi = mid
+        relief = _opt_bytes(prof, n) if cand.offload_optimizer else 0
+        need = hi - relief
+        fixed = _fixed(prof, n) - relief
+        if best is None or need < best[0]:
+            best = (need, fixed)
+    if best is None:
+        return f"no configuration fits {format_bytes(limit)}"
+    need, fixed = best
+    if fixed * 2 >= need:
+        hint = []
+        if "optimizer-offload" not in allowed:
+            hint.append("allow optimizer offload")
+        hint.append("a 16-bit master mode (--precision bf16-master)")
+        return (f"budget {format_bytes(limit)} is too small: the smallest plan needs {format_bytes(need)}; "
+                f"parameters and optimizer alone need {format_bytes(fixed)}; {' or '.join(hint)}")
+    return (f"budget {format_bytes(limit)} is too small: the smallest plan needs {format_bytes(need)} "
+            f"(activations dominate: allow recompute, or a smaller --batch)")

@@ -1,0 +1,194 @@
+"""Choose every block's action: least predicted time with the predicted peak under a budget. Exact.
+
+The step's live bytes along a chain (memfit.measure.compose) are: a constant, plus F_i = what the
+blocks before i saved (the sum of their forward nets), plus the current stretch's excursion. In
+backward, block i starts from the constant + F_{i+1} + the gradients of the blocks after it
+(forward net + backward net = the block's gradients, whatever it saved). So every constraint of the
+step is a bound on F at some block, and a dynamic program over the chain whose state is F is exact:
+a state with less saved and less time dominates, so each prefix keeps only its Pareto front of
+(saved bytes, time). A decision is one block's action, or a recomputed segment of n blocks (whose
+recomputation happens in its last block's backward). `solve` checks its answer with
+`ChainProfile.compose`; where the profile departs from that additive shape (first and last block,
+autocast caches) it tightens the bound by the difference and solves again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from memfit.apply.policy import BlockAction
+from memfit.measure.compose import ChainProfile, base_of
+from memfit.measure.timeline import Stretch
+
+
+@dataclass(frozen=True)
+class Choice:
+    actions: tuple[BlockAction, ...]
+    peak: int
+    time: float
+    """Predicted extra seconds per step over keeping everything (recompute, offload, compression)."""
+
+
+Cost = Callable[[BlockAction, int], float]
+"""cost(base action, n blocks in its segment) -> extra seconds for ONE block of it."""
+
+
+def _macro(prof: ChainProfile, base: BlockAction, n: int, seg_id: int) -> list[BlockAction]:
+    if n == 1:
+        return [base]
+    return [replace(base, segment=seg_id)] * n
+
+
+def solve(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: Cost, n_blocks: int | None = None,
+          max_segment: int = 16, rounds: int = 4) -> Choice | None:
+    """The fastest action list whose composed peak fits `budget` (None if none does)."""
+    n = n_blocks or prof.n_blocks
+    bound = budget
+    for _ in range(rounds):
+        choice = _dp(prof, bound, bases, cost, n, max_segment)
+        if choice is None:
+            return None
+        peak = prof.peak_of(choice.actions)
+        if peak <= budget:
+            return Choice(choice.actions, peak, choice.time)
+        bound -= peak - budget
+    return None
+
+
+def _dp(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: Cost, n: int,
+        max_segment: int) -> Choice | None:
+    g = _grads_per_block(prof)
+    # Live bytes at the step's start and the constant parts, with the all-keep chain as the reference.
+    start = sum(prof.start) + (n - prof.traced_blocks) * sum(prof.start_per_block)
+    extra = n - prof.traced_blocks
+
+    def part(name: str) -> Stretch:
+        return getattr(prof, name) + prof.per_block[name].scaled(extra)
+
+    pre, post_f, post_b, pre_b, opt = (part(p) for p in ("pre_fwd", "post_fwd", "post_bwd", "pre_bwd", "opt"))
+    c0 = start + pre.net_bytes  # live bytes when block 0's forward starts, before anything is saved
+    after = c0 + post_f.net_bytes + post_b.net_bytes + n * g  # backward done: nothing saved is left
+    if max(start, start + pre.peak_bytes, after + pre_b.peak_bytes, after + pre_b.net_bytes + opt.peak_bytes) > budget:
+        return None
+    # After the chain: head forward/backward, then backward of blocks, pre-backward and optimizer,
+    # whose bases no longer depend on the choice (all saved bytes are freed by then).
+    options: list[tuple[BlockAction, int]] = []
+    for b in bases:
+        if b.mode == "recompute" and str(b) in prof.seg_extra:
+            options += [(b, k) for k in range(1, max_segment + 1)]
+        elif str(b) in prof.fwd:
+            options.append((b, 1))
+    # Every decision (an action, or a segment of k blocks) at block i is feasible iff F <= its
+    # threshold, and moves F by its forward nets: the DP only compares integers.
+    head_net = post_f.net_bytes + post_b.net_bytes
+    front: list[dict[int, tuple[float, tuple]]] = [dict() for _ in range(n + 1)]
+    front[0][0] = (0.0, None)
+    shapes: dict[tuple, tuple[int, int, int, int]] = {}
+    for i in range(n):
+        if not front[i]:
+            continue
+        items = _pareto(front[i])
+        for b, k in options:
+            if i + k > n:
+                continue
+            ckey = (b, k, i == 0, i + k == n)
+            got = shapes.get(ckey)
+            if got is None:  # a decision's stretches depend on its position only at the chain's ends
+                got = shapes[ckey] = _shape(*_stretches(prof, _macro(prof, b, k, 0), i, n))
+            limit, delta = _threshold_fast(got, c0, i, k, n, g, budget, head_net)
+            t_add = cost(b, k) * k
+            target = front[i + k]
+            for F, (t, _) in items:
+                if F > limit:
+                    break
+                F2, t2 = F + delta, t + t_add
+                cur = target.get(F2)
+                if cur is None or t2 < cur[0]:
+                    target[F2] = (t2, (i, F, b, k))  # back-pointer
+    if not front[n]:
+        return None
+    best = None
+    for F, (t, _) in front[n].items():
+        head_base = c0 + F
+        head_ok = head_base + post_f.peak_bytes <= budget and \
+            head_base + post_f.net_bytes + post_b.peak_bytes <= budget
+        if head_ok and (best is None or t < best[0]):
+            best = (t, F)
+    if best is None:
+        return None
+    decisions, j, F = [], n, best[1]
+    while j > 0:
+        _, (i, F_prev, b, k) = front[j][F]
+        decisions.append((b, k))
+        j, F = i, F_prev
+    acts: list[BlockAction] = []
+    for seg_id, (b, k) in enumerate(reversed(decisions)):
+        acts += _macro(prof, b, k, seg_id)
+    return Choice(tuple(acts), 0, best[0])
+
+
+def _pareto(states: dict[int, tuple[float, tuple]]) -> list[tuple[int, tuple[float, tuple]]]:
+    out, best_t = [], float("inf")
+    for F in sorted(states):
+        t = states[F][0]
+        if t < best_t:
+            out.append((F, states[F]))
+            best_t = t
+    return out
+
+
+def _stretches(prof: ChainProfile, acts: list[BlockAction], i: int, n: int) -> tuple[list[Stretch], list[Stretch]]:
+    """Forward and backward stretches of blocks i .. i+len(acts)-1, with first/last corrections."""
+    kinds, f, b = prof.keys(acts)
+    f, b = list(f), list(b)
+    if i == 0:
+        df, db = prof.first[kinds[0]]
+        f[0], b[0] = f[0] + df, b[0] + db
+    if i + len(acts) == n:
+        df, db = prof.last[kinds[-1]]
+        f[-1], b[-1] = f[-1] + df, b[-1] + db
+    return f, b
+
+
+def _grads_per_block(prof: ChainProfile) -> int:
+    k = "keep"
+    return prof.fwd[k].net_bytes + prof.bwd[k].net_bytes
+
+
+def _shape(f, bw) -> tuple[int, int, int, int]:
+    """(worst forward excursion, forward delta, worst backward excursion over its own start, bwd net)."""
+    run, worst_f = 0, -(1 << 62)
+    for s in f:
+        worst_f = max(worst_f, run + s.peak_bytes)
+        run += s.net_bytes
+    base, worst_b = 0, -(1 << 62)
+    for b in reversed(bw):
+        worst_b = max(worst_b, base + b.peak_bytes)
+        base += b.net_bytes
+    return worst_f, run, worst_b, base
+
+
+def _threshold_fast(shape, c0: int, i: int, k: int, n: int, g: int, budget: int, head_net: int) -> tuple[int, int]:
+    worst_f, delta, worst_b, _ = shape
+    worst = max(worst_f, delta + head_net + (n - i - k) * g + worst_b)
+    return budget - c0 - worst, delta
+
+
+def _threshold(f, bw, c0: int, i: int, n: int, g: int, budget: int, head_net: int) -> tuple[int, int]:
+    """The largest F (bytes saved before block i) for which this decision fits, and how much it adds.
+
+    Forward: c0 + F + (nets of its earlier blocks) + peak <= budget for each block. Backward: through
+    the identity (a decision's forward nets + backward nets = its blocks' gradients, g each) its
+    backward starts from c0 + F + delta + head nets + g per later block."""
+    limit = budget - c0
+    run = 0
+    worst = -(1 << 62)
+    for s in f:
+        worst = max(worst, run + s.peak_bytes)
+        run += s.net_bytes
+    delta = run
+    base = delta + head_net + (n - i - len(f)) * g
+    for b in reversed(bw):
+        worst = max(worst, base + b.peak_bytes)
+        base += b.net_bytes
+    return limit - worst, delta

@@ -1,0 +1,43 @@
+"""Profiles cached as JSON in the platform's user cache folder (platformdirs if installed, else ~/.cache/memfit)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def cache_dir() -> Path:
+    override = os.environ.get("MEMFIT_CACHE_DIR")
+    if override:
+        return Path(override)
+    try:
+        import platformdirs
+
+        return Path(platformdirs.user_cache_dir("memfit"))
+    except ImportError:
+        return Path.home() / ".cache" / "memfit"
+
+
+def key_path(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "profiles" / f"{digest}.json"
+
+
+def load(key: dict[str, Any]) -> dict[str, Any] | None:
+    path = key_path(key)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if data.get("key") == key else None
+
+
+def store(key: dict[str, Any], payload: dict[str, Any]) -> Path:
+    path = key_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, **payload}, indent=1))
+    tmp.replace(path)
+    return path

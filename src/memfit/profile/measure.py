@@ -1,0 +1,130 @@
+"""memfit.profile(): what each block costs on this machine, in time and (exactly) in bytes.
+
+    prof = memfit.profile("gpt2", batch=4, seq=256)
+    prof.blocks.recompute_s, prof.saved["selective"], prof.bandwidth["disk"]
+
+Times are medians of warm real steps: the whole step with every block kept, recomputed and selective,
+so a block's recompute cost is (t_full - t_none) / blocks, selective's likewise, and a block's forward
+is what recompute adds. Bytes come from the composed estimate's traces (memfit.measure.compose): what a
+block keeps for backward under each action, and its input. Offload cost is bytes over measured
+host-copy and disk bandwidth. Cached as JSON per model shape, batch, seq, precision, device and torch.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from memfit.profile import cache
+
+
+@dataclass
+class BlockCosts:
+    fwd_s: float
+    """One block's forward (= what recomputing it costs)."""
+    bwd_s: float
+    recompute_s: float
+    selective_s: float
+    """Extra time per block of selective recomputation."""
+    input_bytes: int
+    saved: dict[str, int] = field(default_factory=dict)
+    """Bytes a block keeps for backward, per action (keep, selective, recompute)."""
+
+
+@dataclass
+class Profile:
+    key: dict[str, Any]
+    blocks: BlockCosts
+    step_s: dict[str, float]
+    """Median step time with every block under each action."""
+    bandwidth: dict[str, float]
+    """Bytes per second: "cpu" (host copy), "disk" (write + read of a spill file)."""
+    offload_s: dict[str, float] = field(default_factory=dict)
+    """Per block: moving its kept bytes out and back, per target."""
+    cached: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("cached")
+        return d
+
+
+def _median_steps(spec, policies, batch: int, seq: int, precision: str, rounds: int) -> dict[str, float]:
+    """Median warm step time per policy; the policies' steps interleave, so drift hits all alike."""
+    import memfit
+    from memfit.apply.optimizer import TrainingOptimizer
+    from memfit.measure.trace import _loss
+
+    runs = {}
+    for policy in policies:
+        torch.manual_seed(0)
+        model = spec.build(seq=seq)
+        memfit.checkpoint(model, policy)
+        opt = TrainingOptimizer(model, "sgd", lr=0.0, precision=precision)
+        vocab = spec.config.vocab if spec.config is not None else model.config.vocab_size
+        runs[policy] = (model, opt, torch.randint(0, vocab, (batch, seq)))
+    times: dict[str, list[float]] = {p: [] for p in policies}
+    for i in range(rounds + 1):
+        for policy, (model, opt, x) in runs.items():
+            t0 = time.perf_counter()
+            with opt.autocast():
+                loss = _loss(model, x)
+            opt.backward(loss)
+            opt.step()
+            if i:  # the first round warms up
+                times[policy].append(time.perf_counter() - t0)
+    return {p: statistics.median(v) for p, v in times.items()}
+
+
+def bandwidth(nbytes: int = 32 << 20) -> dict[str, float]:
+    src = torch.ones(nbytes // 4)
+    t0 = time.perf_counter()
+    dst = torch.empty_like(src, device="cpu", pin_memory=torch.cuda.is_available())
+    dst.copy_(src)
+    cpu = nbytes / max(time.perf_counter() - t0, 1e-9)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "spill.bin")
+        t0 = time.perf_counter()
+        src.numpy().tofile(path)
+        back = torch.from_file(path, size=src.numel(), dtype=torch.float32)
+        back.sum()
+        disk = 2 * nbytes / max(time.perf_counter() - t0, 1e-9)
+    return {"cpu": cpu, "disk": disk}
+
+
+def profile(model: str, batch: int = 1, seq: int | None = None, precision: str = "32-true", rounds: int = 3,
+            use_cache: bool = True) -> Profile:
+    """Measure (or read from the cache) what each block of `model` costs; see the module docstring."""
+    from memfit.measure.blocks import chain_profile, spec_source
+    from memfit.models.spec import parse_model
+
+    spec = parse_model(model)
+    seq = seq or min(spec.seq or 1024, 4096)
+    key = {"model": spec.name, "shape": repr(spec.config) if spec.config else str(spec.hf_config), "batch": batch,
+           "seq": seq, "precision": precision, "device": "cpu", "torch": torch.__version__}
+    if use_cache:
+        hit = cache.load(key)
+        if hit is not None:
+            p = Profile(key, BlockCosts(**hit["blocks"]), hit["step_s"], hit["bandwidth"], hit.get("offload_s", {}))
+            p.cached = True
+            return p
+    src = spec_source(spec, batch, seq)
+    chain = chain_profile(src, precision, "sgd")
+    n = src.n_blocks
+    steps = _median_steps(spec, ("none", "full", "selective"), batch, seq, precision, rounds)
+    rec = max(steps["full"] - steps["none"], 0.0) / n
+    sel = max(steps["selective"] - steps["none"], 0.0) / n
+    saved = {k: chain.fwd[k].net_bytes for k in ("keep", "selective", "recompute")}
+    blocks = BlockCosts(fwd_s=rec, bwd_s=max(steps["none"] / n - rec, 0.0), recompute_s=rec, selective_s=sel,
+                        input_bytes=saved["recompute"], saved=saved)
+    bw = bandwidth()
+    offload = {t: 2 * saved["keep"] / bw[t] for t in bw}
+    prof = Profile(key, blocks, steps, bw, offload)
+    if use_cache:
+        cache.store(key, prof.to_json())
+    return prof

@@ -1,0 +1,75 @@
+"""memfit.fit end to end on a small GPT: the plan fits when run for real; bad input is one line, exit 2."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memfit
+from memfit.cli import main
+from memfit.core.errors import ConfigError
+from memfit.models.gpt import GPT, GPTConfig
+from memfit.plan.fit import PlanError, fit
+
+
+def small():
+    return GPT(GPTConfig(layers=4, hidden=64, heads=4, vocab=256, seq=64))
+
+
+@pytest.mark.slow
+def test_fit_plan_runs_under_budget_for_real():
+    model = small()
+    x = torch.randint(0, 256, (4, 32))
+    budget = 5_000_000
+    plan = fit(model, (x, x), budget=budget, allow=("recompute", "selective"))
+    assert plan.predicted_peak <= budget and plan.measured_peak <= budget
+    assert "blocks (4)" in plan.summary()
+    opt = plan.apply(model, lr=1e-3)
+    with memfit.track(model, opt) as tr:
+        for _ in range(2):
+            with opt.autocast():
+                loss = model(x, x)[1]
+            opt.backward(loss)
+            opt.step()
+    assert tr.peak_bytes <= budget
+
+
+@pytest.mark.slow
+def test_impossible_budget_says_what_dominates():
+    x = torch.randint(0, 256, (4, 32))
+    with pytest.raises(PlanError, match="parameters and optimizer alone need"):
+        fit(small(), (x, x), budget="1MiB", allow=("recompute",))
+
+
+@pytest.mark.parametrize("argv", [["plan", "gpt2", "--budget", "lots"], ["plan", "gpt2", "--budget=-1GiB"],
+                                  ["plan", "gpt2", "--budget", "1GiB", "--allow", "magic"]])
+def test_bad_input_exits_2_with_one_line(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error" in err
+
+
+def test_fit_needs_an_example():
+    with pytest.raises(ConfigError, match="example"):
+        fit(small(), None, budget="1GiB")
+
+
+@pytest.mark.slow
+def test_a_loop_holding_more_than_planned_is_replanned_to_fit():
+    from memfit.plan.verify import check
+
+    model = small()
+    x = torch.randint(0, 256, (4, 32))
+    budget = 5_000_000
+    plan = fit(model, (x, x), budget=budget, allow=("recompute", "selective"))
+    opt = plan.apply(model, lr=1e-3)
+    held = {}
+
+    def step():  # keeps the logits alive through backward, which the planned step does not
+        with opt.autocast():
+            held["logits"], loss, _ = model(x, x)
+        opt.backward(loss)
+        opt.step()
+
+    new = check(plan, model, opt, step)
+    assert plan.measured_peak > budget
+    assert new is not plan and new.measured_peak <= budget and "over the budget" in new.notes[-1]
