@@ -4,9 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from memfit.cli.args import positive_int
+from memfit.cli.options import add, add_model, model_of
 from memfit.core.units import format_bytes
-from memfit.measure.formulas import OPTIMIZER_STATES, PRECISIONS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -14,27 +13,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Choose per-block activation actions (keep / selective / recompute / segments), "
                        "micro-batch x accumulation and optimizer offload so the predicted peak fits --budget; "
                        "prints the ranked configurations and the chosen plan. Exit code 2 when nothing fits.")
-    p.add_argument("model", help="a known architecture, a gpt:/llama: spec or a Hugging Face config.json")
+    add_model(p)
     p.add_argument("--budget", required=True, metavar="SIZE", help="device memory budget, e.g. 8GiB or 300MiB")
-    p.add_argument("--batch", type=positive_int("--batch"), default=1, help="global batch per step (default 1)")
-    p.add_argument("--seq", type=positive_int("--seq"), help="sequence length (default: the model's, at most 4096)")
-    p.add_argument("--precision", default="32-true", choices=PRECISIONS, metavar="MODE",
-                   help=f"one of {', '.join(PRECISIONS)} (default 32-true)")
-    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES), metavar="NAME",
-                   help="optimizer (default adamw)")
+    add(p, "batch", default=1, help="global batch per step")
+    add(p, "seq", default=None, shown="the model's, at most 4096")
+    add(p, "precision", default="32-true")
+    add(p, "optimizer", default="adamw")
     p.add_argument("--allow", metavar="LIST", help="comma list of what the plan may use (default: recompute, selective, "
                    "offload-cpu, offload-disk, accumulate, chunked-head, optimizer-offload)")
     p.add_argument("--profile", action="store_true",
                    help="time blocks on this machine (memfit profile, cached) instead of the FLOP time model")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the chosen plan with a full trace of the step")
-    p.add_argument("--json", action="store_true", help="print one JSON object with a `plan` field (for memfit train --plan)")
+    add(p, "json", help="print one JSON object with a `plan` field (for memfit train --plan)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from memfit.plan.fit import fit
 
+    args.model = model_of(args)
     costs = None
     if args.profile:
         from memfit.plan.costs import parse_budget

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from memfit.cli.args import positive_int
+from memfit.cli.args import integer
+from memfit.cli.options import add, add_model, model_of
 from memfit.core.units import format_bytes
-from memfit.measure.formulas import PRECISIONS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -14,20 +14,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Median warm step times with every block kept / recomputed / selective, "
                        "per-block bytes kept for backward under each action (exact, from the trace), and "
                        "host/disk bandwidth for offload. Cached in the user cache folder.")
-    p.add_argument("model", help="a known architecture, a gpt:/llama: spec or a Hugging Face config.json")
-    p.add_argument("--batch", type=positive_int("--batch"), default=1)
-    p.add_argument("--seq", type=positive_int("--seq"))
-    p.add_argument("--precision", default="32-true", choices=PRECISIONS, metavar="MODE")
-    p.add_argument("--rounds", type=positive_int("--rounds"), default=3, help="timed steps per policy (default 3)")
+    add_model(p)
+    add(p, "batch", default=1)
+    add(p, "seq", default=None, shown="the model's, at most 4096")
+    add(p, "precision", default="32-true")
+    p.add_argument("--rounds", type=integer(1, 1000), default=3, help="timed steps per policy (default 3)")
     p.add_argument("--no-cache", dest="cache", action="store_false", help="measure again, ignoring the cache")
-    p.add_argument("--json", action="store_true")
+    add(p, "json")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from memfit.profile.measure import profile
 
-    prof = profile(args.model, batch=args.batch, seq=args.seq, precision=args.precision, rounds=args.rounds,
+    prof = profile(model_of(args), batch=args.batch, seq=args.seq, precision=args.precision, rounds=args.rounds,
                    use_cache=args.cache)
     if args.json:
         print(json.dumps(prof.to_json(), indent=1))
