@@ -1,19 +1,21 @@
 """What does each activation policy save, and what does it cost?
 
-    .venv/bin/python bench/activations.py            # the full run (~12 min on 2 cores)
+    .venv/bin/python bench/activations.py            # the full run (~15-25 min on 2 shared cores)
     .venv/bin/python bench/activations.py --quick    # tiny shapes, to check the script
 
-Per model, side by side in one process on one model instance: every memfit policy, plain PyTorch
-`torch.utils.checkpoint` on every block (what Hugging Face's gradient checkpointing does) and
-`torch.autograd.graph.save_on_cpu`. For each contender:
+Per model: every memfit policy, plain PyTorch `torch.utils.checkpoint` on every block (what Hugging
+Face's gradient checkpointing does) and `torch.autograd.graph.save_on_cpu`. For each contender:
 
 - block activations: device bytes the repeated blocks keep alive from their forward to backward
   (memfit's tracker, read just before the first block and just after the last one, minus the last
   block's output);
 - peak: the tracker's peak over one training step (forward, backward, SGD update), and the
   prediction of that peak by `memfit.measure.trace.trace_step` (FakeTensorMode, nothing allocated);
-- forward+backward time: median of alternating rounds (all contenders once per round), as wall time
-  and as CPU time of the process (all threads), which other processes on a shared machine disturb less.
+- peak RSS growth over that step, the physical figure (memory is measured in a fresh process per
+  contender, so one contender's freed memory held by the C allocator never lowers another's);
+- forward+backward time, side by side in one process on one model instance (bench/common.py:
+  shuffled order each round, >= 5 rounds, median and spread, load average), as wall time and as CPU
+  time of the process (all threads), which other processes on a shared machine disturb less.
 
 Plus: the int8 gradient error and the default `memfit train` run's final loss with and without int8
 compression; disk throughput reached by the spill threads next to the disk's raw throughput.
@@ -22,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +38,8 @@ import torch.nn as nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint as torch_checkpoint  # noqa: E402
 
 import memfit  # noqa: E402
-from common import fmt_bytes, save  # noqa: E402
+from common import (PeakRSS, fmt_bytes, fmt_ratio, fmt_spread, interleaved, load_line, paired_ratio,  # noqa: E402
+                    run_fresh, run_line, save)
 from memfit.apply.checkpoint import applied, find_blocks, remove  # noqa: E402
 from memfit.apply.optimizer import TrainingOptimizer  # noqa: E402
 from memfit.core.tracker import MemoryTracker  # noqa: E402
@@ -87,6 +90,19 @@ def hf_llama(quick: bool):
         return m
 
     return build
+
+
+def seq_of(quick: bool) -> int:
+    return 64 if quick else 512
+
+
+def models(quick: bool) -> list:
+    """(label, builder, contenders) per model, in the order of the tables."""
+    return [
+        ("GPT-2 small shape (memfit GPT: 12 layers, d=768, 12 heads, vocab 50257)", gpt2_small(quick), MAIN),
+        ("HF GPT-2 from config (4 layers of GPT-2 small's shape)", hf_gpt2(quick), HF),
+        ("HF Llama from config (4 layers, d=768, 12 heads / 4 kv heads, ffn 2048, vocab 32000)", hf_llama(quick), HF),
+    ]
 
 
 def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -182,48 +198,49 @@ def predict(build, contender: str, batch: int, seq: int) -> int | None:
         return None
 
 
-def bench_model(label: str, build, contenders: list[str], batch: int, seq: int, rounds: int, spill_dir: str) -> dict:
-    print(f"== {label}: batch {batch} x seq {seq}")
+def memory_worker(model_index: int, contender: str, quick: bool, spill_dir: str) -> dict:
+    """In a fresh process: the tracker's figures and the growth of peak RSS over one training step
+    (from after the model and batch exist), so no other contender's freed memory is reused."""
+    _, build, _ = models(quick)[model_index]
+    torch.manual_seed(0)
+    model = build()
+    model.train()
+    x = torch.randint(0, vocab_of(model), (1, seq_of(quick)))
+    measure_memory(model, contender, x[:, :8], spill_dir)  # imports and one-time set-up, at a negligible size
+    model.zero_grad(set_to_none=True)
+    with PeakRSS() as r:
+        out = measure_memory(model, contender, x, spill_dir)
+    out["rss_growth"], out["rss_reset"] = r.growth, r.reset
+    return out
+
+
+def bench_model(index: int, quick: bool, rounds: int, spill_dir: str) -> dict:
+    label, build, contenders = models(quick)[index]
+    seq = seq_of(quick)
+    print(f"== {label}: batch 1 x seq {seq}", flush=True)
+    rows = {c: {"contender": c} for c in contenders}
+    for c in contenders:
+        t0 = time.perf_counter()
+        args = ["--worker-mem", str(index), c, "--spill-dir", spill_dir, "--threads", str(torch.get_num_threads())] \
+            + (["--quick"] if quick else [])
+        rows[c].update(run_fresh(Path(__file__), args))
+        if "error" in rows[c]:
+            raise RuntimeError(f"{label} / {c}: {rows[c]['error']}")
+        rows[c]["predicted_peak"] = predict(build, c, 1, seq)
+        print(f"  {c:32s} blocks {fmt_bytes(rows[c]['block_activations']):>10}  peak {fmt_bytes(rows[c]['peak']):>10}"
+              f"  RSS +{fmt_bytes(rows[c]['rss_growth']):>10}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     torch.manual_seed(0)
     model = build()
     model.train()
     n_blocks = len(find_blocks(model))
-    x = torch.randint(0, vocab_of(model), (batch, seq))
-    rows = {c: {"contender": c} for c in contenders}
-    for c in contenders:
-        t0 = time.perf_counter()
-        rows[c].update(measure_memory(model, c, x, spill_dir))
-        rows[c]["predicted_peak"] = predict(build, c, batch, seq)
-        print(f"  {c:32s} blocks {fmt_bytes(rows[c]['block_activations']):>10}  peak {fmt_bytes(rows[c]['peak']):>10}"
-              f"  predicted {fmt_bytes(rows[c]['predicted_peak'] or 0):>10}  ({time.perf_counter() - t0:.0f} s)")
+    x = torch.randint(0, vocab_of(model), (1, seq))
     timed = [c for c in contenders if c not in UNTIMED]
-    apply(model, "none", spill_dir)
-    fwd_bwd(model, x, contextlib.nullcontext())  # warm-up (allocator, thread pools)
-    times: dict[str, list[float]] = {c: [] for c in timed}
-    cpu: dict[str, list[float]] = {c: [] for c in timed}
-    for r in range(rounds):
-        for c in timed:
-            ctx = apply(model, c, spill_dir)
-            t0, c0 = time.perf_counter(), time.process_time()
-            fwd_bwd(model, x, ctx)
-            times[c].append(time.perf_counter() - t0)
-            cpu[c].append(time.process_time() - c0)
-        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{c.split()[0]} {times[c][-1]:.2f}s" for c in timed))
+    ctx: dict[str, object] = {}
+    timing = interleaved({c: (lambda c=c: fwd_bwd(model, x, ctx[c])) for c in timed}, rounds=rounds,
+                         setup=lambda c: ctx.__setitem__(c, apply(model, c, spill_dir)))
     remove(model)
     _unwrap_torch_checkpoint(model)
-    for c in timed:
-        rows[c]["seconds"] = statistics.median(times[c])
-        rows[c]["all_seconds"] = times[c]
-        # CPU seconds of this process (all its threads): less sensitive than wall time to other
-        # processes competing for the cores, which is the main noise on a shared machine.
-        rows[c]["cpu_seconds"] = statistics.median(cpu[c])
-        rows[c]["all_cpu_seconds"] = cpu[c]
-        # Paired: each round's time against "none" in the same round (neighbours in time share the
-        # machine's load), then the median over rounds; and the least-disturbed estimate, min over min.
-        rows[c]["ratio"] = statistics.median(t / b for t, b in zip(times[c], times["none"]))
-        rows[c]["cpu_ratio"] = statistics.median(t / b for t, b in zip(cpu[c], cpu["none"]))
-        rows[c]["min_ratio"] = min(times[c]) / min(times["none"])
-    return {"model": label, "batch": batch, "seq": seq, "blocks": n_blocks, "rows": list(rows.values())}
+    return {"model": label, "batch": 1, "seq": seq, "blocks": n_blocks, "rows": list(rows.values()), "timing": timing}
 
 
 # ---------------------------------------------------------------------------- int8 quality
@@ -300,19 +317,20 @@ def raw_disk(folder: str, mib: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (checks the script, numbers meaningless)")
-    ap.add_argument("--rounds", type=int, default=3, help="timing rounds (the GPT-2-small model gets 2 more)")
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds per model (at least 5)")
     ap.add_argument("--spill-dir", default=tempfile.gettempdir())
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads (1: on a shared machine, OpenMP threads that lose their core stall)")
+    ap.add_argument("--worker-mem", nargs=2, metavar=("MODEL", "CONTENDER"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    t_start = time.perf_counter()
-    seq = 64 if args.quick else 512
-    models = [
-        ("GPT-2 small shape (memfit GPT: 12 layers, d=768, 12 heads, vocab 50257)", gpt2_small(args.quick), MAIN),
-        ("HF GPT-2 from config (4 layers of GPT-2 small's shape)", hf_gpt2(args.quick), HF),
-        ("HF Llama from config (4 layers, d=768, 12 heads / 4 kv heads, ffn 2048, vocab 32000)", hf_llama(args.quick), HF),
-    ]
-    results = [bench_model(label, build, contenders, 1, seq, args.rounds + (2 if i == 0 else 0), args.spill_dir)
-               for i, (label, build, contenders) in enumerate(models)]
+    torch.set_num_threads(args.threads)
+    if args.worker_mem:
+        res = memory_worker(int(args.worker_mem[0]), args.worker_mem[1], args.quick, args.spill_dir)
+        Path(args.out).write_text(json.dumps(res))
+        return
+    results = [bench_model(i, args.quick, args.rounds, args.spill_dir) for i in range(len(models(args.quick)))]
+    seq = seq_of(args.quick)
     print("== int8 gradient error (GPT-2 small shape, one batch)")
     grad_err = int8_grad_error(gpt2_small(args.quick), 1, seq)
     print("  ", grad_err)
@@ -323,48 +341,58 @@ def main() -> None:
     disk = raw_disk(args.spill_dir, 64 if args.quick else 512)
     print("  ", {k: (f"{v / 2**20:.0f} MiB/s" if k.endswith("Bps") else v) for k, v in disk.items()})
     payload = {"command": COMMAND + (" --quick" if args.quick else ""), "quick": args.quick, "rounds": args.rounds,
-               "spill_dir": args.spill_dir, "models": results, "grad_error": grad_err, "train_loss": loss,
-               "raw_disk": disk, "wall_seconds": time.perf_counter() - t_start}
+               "spill_dir": args.spill_dir, "threads": args.threads, "models": results, "grad_error": grad_err, "train_loss": loss,
+               "raw_disk": disk}
     path = save(NAME, payload)
-    print(f"wrote {path} in {payload['wall_seconds']:.0f} s")
+    print(f"wrote {path}")
 
 
 # ---------------------------------------------------------------------------- render
-def _ratio(r: float) -> str:
-    return f"{(r - 1) * 100:+.0f}%"
+OFFLOADED_TO_HOST = ("offload:cpu",)  # copies marked host-resident: tracker accounting on a CPU-only machine
 
 
 def render(result: dict) -> str:
     from render import machine_line
 
+    cpu_only = result["machine"].get("device", "cpu") == "cpu"
     out = [f"## activations — activation memory of every checkpoint policy, side by side\n",
-           f"Command: `{result['command']}`  \n{machine_line(result)}\n",
+           f"Command: `{result['command']}`  \n{machine_line(result)} {result.get('threads', '?')} intra-op "
+           f"thread(s). {run_line(result)}\n",
            "Block activations: device bytes the repeated blocks keep from forward to backward (memfit's tracker, "
-           "read before the first block and after the last, minus the last block's output). Peak: the tracker's peak over one training step "
-           "(forward, backward, SGD update), predicted by `trace_step` under FakeTensorMode. Time: forward+backward, "
-           f"median of alternating rounds ({result['rounds'] + 2} for the first model, {result['rounds']} for the others). "
-           "'vs none' is the median over rounds of each round's ratio to `none` in the same round (wall, then CPU "
-           "time of the process); 'quietest' is fastest round over fastest round, the least disturbed by other "
-           "processes on this shared machine. Batch 1; on CPU, so `offload:cpu` and `save_on_cpu` "
-           "copy within the same RAM: memfit marks its copies host-resident (what a GPU run would see), "
-           "`save_on_cpu` cannot, so its device figure does not drop.\n"]
+           "read before the first block and after the last, minus the last block's output). Peak: the tracker's peak "
+           "over one training step (forward, backward, SGD update), predicted by `trace_step` under FakeTensorMode. "
+           "Peak RSS growth: the physical figure — how much the process's peak resident memory grew over that same "
+           "step, each contender in a fresh process (from after the model and batch exist). Time: forward+backward; "
+           "median over rounds with the fastest and slowest round in brackets; 'vs none' is each round's time over "
+           "`none`'s in the same round, median and (range) over rounds, by wall time and by CPU time of the process. "
+           "Batch 1.\n"]
+    if cpu_only:
+        out.append("On this CPU-only machine host and device are the same RAM. Rows marked * offload to CPU memory: "
+                   "memfit marks its host copies host-resident, so their *block activations* and *peak* are tracker "
+                   "accounting of what an accelerator would hold, not RAM saved; their peak RSS growth is the "
+                   "physical total (the copies stay in the same RAM). To be confirmed on a GPU (issue 13). "
+                   "`save_on_cpu` cannot mark its copies, so its tracker figures do not drop.\n")
     for m in result["models"]:
         rows = {r["contender"]: r for r in m["rows"]}
         base = rows["none"]
+        t = m["timing"]
         out.append(f"### {m['model']}, seq {m['seq']}\n")
-        out.append("| contender | block activations | vs none | peak (measured) | peak (predicted) | error | "
-                   "fwd+bwd (wall) | vs none | vs none (CPU time) | vs none (quietest) |")
+        out.append(f"Timing: {load_line(t, result['machine']['cores'])}\n")
+        out.append("| contender | block activations | vs none | peak (tracker) | peak (predicted) | error | "
+                   "peak RSS growth (physical) | fwd+bwd (wall) | vs none (wall) | vs none (CPU time) |")
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in m["rows"]:
+            c = r["contender"]
             pred = r.get("predicted_peak")
             err = f"{(pred / r['peak'] - 1) * 100:+.2f}%" if pred else "–"
-            secs = r.get("seconds")
             removed = 1 - r["block_activations"] / base["block_activations"]
+            mark = " *" if cpu_only and any(k in c for k in OFFLOADED_TO_HOST) else ""
+            timed = c in t["wall"]
             out.append(
-                f"| {r['contender']} | {fmt_bytes(r['block_activations'])} | -{removed * 100:.0f}% | "
-                f"{fmt_bytes(r['peak'])} | {fmt_bytes(pred) if pred else '–'} | {err} | "
-                + (f"{secs:.2f} s | {_ratio(r['ratio'])} | {_ratio(r['cpu_ratio'])} | {_ratio(r['min_ratio'])} |"
-                   if secs else "not timed | | | |")
+                f"| {c}{mark} | {fmt_bytes(r['block_activations'])} | -{removed * 100:.0f}% | "
+                f"{fmt_bytes(r['peak'])} | {fmt_bytes(pred) if pred else '–'} | {err} | {fmt_bytes(r['rss_growth'])} | "
+                + (f"{fmt_spread(t['wall'][c])} | {fmt_ratio(paired_ratio(t, c, 'none'))} | "
+                   f"{fmt_ratio(paired_ratio(t, c, 'none', 'cpu'))} |" if timed else "not timed | | |")
             )
         out.append("")
     g = result["grad_error"]
@@ -404,17 +432,17 @@ def render(result: dict) -> str:
         "spill files are: they are deleted after one read, so they are never forced to the device).\n"
     )
     sel, full = main["selective"], main["full"]
+    t0 = result["models"][0]["timing"]
+    pr = lambda c: fmt_ratio(paired_ratio(t0, c, "none"))  # noqa: E731
     out.append(
         f"What it shows: on the GPT-2-small shape, `selective` removes "
         f"{(1 - sel['block_activations'] / main['none']['block_activations']) * 100:.0f}% of the blocks' activation "
-        f"memory for {_ratio(sel['ratio'])} step time ({_ratio(sel['min_ratio'])} in the quietest rounds), `full` removes "
-        f"{(1 - full['block_activations'] / main['none']['block_activations']) * 100:.0f}% for "
-        f"{_ratio(full['ratio'])} ({_ratio(full['min_ratio'])}; PyTorch's own checkpoint on every block: "
-        f"{_ratio(main[TORCH_CKPT]['ratio'])}). "
+        f"memory for {pr('selective')} step time, `full` removes "
+        f"{(1 - full['block_activations'] / main['none']['block_activations']) * 100:.0f}% for {pr('full')} "
+        f"(PyTorch's own checkpoint on every block: {pr(TORCH_CKPT)}); the bracket is the range over rounds. "
         "At batch 1 the step's peak is set by parameters, gradients and the LM head's logits (vocab 50257), "
         "not by the blocks, so the peak moves little between policies; the blocks' activations are what "
-        "the policies change and what grows with batch and sequence. Step times on this shared 2-core machine "
-        "vary between rounds; every round's times are in the JSON."
+        "the policies change and what grows with batch and sequence. Every round's times and orders are in the JSON."
     )
     return "\n".join(out)
 
