@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import resource
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,7 +64,7 @@ def n_blocks(model) -> int:
     from memfit.apply.checkpoint import find_blocks
     from memfit.models.spec import parse_model
 
-    built = model() if callable(model) else parse_model(model).build(seq=512)
+    built = model() if callable(model) else parse_model(model).build()
     return len(find_blocks(built))
 
 
@@ -137,15 +136,14 @@ def _accuracy_prose(result: dict) -> str:
             for c in ("none", "full")}
     if gaps["none"] is not None and gaps["full"] is not None and "rng_state_bytes" in result:
         rng = result["rng_state_bytes"]
-        stash = {r["model"]: rng * result["blocks"][r["model"]] for r in rows}
-        rest = max(r["allocator"] - r["tracker"] - stash[r["model"]] for r in rows if r["checkpoint"] == "full")
-        blocks = sorted(set(result["blocks"].values()))
+        worst = max((r for r in rows if r["checkpoint"] == "full"), key=lambda r: r["allocator"] - r["tracker"])
+        k, rest = divmod(worst["allocator"] - worst["tracker"], rng)
         text += (" The allocator also hands out memory that never becomes a tensor, which no dispatch-level view "
                  f"sees: the allocator's peak exceeds the tracker's by at most {gaps['none']:,} B without "
-                 f"checkpointing and {gaps['full']:,} B with it. Checkpointing stashes the CPU RNG state per block "
-                 f"outside the dispatcher: `torch.get_rng_state()` is {rng:,} B here, and "
-                 f"{' or '.join(str(b) for b in blocks)} blocks make {' or '.join(f'{rng * b:,}' for b in blocks)} B; "
-                 f"beyond that stash, at most {rest:,} B of the gap with checkpointing remain. Neither is modelled.")
+                 f"checkpointing and {gaps['full']:,} B with it. Checkpointing stashes the CPU RNG state "
+                 f"(`torch.get_rng_state()`, measured: {rng:,} B) for each block outside the dispatcher; the largest "
+                 f"gap with checkpointing ({worst['model']}, {result['blocks'][worst['model']]} blocks) is {k} such "
+                 f"stash{'es' if k != 1 else ''} ({k * rng:,} B) plus {rest:,} B. Neither is modelled.")
     return text
 
 

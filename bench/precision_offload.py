@@ -48,8 +48,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from common import (PeakRSS, fmt_bytes, fmt_spread, interleaved, load_line, run_fresh, run_line,  # noqa: E402
-                    save)
+from common import PeakRSS, fmt_bytes, interleaved, run_fresh, save  # noqa: E402
 
 from memfit.apply.checkpoint import checkpoint  # noqa: E402
 from memfit.apply.optim_offload import _read_at, _write_at  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import memfit
-from memfit.apply.checkpoint import applied, remove
+from memfit.apply.checkpoint import remove
 from memfit.apply.offload import ActivationStore
 from memfit.apply.optimizer import TrainingOptimizer
 from memfit.measure.allocator import AllocatorProfile
