@@ -1,7 +1,7 @@
 """What does each activation policy save, and what does it cost?
 
-    .venv/bin/python bench/activations.py            # the full run (~15-25 min on 2 shared cores)
-    .venv/bin/python bench/activations.py --quick    # tiny shapes, to check the script
+    .venv/bin/python bench/activations.py            # full size: GPT-2 small's shape (~30 min on 2 idle cores)
+    .venv/bin/python bench/activations.py --quick    # small shapes (~20 min on 2 busy cores)
 
 Per model: every memfit policy, plain PyTorch `torch.utils.checkpoint` on every block (what Hugging
 Face's gradient checkpointing does) and `torch.autograd.graph.save_on_cpu`. For each contender:
@@ -57,7 +57,7 @@ HF = ["none", "full", "selective", "none+compress:int8", TORCH_CKPT, SAVE_ON_CPU
 
 # ---------------------------------------------------------------------------- models
 def gpt2_small(quick: bool):
-    cfg = GPTConfig(layers=4, hidden=64, heads=4, vocab=512, seq=64) if quick else \
+    cfg = GPTConfig(layers=4, hidden=256, heads=4, vocab=8192, seq=256) if quick else \
         GPTConfig(layers=12, hidden=768, heads=12, vocab=50257, seq=512)
     return lambda: GPT(cfg)
 
@@ -65,7 +65,7 @@ def gpt2_small(quick: bool):
 def hf_gpt2(quick: bool):
     import transformers
 
-    kw = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64) if quick else \
+    kw = dict(n_layer=2, n_embd=256, n_head=4, vocab_size=8192, n_positions=256) if quick else \
         dict(n_layer=4, n_embd=768, n_head=12, vocab_size=50257, n_positions=512)
 
     def build():
@@ -79,8 +79,8 @@ def hf_gpt2(quick: bool):
 def hf_llama(quick: bool):
     import transformers
 
-    kw = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=128, vocab_size=512, max_position_embeddings=64) if quick else \
+    kw = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=688, vocab_size=8192, max_position_embeddings=256) if quick else \
         dict(num_hidden_layers=4, hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
              intermediate_size=2048, vocab_size=32000, max_position_embeddings=512)
 
@@ -93,11 +93,17 @@ def hf_llama(quick: bool):
 
 
 def seq_of(quick: bool) -> int:
-    return 64 if quick else 512
+    return 256 if quick else 512
 
 
 def models(quick: bool) -> list:
     """(label, builder, contenders) per model, in the order of the tables."""
+    if quick:
+        return [
+            ("memfit GPT (4 layers, d=256, 4 heads, vocab 8192)", gpt2_small(quick), MAIN),
+            ("HF GPT-2 from config (2 layers, d=256, 4 heads, vocab 8192)", hf_gpt2(quick), HF),
+            ("HF Llama from config (2 layers, d=256, 4 heads / 2 kv heads, ffn 688, vocab 8192)", hf_llama(quick), HF),
+        ]
     return [
         ("GPT-2 small shape (memfit GPT: 12 layers, d=768, 12 heads, vocab 50257)", gpt2_small(quick), MAIN),
         ("HF GPT-2 from config (4 layers of GPT-2 small's shape)", hf_gpt2(quick), HF),
@@ -268,7 +274,7 @@ def default_training_loss(quick: bool, out_dir: str) -> dict:
     """The default `memfit train` run (fixed number of steps, same seed) with and without int8 compression."""
     from memfit.train.loop import TrainConfig, train
 
-    steps = 6 if quick else 60
+    steps = 20 if quick else 60
     res = {}
     for policy in ("none", "none+compress:int8"):
         cfg = TrainConfig(steps=steps, checkpoint=policy, track=False, eval_every=0, save_every=0, seed=0,
@@ -316,7 +322,8 @@ def raw_disk(folder: str, mib: int) -> dict:
 # ---------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (checks the script, numbers meaningless)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small shapes (4-layer d=256 GPT, 2-layer d=256 HF models, seq 256): ~20 min on a busy 2-core machine")
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds per model (at least 5)")
     ap.add_argument("--spill-dir", default=tempfile.gettempdir())
     ap.add_argument("--threads", type=int, default=1,
@@ -331,7 +338,7 @@ def main() -> None:
         return
     results = [bench_model(i, args.quick, args.rounds, args.spill_dir) for i in range(len(models(args.quick)))]
     seq = seq_of(args.quick)
-    print("== int8 gradient error (GPT-2 small shape, one batch)")
+    print("== int8 gradient error (first model, one batch)")
     grad_err = int8_grad_error(gpt2_small(args.quick), 1, seq)
     print("  ", grad_err)
     print("== default training run with and without int8")
@@ -401,7 +408,8 @@ def render(result: dict) -> str:
     main = {r["contender"]: r for r in result["models"][0]["rows"]}
     ratio = main["none"]["block_activations"] / main["none+compress:int8"]["block_activations"]
     out.append("### Compression\n")
-    out.append(f"int8 (per-block absmax) keeps the GPT-2-small blocks' saved activations **{ratio:.2f}x** smaller "
+    first = result["models"][0]["model"]
+    out.append(f"int8 (per-block absmax) keeps the blocks' saved activations of the {first} **{ratio:.2f}x** smaller "
                "than fp32 (measured over the blocks, including the small tensors left uncompressed). "
                "Relative gradient error (‖g − g_exact‖ / ‖g_exact‖ over all parameters, one batch): "
                + ", ".join(f"{k} {v:.2e}" for k, v in g.items()) + ".\n")
@@ -435,14 +443,18 @@ def render(result: dict) -> str:
     t0 = result["models"][0]["timing"]
     pr = lambda c: fmt_ratio(paired_ratio(t0, c, "none"))  # noqa: E731
     out.append(
-        f"What it shows: on the GPT-2-small shape, `selective` removes "
+        f"What it shows: on the {first}, `selective` removes "
         f"{(1 - sel['block_activations'] / main['none']['block_activations']) * 100:.0f}% of the blocks' activation "
         f"memory for {pr('selective')} step time, `full` removes "
         f"{(1 - full['block_activations'] / main['none']['block_activations']) * 100:.0f}% for {pr('full')} "
         f"(PyTorch's own checkpoint on every block: {pr(TORCH_CKPT)}); the bracket is the range over rounds. "
-        "At batch 1 the step's peak is set by parameters, gradients and the LM head's logits (vocab 50257), "
-        "not by the blocks, so the peak moves little between policies; the blocks' activations are what "
-        "the policies change and what grows with batch and sequence. Every round's times and orders are in the JSON."
+        + (f"The step's peak (tracker) moves only from {fmt_bytes(main['none']['peak'])} to {fmt_bytes(full['peak'])} "
+           "between `none` and `full`: at batch 1 it is set by parameters, gradients and the LM head's logits, "
+           "not by the blocks; the blocks' activations are what "
+           if full["peak"] > 0.9 * main["none"]["peak"] else
+           f"The step's peak (tracker) goes from {fmt_bytes(main['none']['peak'])} with `none` to "
+           f"{fmt_bytes(full['peak'])} with `full`; the blocks' activations are what ")
+        + "the policies change and what grows with batch and sequence. Every round's times and orders are in the JSON."
     )
     return "\n".join(out)
 

@@ -3,6 +3,7 @@
 # samples pasted into docs/*.md). Run on a quiet machine: each bench records its load average.
 #   bash bench/run_all.sh            # every bench/*.py that writes a result
 #   bash bench/run_all.sh activations train_accum   # only these
+#   QUICK=1 bash bench/run_all.sh    # --quick for the benches that have it (smaller shapes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -21,7 +22,9 @@ fi
 for n in "${names[@]}"; do
   echo "== bench/$n.py  ($(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg))"
   start=$(date +%s)
-  "$PY" "bench/$n.py"
+  args=()
+  if [ -n "${QUICK:-}" ] && grep -q -- '"--quick"' "bench/$n.py"; then args=(--quick); fi
+  "$PY" "bench/$n.py" "${args[@]}"
   echo "== bench/$n.py done in $(( $(date +%s) - start )) s"
 done
 "$PY" bench/render.py
