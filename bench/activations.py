@@ -204,20 +204,37 @@ def predict(build, contender: str, batch: int, seq: int) -> int | None:
         return None
 
 
+def _trim() -> None:
+    """Give freed heap memory back to the OS (glibc), so the next peak RSS starts from live bytes."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def memory_worker(model_index: int, contender: str, quick: bool, spill_dir: str) -> dict:
     """In a fresh process: the tracker's figures and the growth of peak RSS over one training step
-    (from after the model and batch exist), so no other contender's freed memory is reused."""
-    _, build, _ = models(quick)[model_index]
+    (from after the model and batch exist). contender "ALL" measures every contender of the model
+    one after another, trimming the heap between them (quick mode: one process start per model)."""
+    _, build, contenders = models(quick)[model_index]
     torch.manual_seed(0)
     model = build()
     model.train()
     x = torch.randint(0, vocab_of(model), (1, seq_of(quick)))
-    measure_memory(model, contender, x[:, :8], spill_dir)  # imports and one-time set-up, at a negligible size
-    model.zero_grad(set_to_none=True)
-    with PeakRSS() as r:
-        out = measure_memory(model, contender, x, spill_dir)
-    out["rss_growth"], out["rss_reset"] = r.growth, r.reset
-    return out
+    out = {}
+    for c in (contenders if contender == "ALL" else [contender]):
+        measure_memory(model, c, x[:, :8], spill_dir)  # imports and one-time set-up, at a negligible size
+        model.zero_grad(set_to_none=True)
+        _trim()
+        with PeakRSS() as r:
+            out[c] = measure_memory(model, c, x, spill_dir)
+        model.zero_grad(set_to_none=True)
+        out[c]["rss_growth"], out[c]["rss_reset"] = r.growth, r.reset
+    remove(model)
+    _unwrap_torch_checkpoint(model)
+    return out if contender == "ALL" else out[contender]
 
 
 def bench_model(index: int, quick: bool, rounds: int, spill_dir: str) -> dict:
@@ -225,11 +242,18 @@ def bench_model(index: int, quick: bool, rounds: int, spill_dir: str) -> dict:
     seq = seq_of(quick)
     print(f"== {label}: batch 1 x seq {seq}", flush=True)
     rows = {c: {"contender": c} for c in contenders}
-    for c in contenders:
+    common = ["--spill-dir", spill_dir, "--threads", str(torch.get_num_threads())] + (["--quick"] if quick else [])
+    if quick:  # one process for the model's contenders, no predictions: the quick run's time goes to timing
         t0 = time.perf_counter()
-        args = ["--worker-mem", str(index), c, "--spill-dir", spill_dir, "--threads", str(torch.get_num_threads())] \
-            + (["--quick"] if quick else [])
-        rows[c].update(run_fresh(Path(__file__), args))
+        got = run_fresh(Path(__file__), ["--worker-mem", str(index), "ALL"] + common)
+        if "error" in got:
+            raise RuntimeError(f"{label}: {got['error']}")
+        for c in contenders:
+            rows[c].update(got[c], predicted_peak=None)
+        print(f"  memory of {len(contenders)} contenders in {time.perf_counter() - t0:.0f} s", flush=True)
+    for c in contenders if not quick else []:
+        t0 = time.perf_counter()
+        rows[c].update(run_fresh(Path(__file__), ["--worker-mem", str(index), c] + common))
         if "error" in rows[c]:
             raise RuntimeError(f"{label} / {c}: {rows[c]['error']}")
         rows[c]["predicted_peak"] = predict(build, c, 1, seq)
@@ -369,7 +393,11 @@ def render(result: dict) -> str:
            "read before the first block and after the last, minus the last block's output). Peak: the tracker's peak "
            "over one training step (forward, backward, SGD update), predicted by `trace_step` under FakeTensorMode. "
            "Peak RSS growth: the physical figure — how much the process's peak resident memory grew over that same "
-           "step, each contender in a fresh process (from after the model and batch exist). Time: forward+backward; "
+           "step (from after the model and batch exist), "
+           + ("each model in a fresh process, its contenders one after another with the freed heap returned to the "
+              "OS (malloc_trim) before each; no predictions in this mode. " if result.get("quick") else
+              "each contender in a fresh process. ")
+           + "Time: forward+backward; "
            "median over rounds with the fastest and slowest round in brackets; 'vs none' is each round's time over "
            "`none`'s in the same round, median and (range) over rounds, by wall time and by CPU time of the process. "
            "Batch 1.\n"]

@@ -59,14 +59,21 @@ def main() -> None:
     parts = [HEADER]
     for name in names:
         module = _load_bench(name)
-        parts.append(module.render(results[name]).rstrip() + "\n")
+        try:
+            parts.append(module.render(results[name]).rstrip() + "\n")
+        except (KeyError, TypeError) as exc:  # a result written by an older version of its script
+            parts.append(f"## {name}\n\n`bench/results/{name}.json` predates the current `bench/{name}.py` "
+                         f"(missing {exc}); rerun `python bench/{name}.py` to fill this section.\n")
     OUT.write_text("\n".join(parts))
     print(f"wrote {OUT.relative_to(ROOT)} ({len(names)} sections)")
     blocks = {}
     for name in names:
         module = _load_bench(name)
         if hasattr(module, "snippets"):
-            blocks.update(module.snippets(results[name]))
+            try:
+                blocks.update(module.snippets(results[name]))
+            except (KeyError, TypeError):
+                pass
     for doc in sorted((ROOT / "docs").glob("*.md")):
         text = paste(doc.read_text(), blocks)
         if text != doc.read_text():
