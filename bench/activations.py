@@ -1,19 +1,21 @@
 """What does each activation policy save, and what does it cost?
 
-    .venv/bin/python bench/activations.py            # the full run (~12 min on 2 cores)
-    .venv/bin/python bench/activations.py --quick    # tiny shapes, to check the script
+    .venv/bin/python bench/activations.py            # full size: GPT-2 small's shape (~30 min on 2 idle cores)
+    .venv/bin/python bench/activations.py --quick    # small shapes (~20 min on 2 busy cores)
 
-Per model, side by side in one process on one model instance: every memfit policy, plain PyTorch
-`torch.utils.checkpoint` on every block (what Hugging Face's gradient checkpointing does) and
-`torch.autograd.graph.save_on_cpu`. For each contender:
+Per model: every memfit policy, plain PyTorch `torch.utils.checkpoint` on every block (what Hugging
+Face's gradient checkpointing does) and `torch.autograd.graph.save_on_cpu`. For each contender:
 
 - block activations: device bytes the repeated blocks keep alive from their forward to backward
   (memfit's tracker, read just before the first block and just after the last one, minus the last
   block's output);
 - peak: the tracker's peak over one training step (forward, backward, SGD update), and the
   prediction of that peak by `memfit.measure.trace.trace_step` (FakeTensorMode, nothing allocated);
-- forward+backward time: median of alternating rounds (all contenders once per round), as wall time
-  and as CPU time of the process (all threads), which other processes on a shared machine disturb less.
+- peak RSS growth over that step, the physical figure (memory is measured in a fresh process per
+  contender, so one contender's freed memory held by the C allocator never lowers another's);
+- forward+backward time, side by side in one process on one model instance (bench/common.py:
+  shuffled order each round, >= 5 rounds, median and spread, load average), as wall time and as CPU
+  time of the process (all threads), which other processes on a shared machine disturb less.
 
 Plus: the int8 gradient error and the default `memfit train` run's final loss with and without int8
 compression; disk throughput reached by the spill threads next to the disk's raw throughput.
@@ -22,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +38,7 @@ import torch.nn as nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint as torch_checkpoint  # noqa: E402
 
 import memfit  # noqa: E402
-from common import fmt_bytes, save  # noqa: E402
+from common import PeakRSS, fmt_bytes, interleaved, run_fresh, save  # noqa: E402
 from memfit.apply.checkpoint import applied, find_blocks, remove  # noqa: E402
 from memfit.apply.optimizer import TrainingOptimizer  # noqa: E402
 from memfit.core.tracker import MemoryTracker  # noqa: E402
@@ -54,7 +56,7 @@ HF = ["none", "full", "selective", "none+compress:int8", TORCH_CKPT, SAVE_ON_CPU
 
 # ---------------------------------------------------------------------------- models
 def gpt2_small(quick: bool):
-    cfg = GPTConfig(layers=4, hidden=64, heads=4, vocab=512, seq=64) if quick else \
+    cfg = GPTConfig(layers=4, hidden=256, heads=4, vocab=8192, seq=256) if quick else \
         GPTConfig(layers=12, hidden=768, heads=12, vocab=50257, seq=512)
     return lambda: GPT(cfg)
 
@@ -62,7 +64,7 @@ def gpt2_small(quick: bool):
 def hf_gpt2(quick: bool):
     import transformers
 
-    kw = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64) if quick else \
+    kw = dict(n_layer=2, n_embd=256, n_head=4, vocab_size=8192, n_positions=256) if quick else \
         dict(n_layer=4, n_embd=768, n_head=12, vocab_size=50257, n_positions=512)
 
     def build():
@@ -76,8 +78,8 @@ def hf_gpt2(quick: bool):
 def hf_llama(quick: bool):
     import transformers
 
-    kw = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=128, vocab_size=512, max_position_embeddings=64) if quick else \
+    kw = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=688, vocab_size=8192, max_position_embeddings=256) if quick else \
         dict(num_hidden_layers=4, hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
              intermediate_size=2048, vocab_size=32000, max_position_embeddings=512)
 
@@ -87,6 +89,25 @@ def hf_llama(quick: bool):
         return m
 
     return build
+
+
+def seq_of(quick: bool) -> int:
+    return 256 if quick else 512
+
+
+def models(quick: bool) -> list:
+    """(label, builder, contenders) per model, in the order of the tables."""
+    if quick:
+        return [
+            ("memfit GPT (4 layers, d=256, 4 heads, vocab 8192)", gpt2_small(quick), MAIN),
+            ("HF GPT-2 from config (2 layers, d=256, 4 heads, vocab 8192)", hf_gpt2(quick), HF),
+            ("HF Llama from config (2 layers, d=256, 4 heads / 2 kv heads, ffn 688, vocab 8192)", hf_llama(quick), HF),
+        ]
+    return [
+        ("GPT-2 small shape (memfit GPT: 12 layers, d=768, 12 heads, vocab 50257)", gpt2_small(quick), MAIN),
+        ("HF GPT-2 from config (4 layers of GPT-2 small's shape)", hf_gpt2(quick), HF),
+        ("HF Llama from config (4 layers, d=768, 12 heads / 4 kv heads, ffn 2048, vocab 32000)", hf_llama(quick), HF),
+    ]
 
 
 def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -182,48 +203,73 @@ def predict(build, contender: str, batch: int, seq: int) -> int | None:
         return None
 
 
-def bench_model(label: str, build, contenders: list[str], batch: int, seq: int, rounds: int, spill_dir: str) -> dict:
-    print(f"== {label}: batch {batch} x seq {seq}")
+def _trim() -> None:
+    """Give freed heap memory back to the OS (glibc), so the next peak RSS starts from live bytes."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def memory_worker(model_index: int, contender: str, quick: bool, spill_dir: str) -> dict:
+    """In a fresh process: the tracker's figures and the growth of peak RSS over one training step
+    (from after the model and batch exist). contender "ALL" measures every contender of the model
+    one after another, trimming the heap between them (quick mode: one process start per model)."""
+    _, build, contenders = models(quick)[model_index]
+    torch.manual_seed(0)
+    model = build()
+    model.train()
+    x = torch.randint(0, vocab_of(model), (1, seq_of(quick)))
+    out = {}
+    for c in (contenders if contender == "ALL" else [contender]):
+        measure_memory(model, c, x[:, :8], spill_dir)  # imports and one-time set-up, at a negligible size
+        model.zero_grad(set_to_none=True)
+        _trim()
+        with PeakRSS() as r:
+            out[c] = measure_memory(model, c, x, spill_dir)
+        model.zero_grad(set_to_none=True)
+        out[c]["rss_growth"], out[c]["rss_reset"] = r.growth, r.reset
+    remove(model)
+    _unwrap_torch_checkpoint(model)
+    return out if contender == "ALL" else out[contender]
+
+
+def bench_model(index: int, quick: bool, rounds: int, spill_dir: str) -> dict:
+    label, build, contenders = models(quick)[index]
+    seq = seq_of(quick)
+    print(f"== {label}: batch 1 x seq {seq}", flush=True)
+    rows = {c: {"contender": c} for c in contenders}
+    common = ["--spill-dir", spill_dir, "--threads", str(torch.get_num_threads())] + (["--quick"] if quick else [])
+    if quick:  # one process for the model's contenders, no predictions: the quick run's time goes to timing
+        t0 = time.perf_counter()
+        got = run_fresh(Path(__file__), ["--worker-mem", str(index), "ALL"] + common)
+        if "error" in got:
+            raise RuntimeError(f"{label}: {got['error']}")
+        for c in contenders:
+            rows[c].update(got[c], predicted_peak=None)
+        print(f"  memory of {len(contenders)} contenders in {time.perf_counter() - t0:.0f} s", flush=True)
+    for c in contenders if not quick else []:
+        t0 = time.perf_counter()
+        rows[c].update(run_fresh(Path(__file__), ["--worker-mem", str(index), c] + common))
+        if "error" in rows[c]:
+            raise RuntimeError(f"{label} / {c}: {rows[c]['error']}")
+        rows[c]["predicted_peak"] = predict(build, c, 1, seq)
+        print(f"  {c:32s} blocks {fmt_bytes(rows[c]['block_activations']):>10}  peak {fmt_bytes(rows[c]['peak']):>10}"
+              f"  RSS +{fmt_bytes(rows[c]['rss_growth']):>10}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     torch.manual_seed(0)
     model = build()
     model.train()
     n_blocks = len(find_blocks(model))
-    x = torch.randint(0, vocab_of(model), (batch, seq))
-    rows = {c: {"contender": c} for c in contenders}
-    for c in contenders:
-        t0 = time.perf_counter()
-        rows[c].update(measure_memory(model, c, x, spill_dir))
-        rows[c]["predicted_peak"] = predict(build, c, batch, seq)
-        print(f"  {c:32s} blocks {fmt_bytes(rows[c]['block_activations']):>10}  peak {fmt_bytes(rows[c]['peak']):>10}"
-              f"  predicted {fmt_bytes(rows[c]['predicted_peak'] or 0):>10}  ({time.perf_counter() - t0:.0f} s)")
+    x = torch.randint(0, vocab_of(model), (1, seq))
     timed = [c for c in contenders if c not in UNTIMED]
-    apply(model, "none", spill_dir)
-    fwd_bwd(model, x, contextlib.nullcontext())  # warm-up (allocator, thread pools)
-    times: dict[str, list[float]] = {c: [] for c in timed}
-    cpu: dict[str, list[float]] = {c: [] for c in timed}
-    for r in range(rounds):
-        for c in timed:
-            ctx = apply(model, c, spill_dir)
-            t0, c0 = time.perf_counter(), time.process_time()
-            fwd_bwd(model, x, ctx)
-            times[c].append(time.perf_counter() - t0)
-            cpu[c].append(time.process_time() - c0)
-        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{c.split()[0]} {times[c][-1]:.2f}s" for c in timed))
+    ctx: dict[str, object] = {}
+    timing = interleaved({c: (lambda c=c: fwd_bwd(model, x, ctx[c])) for c in timed}, rounds=rounds,
+                         setup=lambda c: ctx.__setitem__(c, apply(model, c, spill_dir)))
     remove(model)
     _unwrap_torch_checkpoint(model)
-    for c in timed:
-        rows[c]["seconds"] = statistics.median(times[c])
-        rows[c]["all_seconds"] = times[c]
-        # CPU seconds of this process (all its threads): less sensitive than wall time to other
-        # processes competing for the cores, which is the main noise on a shared machine.
-        rows[c]["cpu_seconds"] = statistics.median(cpu[c])
-        rows[c]["all_cpu_seconds"] = cpu[c]
-        # Paired: each round's time against "none" in the same round (neighbours in time share the
-        # machine's load), then the median over rounds; and the least-disturbed estimate, min over min.
-        rows[c]["ratio"] = statistics.median(t / b for t, b in zip(times[c], times["none"]))
-        rows[c]["cpu_ratio"] = statistics.median(t / b for t, b in zip(cpu[c], cpu["none"]))
-        rows[c]["min_ratio"] = min(times[c]) / min(times["none"])
-    return {"model": label, "batch": batch, "seq": seq, "blocks": n_blocks, "rows": list(rows.values())}
+    return {"model": label, "batch": 1, "seq": seq, "blocks": n_blocks, "rows": list(rows.values()), "timing": timing}
 
 
 # ---------------------------------------------------------------------------- int8 quality
@@ -251,7 +297,7 @@ def default_training_loss(quick: bool, out_dir: str) -> dict:
     """The default `memfit train` run (fixed number of steps, same seed) with and without int8 compression."""
     from memfit.train.loop import TrainConfig, train
 
-    steps = 6 if quick else 60
+    steps = 20 if quick else 60
     res = {}
     for policy in ("none", "none+compress:int8"):
         cfg = TrainConfig(steps=steps, checkpoint=policy, track=False, eval_every=0, save_every=0, seed=0,
@@ -299,21 +345,23 @@ def raw_disk(folder: str, mib: int) -> dict:
 # ---------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (checks the script, numbers meaningless)")
-    ap.add_argument("--rounds", type=int, default=3, help="timing rounds (the GPT-2-small model gets 2 more)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small shapes (4-layer d=256 GPT, 2-layer d=256 HF models, seq 256): ~20 min on a busy 2-core machine")
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds per model (at least 5)")
     ap.add_argument("--spill-dir", default=tempfile.gettempdir())
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads (1: on a shared machine, OpenMP threads that lose their core stall)")
+    ap.add_argument("--worker-mem", nargs=2, metavar=("MODEL", "CONTENDER"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    t_start = time.perf_counter()
-    seq = 64 if args.quick else 512
-    models = [
-        ("GPT-2 small shape (memfit GPT: 12 layers, d=768, 12 heads, vocab 50257)", gpt2_small(args.quick), MAIN),
-        ("HF GPT-2 from config (4 layers of GPT-2 small's shape)", hf_gpt2(args.quick), HF),
-        ("HF Llama from config (4 layers, d=768, 12 heads / 4 kv heads, ffn 2048, vocab 32000)", hf_llama(args.quick), HF),
-    ]
-    results = [bench_model(label, build, contenders, 1, seq, args.rounds + (2 if i == 0 else 0), args.spill_dir)
-               for i, (label, build, contenders) in enumerate(models)]
-    print("== int8 gradient error (GPT-2 small shape, one batch)")
+    torch.set_num_threads(args.threads)
+    if args.worker_mem:
+        res = memory_worker(int(args.worker_mem[0]), args.worker_mem[1], args.quick, args.spill_dir)
+        Path(args.out).write_text(json.dumps(res))
+        return
+    results = [bench_model(i, args.quick, args.rounds, args.spill_dir) for i in range(len(models(args.quick)))]
+    seq = seq_of(args.quick)
+    print("== int8 gradient error (first model, one batch)")
     grad_err = int8_grad_error(gpt2_small(args.quick), 1, seq)
     print("  ", grad_err)
     print("== default training run with and without int8")
@@ -323,100 +371,17 @@ def main() -> None:
     disk = raw_disk(args.spill_dir, 64 if args.quick else 512)
     print("  ", {k: (f"{v / 2**20:.0f} MiB/s" if k.endswith("Bps") else v) for k, v in disk.items()})
     payload = {"command": COMMAND + (" --quick" if args.quick else ""), "quick": args.quick, "rounds": args.rounds,
-               "spill_dir": args.spill_dir, "models": results, "grad_error": grad_err, "train_loss": loss,
-               "raw_disk": disk, "wall_seconds": time.perf_counter() - t_start}
+               "spill_dir": args.spill_dir, "threads": args.threads, "models": results, "grad_error": grad_err, "train_loss": loss,
+               "raw_disk": disk}
     path = save(NAME, payload)
-    print(f"wrote {path} in {payload['wall_seconds']:.0f} s")
+    print(f"wrote {path}")
 
 
 # ---------------------------------------------------------------------------- render
-def _ratio(r: float) -> str:
-    return f"{(r - 1) * 100:+.0f}%"
-
-
 def render(result: dict) -> str:
-    from render import machine_line
+    from activations_render import render as _render
 
-    out = [f"## activations — activation memory of every checkpoint policy, side by side\n",
-           f"Command: `{result['command']}`  \n{machine_line(result)}\n",
-           "Block activations: device bytes the repeated blocks keep from forward to backward (memfit's tracker, "
-           "read before the first block and after the last, minus the last block's output). Peak: the tracker's peak over one training step "
-           "(forward, backward, SGD update), predicted by `trace_step` under FakeTensorMode. Time: forward+backward, "
-           f"median of alternating rounds ({result['rounds'] + 2} for the first model, {result['rounds']} for the others). "
-           "'vs none' is the median over rounds of each round's ratio to `none` in the same round (wall, then CPU "
-           "time of the process); 'quietest' is fastest round over fastest round, the least disturbed by other "
-           "processes on this shared machine. Batch 1; on CPU, so `offload:cpu` and `save_on_cpu` "
-           "copy within the same RAM: memfit marks its copies host-resident (what a GPU run would see), "
-           "`save_on_cpu` cannot, so its device figure does not drop.\n"]
-    for m in result["models"]:
-        rows = {r["contender"]: r for r in m["rows"]}
-        base = rows["none"]
-        out.append(f"### {m['model']}, seq {m['seq']}\n")
-        out.append("| contender | block activations | vs none | peak (measured) | peak (predicted) | error | "
-                   "fwd+bwd (wall) | vs none | vs none (CPU time) | vs none (quietest) |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for r in m["rows"]:
-            pred = r.get("predicted_peak")
-            err = f"{(pred / r['peak'] - 1) * 100:+.2f}%" if pred else "–"
-            secs = r.get("seconds")
-            removed = 1 - r["block_activations"] / base["block_activations"]
-            out.append(
-                f"| {r['contender']} | {fmt_bytes(r['block_activations'])} | -{removed * 100:.0f}% | "
-                f"{fmt_bytes(r['peak'])} | {fmt_bytes(pred) if pred else '–'} | {err} | "
-                + (f"{secs:.2f} s | {_ratio(r['ratio'])} | {_ratio(r['cpu_ratio'])} | {_ratio(r['min_ratio'])} |"
-                   if secs else "not timed | | | |")
-            )
-        out.append("")
-    g = result["grad_error"]
-    tl = result["train_loss"]
-    runs = tl["runs"]
-    main = {r["contender"]: r for r in result["models"][0]["rows"]}
-    ratio = main["none"]["block_activations"] / main["none+compress:int8"]["block_activations"]
-    out.append("### Compression\n")
-    out.append(f"int8 (per-block absmax) keeps the GPT-2-small blocks' saved activations **{ratio:.2f}x** smaller "
-               "than fp32 (measured over the blocks, including the small tensors left uncompressed). "
-               "Relative gradient error (‖g − g_exact‖ / ‖g_exact‖ over all parameters, one batch): "
-               + ", ".join(f"{k} {v:.2e}" for k, v in g.items()) + ".\n")
-    out.append(f"Default `memfit train` run ({tl['steps']} steps, same seed): final validation loss "
-               f"{runs['none']['final_val_loss']:.4f} uncompressed, {runs['none+compress:int8']['final_val_loss']:.4f} "
-               f"with int8 — {tl['rel_diff'] * 100:.2f}% apart.\n")
-    d = result["raw_disk"]
-    out.append("### Disk spill\n")
-    out.append("| | write | read |")
-    out.append("|---|---:|---:|")
-    out.append(f"| raw disk, {d['mib']} MiB sequential (write fsync'd / read with page cache dropped) | "
-               f"{d['write_fsync_Bps'] / 2**20:.0f} MiB/s | {d['read_uncached_Bps'] / 2**20:.0f} MiB/s |")
-    out.append(f"| raw disk, buffered write (page cache) | {d['write_buffered_Bps'] / 2**20:.0f} MiB/s | |")
-    for name in ("full+offload:disk", "none+offload:disk"):
-        o = main.get(name, {}).get("offload")
-        if o and o["write_seconds"] > 0 and o["read_seconds"] > 0:
-            out.append(f"| spill threads, `{name}` ({fmt_bytes(o['spilled_bytes'])} in {o['files']} files per step) | "
-                       f"{o['spilled_bytes'] / o['write_seconds'] / 2**20:.0f} MiB/s | "
-                       f"{o['read_bytes'] / o['read_seconds'] / 2**20:.0f} MiB/s |")
-    out.append("")
-    one_block = main["none"]["block_activations"] / result["models"][0]["blocks"]
-    disk_row = main["full+offload:disk"]
-    out.append(
-        f"With every block input on disk (`full+offload:disk`), the blocks keep {fmt_bytes(disk_row['block_activations'])} "
-        f"on the device after forward — one block's saved activations are {fmt_bytes(one_block)} — and the step's "
-        f"peak is {fmt_bytes(disk_row['peak'])} against {fmt_bytes(main['full']['peak'])} for `full`. "
-        "Spill throughput is per thread-second of the write and read calls (buffered by the page cache, as the "
-        "spill files are: they are deleted after one read, so they are never forced to the device).\n"
-    )
-    sel, full = main["selective"], main["full"]
-    out.append(
-        f"What it shows: on the GPT-2-small shape, `selective` removes "
-        f"{(1 - sel['block_activations'] / main['none']['block_activations']) * 100:.0f}% of the blocks' activation "
-        f"memory for {_ratio(sel['ratio'])} step time ({_ratio(sel['min_ratio'])} in the quietest rounds), `full` removes "
-        f"{(1 - full['block_activations'] / main['none']['block_activations']) * 100:.0f}% for "
-        f"{_ratio(full['ratio'])} ({_ratio(full['min_ratio'])}; PyTorch's own checkpoint on every block: "
-        f"{_ratio(main[TORCH_CKPT]['ratio'])}). "
-        "At batch 1 the step's peak is set by parameters, gradients and the LM head's logits (vocab 50257), "
-        "not by the blocks, so the peak moves little between policies; the blocks' activations are what "
-        "the policies change and what grows with batch and sequence. Step times on this shared 2-core machine "
-        "vary between rounds; every round's times are in the JSON."
-    )
-    return "\n".join(out)
+    return _render(result)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,16 @@
 
 Each result file is written by one script in bench/ and names it in its "bench" field; that
 script's `render(result) -> str` turns the JSON into a markdown section. Sections appear in the
-order of ORDER, then any others alphabetically.
+order of ORDER, then any others alphabetically. A script may also define
+`snippets(result) -> {name: markdown}`: each is pasted into docs/*.md between the lines
+`<!-- bench:NAME -->` and `<!-- /bench:NAME -->` (e.g. docs/train.md's sample output), so no number
+in the docs is typed by hand.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,7 +26,13 @@ HEADER = """# Benchmarks
 
 Every table here is generated: each section names the command that produced its JSON in
 `bench/results/`, and `python bench/render.py` rewrites this file from those JSON files.
-Ratios are measured side by side in one process run; each section names the machine.
+Timings are side by side in one process (bench/common.py): a warm-up, then at least 5 rounds, each
+running every contender once in a freshly shuffled order; tables give the median with the fastest
+and slowest round, and each section gives the machine's load average. Memory comes from memfit's
+tracker and, where the text says so, from the process's peak RSS (the physical figure). On a
+CPU-only machine host and device are the same RAM: the tracker's "device" figures for CPU offload
+are accounting of what an accelerator would hold, not RAM saved, and are marked as such.
+Every run's whole-script wall time and load are recorded; `bash bench/run_all.sh` reruns everything.
 """
 
 
@@ -49,9 +59,34 @@ def main() -> None:
     parts = [HEADER]
     for name in names:
         module = _load_bench(name)
-        parts.append(module.render(results[name]).rstrip() + "\n")
+        try:
+            parts.append(module.render(results[name]).rstrip() + "\n")
+        except (KeyError, TypeError) as exc:  # a result written by an older version of its script
+            parts.append(f"## {name}\n\n`bench/results/{name}.json` predates the current `bench/{name}.py` "
+                         f"(missing {exc}); rerun `python bench/{name}.py` to fill this section.\n")
     OUT.write_text("\n".join(parts))
     print(f"wrote {OUT.relative_to(ROOT)} ({len(names)} sections)")
+    blocks = {}
+    for name in names:
+        module = _load_bench(name)
+        if hasattr(module, "snippets"):
+            try:
+                blocks.update(module.snippets(results[name]))
+            except (KeyError, TypeError):
+                pass
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        text = paste(doc.read_text(), blocks)
+        if text != doc.read_text():
+            doc.write_text(text)
+            print(f"pasted into {doc.relative_to(ROOT)}")
+
+
+def paste(text: str, blocks: dict[str, str]) -> str:
+    """Replace what lies between <!-- bench:NAME --> and <!-- /bench:NAME --> with blocks[NAME]."""
+    for name, body in blocks.items():
+        pattern = re.compile(rf"(<!-- bench:{re.escape(name)} -->\n).*?(\n<!-- /bench:{re.escape(name)} -->)", re.S)
+        text = pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + m.group(2), text)
+    return text
 
 
 if __name__ == "__main__":
