@@ -71,10 +71,17 @@ def test_offloaded_activations_leave_their_storage(policy, tmp_path, monkeypatch
     _, loss, n = model(x, x)
     gc.collect()
     assert packed, "nothing was offloaded"
-    alive = [nbytes for ref, _, nbytes in packed if not ref.expired()]
     # The blocks' own intermediates are gone; at most the last block's output (the final norm's
-    # input, saved outside the blocks) may still be alive for its own reasons.
+    # input, saved outside the blocks) may still be alive for its own reasons. Disk writes run on
+    # spill threads: an original is released when its write completes, so allow them a moment.
     out_bytes = x.numel() * CFG.hidden * 4
+    deadline = time.monotonic() + 30
+    while True:
+        alive = [nbytes for ref, _, nbytes in packed if not ref.expired()]
+        if sum(alive) <= out_bytes or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+        gc.collect()
     assert sum(alive) <= out_bytes, (len(alive), sum(alive))
     (loss / n).backward()
     originals = {ptr for ref, ptr, _ in packed if not ref.expired()}
@@ -149,15 +156,18 @@ def test_disk_optimizer_state_is_in_files_not_in_ram(tmp_path):
                               for f in os.listdir(opt.streamed.folder) if f.startswith("state_")) if offload else 0
             in_ram = sum(t.numel() * t.element_size() for t in opt.streamed.state_tensors() if t.numel() > 1) \
                 if offload else None
+            # Reusable staging buffers (BufferPool keeps a few, each at most one chunk's packed bytes).
+            pooled = [b.numel() * b.element_size() for b in opt.streamed.buffers._free] if offload else []
             opt.close()
-        return prof.windows["between_steps"].start_bytes, state_files, in_ram
+        return prof.windows["between_steps"].start_bytes - sum(pooled), state_files, in_ram, pooled
 
     n = tiny_gpt().num_params()
-    plain, _, _ = live_between_steps(None)
-    disk, files, in_ram = live_between_steps("disk")
+    plain, _, _, _ = live_between_steps(None)
+    disk, files, in_ram, pooled = live_between_steps("disk")
     assert files >= 8 * n  # exp_avg and exp_avg_sq, fp32
     assert in_ram == 0
-    assert plain - disk >= 8 * n - 8192 * 2, (plain, disk, n)  # at most a staging buffer or two stay
+    assert len(pooled) <= 4 and all(b <= 8 * 8192 for b in pooled), pooled  # a chunk: masters, states, grads
+    assert plain - disk >= 8 * n - 8192 * 2, (plain, disk, n)  # beyond the pool, a staging buffer or two at most
 
 
 def test_cpu_optimizer_offload_moves_state_and_releases_grads():
