@@ -141,7 +141,11 @@ def _solve_100(prof) -> float:
 
 def render(result: dict) -> str:
     load = result.get("load") or [0]
-    lines = [f"Command: `python bench/planner.py{' --quick' if result.get('quick') else ''}`. "
+    m = result.get("machine", {})
+    lines = ["## planner: memfit's plan against the best uniform policy at each budget", "",
+             f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}; "
+             f"run {result.get('date', '?')}.", "",
+             f"Command: `python bench/planner.py{' --quick' if result.get('quick') else ''}`. "
              f"Machine load (1-min average) during the rounds: {min(load):.1f}-{max(load):.1f}. "
              f"Planner on {result['model']} (batch {result['batch']}, seq {result['seq']}), {result['rounds']} "
              f"shuffled rounds, CPU; peaks by memfit's tracker on real steps. No checkpointing: "
