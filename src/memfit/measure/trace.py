@@ -27,6 +27,7 @@ from typing import Callable, Union
 import torch
 import torch.nn as nn
 
+from memfit.core.device import resolve_device
 from memfit.core.errors import ConfigError
 from memfit.core.tracker import MemoryTracker
 
@@ -73,7 +74,7 @@ def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true"
 
     build = _builder(model, seq)
     _check(batch, seq, steps)
-    _check_device(device)
+    resolve_device(device)  # ConfigError for a device memfit cannot trace on (fake CUDA tensors need CUDA)
     t0 = time.perf_counter()
     # allow_non_fake_inputs: libraries keep a few real constants at module level (e.g. HF masks).
     with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
@@ -92,7 +93,7 @@ def measure_step(model: ModelArg, batch: int, seq: int, precision: str = "32-tru
 
     build = _builder(model, seq)
     _check(batch, seq, steps)
-    _check_device(device)
+    resolve_device(device)  # ConfigError for a device memfit cannot trace on (fake CUDA tensors need CUDA)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     # The profile starts before the model exists, so it knows every block freed inside the window.
@@ -138,19 +139,6 @@ def _check(batch: int, seq: int, steps: int) -> None:
     for name, value in (("batch", batch), ("seq", seq), ("steps", steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_device(device: str) -> None:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"unknown device {device!r}; accepted: cpu, cuda, cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        # Fake CUDA tensors still need a CUDA build (initialisers run CUDA-specific code).
-        raise ConfigError(f"device {device!r} needs a CUDA build of PyTorch with a GPU; use device='cpu' "
-                          "(tensor sizes are the same; the CUDA allocator rounds each to 512 bytes)")
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device!r} is not supported; accepted: cpu, cuda, cuda:N")
 
 
 def _builder(model: ModelArg, seq: int) -> Callable[[], nn.Module]:
