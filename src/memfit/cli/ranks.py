@@ -14,17 +14,13 @@ COLUMNS = ("params", "gathered", "grads", "in_flight", "optimizer", "activations
 def per_rank(args: Any, est: Any) -> list[dict]:
     """Rows for every rank: model states from the strategy's shard layout, activations and
     temporaries from the one-device trace of the per-rank micro-batch (`est`)."""
-    import torch
-
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
     from memfit.models.spec import parse_model
 
     if not est.traced:
         raise ConfigError("--strategy needs a model to trace (not --params): give a model name or spec")
     spec = parse_model(model_of(args))
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        model = spec.build(seq=est.seq) if spec.config is not None else spec.build()
-    rows = rank_model_state(model, args.strategy, args.world, args.precision, args.optimizer)
+    rows = rank_model_state(spec.on_meta(est.seq), args.strategy, args.world, args.precision, args.optimizer)
     return rank_totals(rows, est.per_device)
 
 

@@ -83,11 +83,8 @@ def optimizer_state_bytes(optimizer: str, param_shapes: Sequence[Sequence[int]],
 
 def param_shapes(model) -> list[tuple[int, ...]]:
     """Shapes of a module's trainable parameters, or of a ModelSpec's (built on the meta device)."""
-    if hasattr(model, "build") and not hasattr(model, "parameters"):
-        import torch
-
-        with torch.device("meta"):
-            model = model.build()
+    if hasattr(model, "on_meta") and not hasattr(model, "parameters"):
+        model = model.on_meta()
     return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
 
 

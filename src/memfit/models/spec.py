@@ -80,13 +80,16 @@ class ModelSpec:
     def num_params(self) -> int:
         return self.counts()[0]
 
+    def on_meta(self, seq: int | None = None) -> nn.Module:
+        """The model built on the meta device: shapes and dtypes only, nothing allocated."""
+        with torch.device("meta"):
+            return self.build(seq)
+
     def counts(self) -> tuple[int, int]:
         """(parameter elements, parameter tensors), from a build on the meta device.
 
         Tied weights appear once in parameters(), as they occupy memory once."""
-        with torch.device("meta"):
-            model = self.build()
-        params = list(model.parameters())
+        params = list(self.on_meta().parameters())
         return sum(p.numel() for p in params), len(params)
 
     @property
