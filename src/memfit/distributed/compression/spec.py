@@ -43,8 +43,13 @@ class CompressionSpec:
     batched: bool = False
     """PowerSGD: memfit's batched variant instead of torch's per-matrix powerSGD_hook."""
     seed: int = 0
-    start: int = 2
-    """PowerSGD: plain all-reduce for the first `start` steps (lets DDP rebuild its buckets)."""
+    start: int | None = None
+    """Plain fp32 all-reduce for the first `start` steps (an uncompressed warm-up, as 1-bit Adam
+    and PowerSGD use); None = 2 for PowerSGD (lets DDP rebuild its buckets), else 0."""
+
+    @property
+    def dense_steps(self) -> int:
+        return self.start if self.start is not None else (2 if self.name == "powersgd" else 0)
 
     @property
     def error_feedback(self) -> bool:
@@ -107,7 +112,7 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
         raise ConfigError(f"compression {spec!r}: chunk={s.chunk} must be at least 1 element")
     if not 0 <= s.momentum < 1:
         raise ConfigError(f"compression {spec!r}: momentum={s.momentum:g} must be in [0, 1)")
-    if s.warmup < 0 or s.start < 0:
+    if s.warmup < 0 or s.dense_steps < 0:
         raise ConfigError(f"compression {spec!r}: warmup and start must be >= 0 steps")
     if s.values not in ("bf16", "fp32"):
         raise ConfigError(f"compression {spec!r}: values={s.values!r}; accepted: bf16, fp32")
@@ -117,6 +122,8 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
 
 
 _WHY_NOT = {
+    "none": "one process has no gradient exchange to compress; add --strategy ddp, zero1 or zero2 "
+            "(and --nproc N)",
     "zero3": "zero3 reduce-scatters each block's gradients inside its gather/free pipeline as "
              "backward produces them and frees the full gradient at once; error feedback needs a "
              "full-size residual per rank (the memory zero3 exists to remove) and that pipeline has "
