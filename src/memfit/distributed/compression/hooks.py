@@ -81,8 +81,8 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None)
     "none" (an fp32 all-reduce through the same path: bitwise the uncompressed result). Raises
     ConfigError (one line) for a bad spec or a target whose reduction cannot carry it.
     group: the process group of a torch DDP model (None = the default group)."""
-    engine = getattr(target, "engine", None) or (target if hasattr(target, "layout") else None)
-    if engine is not None:  # memfit's ZeRO: ShardedOptimizer or its ZeroEngine
+    engine = getattr(target, "engine", target)
+    if hasattr(engine, "stage") and hasattr(engine, "compression"):  # memfit's ZeRO: ShardedOptimizer, ZeroEngine
         strategy = f"zero{engine.stage}"
         state = CompressionState(check_compression_strategy(strategy, spec), engine.group, average=False)
         if engine.stage < 3:  # zero3 passes the check only uncompressed ("none"): nothing to attach
