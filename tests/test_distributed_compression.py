@@ -222,3 +222,25 @@ def test_groups_never_straddle_tensors(sizes, chunk, seed):
     for seg, orig in zip(q.split(sizes), parts):
         for a, b in zip(orig.split(chunk), seg.split(chunk)):
             assert ((a - b).abs() <= a.abs().max() / 254 * (1 + 1e-5)).all()
+
+
+def test_adam_scale_is_the_floored_root_of_the_second_moment():
+    from memfit.distributed.compression.precondition import FLOOR, adam_scale
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.Adam([p], lr=0.1)
+    scale = adam_scale(opt)
+    assert scale([p]) is None  # before the first step there is no second moment
+    p.grad = torch.tensor([4.0, 1.0, 0.0, 2.0])
+    opt.step()
+    d = scale([p])
+    root = opt.state[p]["exp_avg_sq"].sqrt()
+    assert torch.equal(d[[0, 1, 3]], root[[0, 1, 3]])
+    assert float(d[2]) == pytest.approx(FLOOR * float(root.mean()))  # v = 0: floored, never a zero divisor
+
+
+def test_precondition_is_refused_where_the_second_moment_is_sharded():
+    with pytest.raises(ConfigError, match="use it with --strategy ddp"):
+        check_compression_strategy("zero2", "sign,precondition")
+    with pytest.raises(ConfigError, match="topk, int8 and sign only"):
+        parse_compression("bf16,precondition")

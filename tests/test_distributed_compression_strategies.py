@@ -15,13 +15,15 @@ LOSSY = ["topk:0.01", "int8", "sign", "bf16", "fp16", "powersgd:2,batched"]
 RUNS = ([("ddp", s) for s in [None, "none", "topk:1.0,values=fp32", "powersgd:2", *LOSSY]]
         + [("zero2", s) for s in [None, "none", "topk:1.0,values=fp32", *LOSSY]]
         + [("zero1", s) for s in [None, "none", "topk:0.01", "int8"]])
+ADAM_RUNS = [None, "sign:chunk=64", "sign:chunk=64,precondition", "topk:0.05,precondition"]
+"""DDP with AdamW, whose second moment a preconditioned spec divides by (precondition.py)."""
 
 
 def _params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _train(rank: int, strategy: str, spec: str | None) -> dict:
+def _train(rank: int, strategy: str, spec: str | None, optimizer: str = "sgd") -> dict:
     """STEPS of plain SGD on the rank's own batches; the first step's update and the final weights."""
     from memfit.distributed import distribute, global_count
     from memfit.distributed.compression import register_compression
@@ -29,7 +31,7 @@ def _train(rank: int, strategy: str, spec: str | None) -> dict:
 
     torch.manual_seed(0)
     model = parse_model(TINY).build(seq=16)
-    opt = distribute(model, strategy, "sgd", lr=LR)
+    opt = distribute(model, strategy, optimizer, lr=LR if optimizer == "sgd" else 1e-2)
     state = register_compression(opt, spec) if spec is not None else None
     start, first, losses = _params(model), None, []
     for step in range(STEPS):
@@ -71,6 +73,7 @@ def _refusals() -> dict:
 
 def _worker(rank: int, world: int) -> dict:
     results = {(strategy, spec): _train(rank, strategy, spec) for strategy, spec in RUNS}
+    results.update({("adamw", spec): _train(rank, "ddp", spec, "adamw") for spec in ADAM_RUNS})
     results["refusals"] = _refusals()
     return results
 
@@ -133,3 +136,19 @@ def test_strategies_without_a_gradient_reduction_refuse(ranks):
     refused = ranks[0]["refusals"]
     assert "zero3" in refused["zero3"] and "use ddp, zero1 or zero2" in refused["zero3"]
     assert "DistributedDataParallel" in refused["ps"]
+
+
+@pytest.mark.parametrize("spec", ADAM_RUNS[1:])
+def test_preconditioned_compression_keeps_replicas_identical(ranks, spec):
+    """D comes from the previous step's Adam state, the same on every rank, so decoding agrees."""
+    a, b = ranks[0][("adamw", spec)], ranks[1][("adamw", spec)]
+    assert torch.equal(a["params"], b["params"])
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in (a, b))
+
+
+def test_preconditioning_changes_what_is_sent_after_the_first_step(ranks):
+    """Step 1 has no second moment yet (no preconditioning): the same update as plain sign; from
+    step 2 on the per-element scale changes the decoded gradient, so the weights part."""
+    plain, pre = ranks[0][("adamw", "sign:chunk=64")], ranks[0][("adamw", "sign:chunk=64,precondition")]
+    assert torch.equal(plain["first_update"], pre["first_update"])
+    assert not torch.equal(plain["params"], pre["params"])

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _torch_psgd
 
 from memfit.distributed.compression.exchange import Traffic, allreduce_bytes
+from memfit.distributed.compression.precondition import adam_scale
 from memfit.distributed.compression.powersgd import torch_powersgd_bytes, torch_powersgd_state
 from memfit.core.errors import ConfigError
 from memfit.distributed.compression.spec import CompressionSpec, check_compression_strategy, parse_compression
@@ -30,7 +31,8 @@ def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[to
     """DDP comm hook: the bucket's gradients averaged over ranks through `state`'s compressor."""
     buf = bucket.buffer()
     sizes = [g.numel() for g in bucket.gradients()]  # per-tensor groups (layout.py)
-    buf.copy_(state.exchange(buf, _bucket_key(bucket), sizes))
+    scale = state.preconditioner(bucket.parameters()) if state.preconditioner is not None else None
+    buf.copy_(state.exchange(buf, _bucket_key(bucket), sizes, scale))
     if bucket.is_last():
         state.end_step()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -72,7 +74,7 @@ def torch_powersgd_hook(state: TorchPowerSGDState, bucket) -> torch.futures.Futu
     return done
 
 
-def register_compression(target, spec: str | CompressionSpec | None, group=None):
+def register_compression(target, spec: str | CompressionSpec | None, group=None, optimizer=None):
     """Compress the gradient reduction of `target`; returns the state holding the byte counters.
 
     target: a torch DistributedDataParallel model (gradients averaged, DDP's convention), or what
@@ -80,7 +82,9 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None)
     spec: "topk:0.01" | "int8" | "sign" | "bf16" | "fp16" | "powersgd:4" | "powersgd:4,batched" |
     "none" (an fp32 all-reduce through the same path: bitwise the uncompressed result). Raises
     ConfigError (one line) for a bad spec or a target whose reduction cannot carry it.
-    group: the process group of a torch DDP model (None = the default group)."""
+    group: the process group of a torch DDP model (None = the default group).
+    optimizer: the Adam-family optimizer whose second moment a `precondition` spec divides by
+    (memfit's DDP passes its own)."""
     engine = getattr(target, "engine", target)
     if hasattr(engine, "stage") and hasattr(engine, "compression"):  # memfit's ZeRO: ShardedOptimizer, ZeroEngine
         strategy = f"zero{engine.stage}"
@@ -90,7 +94,8 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None)
         return state
     memfit_ddp = getattr(target, "comm_hook", None)
     if memfit_ddp is not None:  # memfit's DDPOptimizer: its one hook dispatches to ours
-        state, hook = _state_and_hook(check_compression_strategy("ddp", spec), memfit_ddp.group, average=False)
+        state, hook = _state_and_hook(check_compression_strategy("ddp", spec), memfit_ddp.group, average=False,
+                                      optimizer=optimizer or target.inner)
         memfit_ddp.compression = functools.partial(hook, state)
         target.compression = state
         return state
@@ -98,7 +103,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None)
         raise ConfigError(f"register_compression takes a DistributedDataParallel model or what memfit's "
                           f"distribute() returned for ddp, zero1 or zero2, not {type(target).__name__}; "
                           "the parameter server and zero3 do not carry compression")
-    state, hook = _state_and_hook(parse_compression(spec), group, average=True)
+    state, hook = _state_and_hook(parse_compression(spec), group, average=True, optimizer=optimizer)
     try:
         target.register_comm_hook(state, hook)
     except RuntimeError as exc:  # DDP takes one comm hook, once
@@ -107,7 +112,13 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None)
     return state
 
 
-def _state_and_hook(parsed: CompressionSpec, group, average: bool):
+def _state_and_hook(parsed: CompressionSpec, group, average: bool, optimizer=None):
     if parsed.name == "powersgd" and not parsed.batched:
         return TorchPowerSGDState(parsed, group, average), torch_powersgd_hook
-    return CompressionState(parsed, group, average), compression_hook
+    state = CompressionState(parsed, group, average)
+    if parsed.precondition:
+        if optimizer is None:
+            raise ConfigError(f"compression {str(parsed)!r} with precondition needs the optimizer: "
+                              "register_compression(ddp_model, spec, optimizer=opt)")
+        state.preconditioner = adam_scale(optimizer)
+    return state, compression_hook

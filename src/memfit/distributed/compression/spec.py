@@ -17,7 +17,7 @@ from memfit.core.errors import ConfigError
 
 NAMES = ("none", "topk", "int8", "sign", "bf16", "fp16", "powersgd")
 STRATEGIES_WITH_COMPRESSION = ("ddp", "zero1", "zero2")
-_FLAGS = {"stochastic", "batched"}
+_FLAGS = {"stochastic", "batched", "precondition"}
 _OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start"}
 
 
@@ -42,6 +42,8 @@ class CompressionSpec:
     """top-k: dtype of the sent values ("bf16" or "fp32"); bf16 rounding goes into the residual."""
     batched: bool = False
     """PowerSGD: memfit's batched variant instead of torch's per-matrix powerSGD_hook."""
+    precondition: bool = False
+    """topk / int8 / sign: encode x / sqrt(Adam's v) per element (precondition.py); DDP with an Adam optimizer."""
     seed: int = 0
     start: int | None = None
     """Plain fp32 all-reduce for the first `start` steps (an uncompressed warm-up, as 1-bit Adam
@@ -57,7 +59,8 @@ class CompressionSpec:
 
     def __str__(self) -> str:
         main = {"topk": f":{self.ratio:g}", "powersgd": f":{self.rank}"}.get(self.name, "")
-        return self.name + main + (",batched" if self.batched and self.name == "powersgd" else "")
+        return (self.name + main + (",batched" if self.batched and self.name == "powersgd" else "")
+                + (",precondition" if self.precondition else ""))
 
 
 def _number(spec: str, key: str, text: str, kind: type):
@@ -116,6 +119,8 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
         raise ConfigError(f"compression {spec!r}: warmup and start must be >= 0 steps")
     if s.values not in ("bf16", "fp32"):
         raise ConfigError(f"compression {spec!r}: values={s.values!r}; accepted: bf16, fp32")
+    if s.precondition and s.name not in ("topk", "int8", "sign"):
+        raise ConfigError(f"compression {spec!r}: precondition applies to topk, int8 and sign only")
     if s.momentum and s.name != "topk":
         raise ConfigError(f"compression {spec!r}: momentum correction applies to topk only")
     return s
@@ -141,6 +146,9 @@ _WHY_NOT = {
 def check_compression_strategy(strategy: str, spec: str | CompressionSpec | None) -> CompressionSpec:
     """Parse `spec` and check that `strategy` can carry it; ConfigError (one line) otherwise."""
     parsed = parse_compression(spec)
+    if parsed.precondition and strategy != "ddp":
+        raise ConfigError(f"--compress {spec}: precondition divides by the optimizer's second moment of every "
+                          f"element, which {strategy} shards over the ranks; use it with --strategy ddp")
     if parsed.name == "none" or strategy in STRATEGIES_WITH_COMPRESSION:
         if parsed.name == "powersgd" and not parsed.batched and strategy != "ddp":
             raise ConfigError(f"--compress {spec}: torch's powerSGD_hook is a DDP comm hook; with "
