@@ -196,7 +196,7 @@ def main() -> None:
     opt = (f"AdamW betas (0.9, 0.95)" if args.optimizer == "adamw" else
            "SGD momentum 0.9 (plain SGD where the spec has DGC's momentum=)")
     command = " ".join(["bench/compression.py"] + [shlex.quote(a) for a in sys.argv[1:]])
-    path = save(args.name, {"name": args.name, "command": command, "model": args.model, "png": png.name, "optimizer_name": args.optimizer, "batch_per_rank": BATCH, "seq": SEQ, "world": WORLD, "steps": args.steps,
+    path = save(args.name, {"script": NAME, "name": args.name, "command": command, "model": args.model, "png": png.name, "optimizer_name": args.optimizer, "batch_per_rank": BATCH, "seq": SEQ, "world": WORLD, "steps": args.steps,
                        "optimizer": f"{opt} lr {args.lr:g} (warm-up {WARMUP}, cosine), clip {CLIP}",
                        "threads_per_rank": 1,
                        "load_avg": [load_before, os.getloadavg()[0]], "wall_s": wall, "rows": rows})

@@ -240,7 +240,35 @@ def test_adam_scale_is_the_floored_root_of_the_second_moment():
 
 
 def test_precondition_is_refused_where_the_second_moment_is_sharded():
-    with pytest.raises(ConfigError, match="use it with --strategy ddp"):
+    with pytest.raises(ConfigError, match="use them with --strategy ddp"):
         check_compression_strategy("zero2", "sign,precondition")
     with pytest.raises(ConfigError, match="topk, int8 and sign only"):
         parse_compression("bf16,precondition")
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
+def test_frozen_second_moment_keeps_v_and_steps_linearly(kind):
+    """After the freeze v stays, and the step is m / sqrt(v) with m a running mean: two steps with
+    gradients g1, g2 move the weights by what the same formula gives by hand (linear in g)."""
+    from memfit.distributed.compression.freeze import freeze_second_moment
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    opt = kind([p], lr=0.1, betas=(0.9, 0.95), weight_decay=0.01)
+    assert not freeze_second_moment(opt)  # nothing to freeze before the first step
+    p.grad = torch.tensor([0.5, -1.0, 2.0])
+    opt.step()
+    v = opt.state[p]["exp_avg_sq"].clone()  # every element got a gradient: no floor
+    m = opt.state[p]["exp_avg"].clone()
+    assert freeze_second_moment(opt)
+    w = p.detach().clone()
+    for t, g in ((2, torch.tensor([3.0, 0.0, -1.0])), (3, torch.tensor([-1.0, 4.0, 0.5]))):
+        p.grad = g.clone()
+        opt.step()
+        if kind is torch.optim.AdamW:
+            w = w * (1 - 0.1 * 0.01)
+        else:
+            g = g + 0.01 * w
+        m = 0.9 * m + 0.1 * g
+        w = w - 0.1 / (1 - 0.9 ** t) * m / ((v / (1 - 0.95)).sqrt() + 1e-8)
+        assert torch.allclose(p.detach(), w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(opt.state[p]["exp_avg_sq"], v)

@@ -116,9 +116,10 @@ def _state_and_hook(parsed: CompressionSpec, group, average: bool, optimizer=Non
     if parsed.name == "powersgd" and not parsed.batched:
         return TorchPowerSGDState(parsed, group, average), torch_powersgd_hook
     state = CompressionState(parsed, group, average)
-    if parsed.precondition:
+    if parsed.precondition or parsed.freeze:
         if optimizer is None:
-            raise ConfigError(f"compression {str(parsed)!r} with precondition needs the optimizer: "
+            raise ConfigError(f"compression {str(parsed)!r} with precondition or freeze needs the optimizer: "
                               "register_compression(ddp_model, spec, optimizer=opt)")
-        state.preconditioner = adam_scale(optimizer)
+        state.optimizer = optimizer
+        state.preconditioner = adam_scale(optimizer) if parsed.precondition else None
     return state, compression_hook

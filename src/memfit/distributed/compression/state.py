@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from memfit.distributed.compression.exchange import Traffic, all_reduce_sum, allreduce_bytes, gather_parts
 from memfit.distributed.compression.feedback import ErrorFeedback
+from memfit.distributed.compression.freeze import freeze_second_moment
 from memfit.distributed.compression.powersgd import BatchedPowerSGD
 from memfit.distributed.compression.registry import make_codec
 from memfit.distributed.compression.spec import CompressionSpec, parse_compression
@@ -35,7 +36,7 @@ class CompressionState:
         self.encode_s = self.decode_s = 0.0
         self.steps = 0
         self.calls: dict = defaultdict(int)
-        self.preconditioner = None
+        self.preconditioner = self.optimizer = None
         """params -> D (precondition.adam_scale), set by register_compression for preconditioned specs."""
         self.powersgd = self.codec = self.feedback = None
         if self.spec.name == "powersgd":
@@ -51,6 +52,8 @@ class CompressionState:
 
     def end_step(self) -> None:
         self.steps += 1
+        if self.spec.freeze and self.steps == self.spec.freeze and self.optimizer is not None:
+            freeze_second_moment(getattr(self.optimizer, "optimizer", self.optimizer))  # TrainingOptimizer's torch one
 
     def exchange(self, flat: torch.Tensor, key=0, sizes=None, scale: torch.Tensor | None = None) -> torch.Tensor:
         """The mean over ranks of every rank's `flat` (1-D), compressed on the wire; flat's dtype.
