@@ -109,13 +109,15 @@ def test_replicas_stay_identical_and_training_goes_on(ranks, strategy, spec):
     ("ddp", "int8", 0.999), ("zero2", "int8", 0.999), ("zero1", "int8", 0.999),
     ("ddp", "sign", 0.5), ("zero2", "sign", 0.5), ("ddp", "bf16", 0.9999), ("zero2", "bf16", 0.9999),
     ("ddp", "fp16", 0.9999), ("zero2", "fp16", 0.9999),
+    # PowerSGD all-reduces uncompressed for its first 2 steps: the step-1 update is the exact sum
+    ("ddp", "powersgd:2", 0.9999), ("ddp", "powersgd:2,batched", 0.9999), ("zero2", "powersgd:2,batched", 0.9999),
 ])
 def test_first_update_approximates_the_summed_gradient(ranks, strategy, spec, min_cos):
     """Step 1 starts from the same weights: its plain-SGD update is -lr x the reduced gradient, so
     it approximates the uncompressed update in direction and (the sum, not the mean) in scale."""
     got, exact = ranks[0][(strategy, spec)]["first_update"], ranks[0][(strategy, None)]["first_update"]
     assert float(torch.nn.functional.cosine_similarity(got, exact, dim=0)) >= min_cos
-    if spec in ("int8", "bf16", "fp16"):  # unbiased-ish quantizers keep the norm: sum, not mean
+    if spec in ("int8", "bf16", "fp16") or spec.startswith("powersgd"):  # the norm of the sum, not the mean
         assert float(got.norm() / exact.norm()) == pytest.approx(1.0, rel=0.02)
 
 
