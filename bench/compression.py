@@ -65,7 +65,7 @@ class Contender:
         extra = {"betas": (0.9, 0.95)} if optimizer == "adamw" else {}  # the default job's AdamW
         self.opt = TrainingOptimizer(self.model, optimizer_for(spec, optimizer), lr=lr, clip=CLIP, **extra)
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.state = register_compression(self.ddp, spec, optimizer=self.opt)  # precondition reads its v
+        self.state = register_compression(self.ddp, spec)
         self.sampler = WindowSampler(corpus.train, BATCH, SEQ, seed=1 + rank)  # same data per compressor
         self.losses, self.times, self.val = [], [], []
 

@@ -168,7 +168,7 @@ def test_topk_warmup_decays_to_the_target_ratio():
 @pytest.mark.parametrize("spec, fragment", [
     ("topk:0", "outside (0, 1]"), ("topk:1.5", "outside (0, 1]"), ("topk:-1", "outside (0, 1]"),
     ("gzip", "unknown compressor 'gzip'"), ("powersgd:0", "rank 0 must be at least 1"),
-    ("topk:abc", "not a number"), ("int8:foo=2", "unknown option"), ("sign,momentum=0.9", "topk only"),
+    ("topk:abc", "not a number"), ("int8:foo=2", "unknown option"), ("int8,momentum=0.9", "topk and sign with error feedback"),
 ])
 def test_bad_specs_raise_one_line_config_errors(spec, fragment):
     with pytest.raises(ConfigError, match=None) as err:
@@ -224,51 +224,15 @@ def test_groups_never_straddle_tensors(sizes, chunk, seed):
             assert ((a - b).abs() <= a.abs().max() / 254 * (1 + 1e-5)).all()
 
 
-def test_adam_scale_is_the_floored_root_of_the_second_moment():
-    from memfit.distributed.compression.precondition import FLOOR, adam_scale
 
-    p = torch.nn.Parameter(torch.zeros(4))
-    opt = torch.optim.Adam([p], lr=0.1)
-    scale = adam_scale(opt)
-    assert scale([p]) is None  # before the first step there is no second moment
-    p.grad = torch.tensor([4.0, 1.0, 0.0, 2.0])
-    opt.step()
-    d = scale([p])
-    root = opt.state[p]["exp_avg_sq"].sqrt()
-    assert torch.equal(d[[0, 1, 3]], root[[0, 1, 3]])
-    assert float(d[2]) == pytest.approx(FLOOR * float(root.mean()))  # v = 0: floored, never a zero divisor
-
-
-def test_precondition_is_refused_where_the_second_moment_is_sharded():
-    with pytest.raises(ConfigError, match="use them with --strategy ddp"):
-        check_compression_strategy("zero2", "sign,precondition")
-    with pytest.raises(ConfigError, match="topk, int8 and sign only"):
-        parse_compression("bf16,precondition")
-
-
-@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
-def test_frozen_second_moment_keeps_v_and_steps_linearly(kind):
-    """After the freeze v stays, and the step is m / sqrt(v) with m a running mean: two steps with
-    gradients g1, g2 move the weights by what the same formula gives by hand (linear in g)."""
-    from memfit.distributed.compression.freeze import freeze_second_moment
-
-    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
-    opt = kind([p], lr=0.1, betas=(0.9, 0.95), weight_decay=0.01)
-    assert not freeze_second_moment(opt)  # nothing to freeze before the first step
-    p.grad = torch.tensor([0.5, -1.0, 2.0])
-    opt.step()
-    v = opt.state[p]["exp_avg_sq"].clone()  # every element got a gradient: no floor
-    m = opt.state[p]["exp_avg"].clone()
-    assert freeze_second_moment(opt)
-    w = p.detach().clone()
-    for t, g in ((2, torch.tensor([3.0, 0.0, -1.0])), (3, torch.tensor([-1.0, 4.0, 0.5]))):
-        p.grad = g.clone()
-        opt.step()
-        if kind is torch.optim.AdamW:
-            w = w * (1 - 0.1 * 0.01)
-        else:
-            g = g + 0.01 * w
-        m = 0.9 * m + 0.1 * g
-        w = w - 0.1 / (1 - 0.9 ** t) * m / ((v / (1 - 0.95)).sqrt() + 1e-8)
-        assert torch.allclose(p.detach(), w, rtol=1e-6, atol=1e-7)
-    assert torch.equal(opt.state[p]["exp_avg_sq"], v)
+def test_sign_momentum_correction_keeps_the_velocity():
+    """Momentum correction for sign: u = m u + g is compressed with the residual, and since sign
+    sends every element there is nothing to mask: u carries on (top-k zeroes what it sent)."""
+    codec, fb = make_codec(parse_compression("sign:chunk=4,momentum=0.5")), ErrorFeedback(0.5, mask=False)
+    g = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    for step in range(3):
+        x = fb.corrected("b", g)
+        sent = codec.decode(codec.encode(x, step), 4)
+        residual = fb.update("b", x, sent)
+        assert torch.equal(sent + residual, x) or torch.allclose(sent + residual, x, atol=1e-6)
+    assert torch.allclose(fb.velocity["b"], g * (1 + 0.5 + 0.25))

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _torch_psgd
 
 from memfit.distributed.compression.exchange import Traffic, allreduce_bytes
-from memfit.distributed.compression.precondition import adam_scale
 from memfit.distributed.compression.powersgd import torch_powersgd_bytes, torch_powersgd_state
 from memfit.core.errors import ConfigError
 from memfit.distributed.compression.spec import CompressionSpec, check_compression_strategy, parse_compression
@@ -31,8 +30,7 @@ def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[to
     """DDP comm hook: the bucket's gradients averaged over ranks through `state`'s compressor."""
     buf = bucket.buffer()
     sizes = [g.numel() for g in bucket.gradients()]  # per-tensor groups (layout.py)
-    scale = state.preconditioner(bucket.parameters()) if state.preconditioner is not None else None
-    buf.copy_(state.exchange(buf, _bucket_key(bucket), sizes, scale))
+    buf.copy_(state.exchange(buf, _bucket_key(bucket), sizes))
     if bucket.is_last():
         state.end_step()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -74,7 +72,7 @@ def torch_powersgd_hook(state: TorchPowerSGDState, bucket) -> torch.futures.Futu
     return done
 
 
-def register_compression(target, spec: str | CompressionSpec | None, group=None, optimizer=None):
+def register_compression(target, spec: str | CompressionSpec | None, group=None):
     """Compress the gradient reduction of `target`; returns the state holding the byte counters.
 
     target: a torch DistributedDataParallel model (gradients averaged, DDP's convention), or what
@@ -82,9 +80,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None,
     spec: "topk:0.01" | "int8" | "sign" | "bf16" | "fp16" | "powersgd:4" | "powersgd:4,batched" |
     "none" (an fp32 all-reduce through the same path: bitwise the uncompressed result). Raises
     ConfigError (one line) for a bad spec or a target whose reduction cannot carry it.
-    group: the process group of a torch DDP model (None = the default group).
-    optimizer: the Adam-family optimizer whose second moment a `precondition` spec divides by
-    (memfit's DDP passes its own)."""
+    group: the process group of a torch DDP model (None = the default group)."""
     engine = getattr(target, "engine", target)
     if hasattr(engine, "stage") and hasattr(engine, "compression"):  # memfit's ZeRO: ShardedOptimizer, ZeroEngine
         strategy = f"zero{engine.stage}"
@@ -94,8 +90,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None,
         return state
     memfit_ddp = getattr(target, "comm_hook", None)
     if memfit_ddp is not None:  # memfit's DDPOptimizer: its one hook dispatches to ours
-        state, hook = _state_and_hook(check_compression_strategy("ddp", spec), memfit_ddp.group, average=False,
-                                      optimizer=optimizer or target.inner)
+        state, hook = _state_and_hook(check_compression_strategy("ddp", spec), memfit_ddp.group, average=False)
         memfit_ddp.compression = functools.partial(hook, state)
         target.compression = state
         return state
@@ -103,7 +98,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None,
         raise ConfigError(f"register_compression takes a DistributedDataParallel model or what memfit's "
                           f"distribute() returned for ddp, zero1 or zero2, not {type(target).__name__}; "
                           "the parameter server and zero3 do not carry compression")
-    state, hook = _state_and_hook(parse_compression(spec), group, average=True, optimizer=optimizer)
+    state, hook = _state_and_hook(parse_compression(spec), group, average=True)
     try:
         target.register_comm_hook(state, hook)
     except RuntimeError as exc:  # DDP takes one comm hook, once
@@ -112,14 +107,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None,
     return state
 
 
-def _state_and_hook(parsed: CompressionSpec, group, average: bool, optimizer=None):
+def _state_and_hook(parsed: CompressionSpec, group, average: bool):
     if parsed.name == "powersgd" and not parsed.batched:
         return TorchPowerSGDState(parsed, group, average), torch_powersgd_hook
-    state = CompressionState(parsed, group, average)
-    if parsed.precondition or parsed.freeze:
-        if optimizer is None:
-            raise ConfigError(f"compression {str(parsed)!r} with precondition or freeze needs the optimizer: "
-                              "register_compression(ddp_model, spec, optimizer=opt)")
-        state.optimizer = optimizer
-        state.preconditioner = adam_scale(optimizer) if parsed.precondition else None
-    return state, compression_hook
+    return CompressionState(parsed, group, average), compression_hook

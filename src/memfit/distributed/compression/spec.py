@@ -17,8 +17,8 @@ from memfit.core.errors import ConfigError
 
 NAMES = ("none", "topk", "int8", "sign", "bf16", "fp16", "powersgd")
 STRATEGIES_WITH_COMPRESSION = ("ddp", "zero1", "zero2")
-_FLAGS = {"stochastic", "batched", "precondition"}
-_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start", "freeze"}
+_FLAGS = {"stochastic", "batched"}
+_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class CompressionSpec:
     stochastic: bool = False
     """int8: stochastic rounding (unbiased) instead of round-to-nearest."""
     momentum: float = 0.0
-    """top-k: DGC momentum correction factor (0 = off). Pair it with plain SGD (no momentum)."""
+    """top-k, sign: momentum correction factor (0 = off): the momentum is kept before compression
+    (DGC). Pair it with plain SGD (no momentum)."""
     warmup: int = 0
     """top-k: steps over which the ratio decays from 25% to `ratio` (DGC warm-up)."""
     ef: bool | None = None
@@ -42,10 +43,6 @@ class CompressionSpec:
     """top-k: dtype of the sent values ("bf16" or "fp32"); bf16 rounding goes into the residual."""
     batched: bool = False
     """PowerSGD: memfit's batched variant instead of torch's per-matrix powerSGD_hook."""
-    precondition: bool = False
-    """topk / int8 / sign: encode x / sqrt(Adam's v) per element (precondition.py); DDP with an Adam optimizer."""
-    freeze: int = 0
-    """Freeze Adam's second moment after this many steps (1-bit Adam; freeze.py); 0 = never. DDP."""
     seed: int = 0
     start: int | None = None
     """Plain fp32 all-reduce for the first `start` steps (an uncompressed warm-up, as 1-bit Adam
@@ -61,8 +58,7 @@ class CompressionSpec:
 
     def __str__(self) -> str:
         main = {"topk": f":{self.ratio:g}", "powersgd": f":{self.rank}"}.get(self.name, "")
-        return (self.name + main + (",batched" if self.batched and self.name == "powersgd" else "")
-                + (",precondition" if self.precondition else ""))
+        return (self.name + main + (",batched" if self.batched and self.name == "powersgd" else ""))
 
 
 def _number(spec: str, key: str, text: str, kind: type):
@@ -117,14 +113,12 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
         raise ConfigError(f"compression {spec!r}: chunk={s.chunk} must be at least 1 element")
     if not 0 <= s.momentum < 1:
         raise ConfigError(f"compression {spec!r}: momentum={s.momentum:g} must be in [0, 1)")
-    if s.warmup < 0 or s.dense_steps < 0 or s.freeze < 0:
-        raise ConfigError(f"compression {spec!r}: warmup, start and freeze must be >= 0 steps")
+    if s.warmup < 0 or s.dense_steps < 0:
+        raise ConfigError(f"compression {spec!r}: warmup and start must be >= 0 steps")
     if s.values not in ("bf16", "fp32"):
         raise ConfigError(f"compression {spec!r}: values={s.values!r}; accepted: bf16, fp32")
-    if s.precondition and s.name not in ("topk", "int8", "sign"):
-        raise ConfigError(f"compression {spec!r}: precondition applies to topk, int8 and sign only")
-    if s.momentum and s.name != "topk":
-        raise ConfigError(f"compression {spec!r}: momentum correction applies to topk only")
+    if s.momentum and (s.name not in ("topk", "sign") or not s.error_feedback):
+        raise ConfigError(f"compression {spec!r}: momentum correction applies to topk and sign with error feedback")
     return s
 
 
@@ -148,9 +142,6 @@ _WHY_NOT = {
 def check_compression_strategy(strategy: str, spec: str | CompressionSpec | None) -> CompressionSpec:
     """Parse `spec` and check that `strategy` can carry it; ConfigError (one line) otherwise."""
     parsed = parse_compression(spec)
-    if (parsed.precondition or parsed.freeze) and strategy != "ddp":
-        raise ConfigError(f"--compress {spec}: precondition and freeze use the optimizer's second moment of "
-                          f"every element, which {strategy} shards over the ranks; use them with --strategy ddp")
     if parsed.name == "none" or strategy in STRATEGIES_WITH_COMPRESSION:
         if parsed.name == "powersgd" and not parsed.batched and strategy != "ddp":
             raise ConfigError(f"--compress {spec}: torch's powerSGD_hook is a DDP comm hook; with "

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from memfit.distributed.compression.exchange import Traffic, all_reduce_sum, allreduce_bytes, gather_parts
 from memfit.distributed.compression.feedback import ErrorFeedback
-from memfit.distributed.compression.freeze import freeze_second_moment
 from memfit.distributed.compression.powersgd import BatchedPowerSGD
 from memfit.distributed.compression.registry import make_codec
 from memfit.distributed.compression.spec import CompressionSpec, parse_compression
@@ -36,15 +35,13 @@ class CompressionState:
         self.encode_s = self.decode_s = 0.0
         self.steps = 0
         self.calls: dict = defaultdict(int)
-        self.preconditioner = self.optimizer = None
-        """params -> D (precondition.adam_scale), set by register_compression for preconditioned specs."""
         self.powersgd = self.codec = self.feedback = None
         if self.spec.name == "powersgd":
             self.powersgd = BatchedPowerSGD(self.spec.rank, self.spec.dense_steps, self.spec.seed)
         else:
             self.codec = make_codec(self.spec, dist.get_rank(group) if dist.is_initialized() else 0)
             if self.spec.error_feedback:
-                self.feedback = ErrorFeedback(self.spec.momentum)
+                self.feedback = ErrorFeedback(self.spec.momentum, mask=self.spec.name == "topk")
 
     @property
     def world(self) -> int:
@@ -52,16 +49,13 @@ class CompressionState:
 
     def end_step(self) -> None:
         self.steps += 1
-        if self.spec.freeze and self.steps == self.spec.freeze and self.optimizer is not None:
-            freeze_second_moment(getattr(self.optimizer, "optimizer", self.optimizer))  # TrainingOptimizer's torch one
 
-    def exchange(self, flat: torch.Tensor, key=0, sizes=None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    def exchange(self, flat: torch.Tensor, key=0, sizes=None) -> torch.Tensor:
         """The mean over ranks of every rank's `flat` (1-D), compressed on the wire; flat's dtype.
 
         sizes: lengths of the tensors concatenated in `flat` (top-k budgets and int8/sign scales
         stay within one tensor); None = one tensor. Every rank must call it with buffers of the
-        same length and sizes in the same order (it is a collective). scale: D of a preconditioned
-        spec (precondition.py), the same on every rank; None = no preconditioning this call."""
+        same length and sizes in the same order (it is a collective)."""
         world, n = self.world, flat.numel()
         self.traffic.uncompressed += allreduce_bytes(n * flat.element_size(), world)
         # Steps seen by this buffer, or completed steps when the caller reports them (DDP renames its
@@ -78,15 +72,13 @@ class CompressionState:
             return (out / world if self.average else out).to(flat.dtype)
         if self.codec.exchange == "allreduce":
             return self._allreduce(flat, key, step, world)
-        return self._gather(flat, key, step, world, sizes, scale if self.spec.precondition else None)
+        return self._gather(flat, key, step, world, sizes)
 
-    def _encode(self, x: torch.Tensor, key, step: int, scale: float | torch.Tensor = 1.0,
-                sizes=None) -> list[torch.Tensor]:
-        plain = isinstance(scale, float) and scale == 1.0
-        parts = self.codec.encode(x if plain else x / scale, step, sizes)
+    def _encode(self, x: torch.Tensor, key, step: int, scale: float = 1.0, sizes=None) -> list[torch.Tensor]:
+        parts = self.codec.encode(x if scale == 1.0 else x / scale, step, sizes)
         if self.feedback is not None:
             sent = self.codec.decode(parts, x.numel(), sizes)
-            self.feedback.update(key, x, sent if plain else sent * scale)
+            self.feedback.update(key, x, sent if scale == 1.0 else sent * scale)
         return parts
 
     def _corrected(self, flat: torch.Tensor, key) -> torch.Tensor:
@@ -94,18 +86,15 @@ class CompressionState:
             return self.feedback.corrected(key, flat)
         return flat.detach().float()
 
-    def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes, scale=None) -> torch.Tensor:
+    def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes) -> torch.Tensor:
         t0 = time.perf_counter()
-        scale = 1.0 if scale is None or scale.numel() != flat.numel() else scale.to(flat.device)
-        parts = self._encode(self._corrected(flat, key), key, step, scale=scale, sizes=sizes)
+        parts = self._encode(self._corrected(flat, key), key, step, sizes=sizes)
         t1 = time.perf_counter()
         gathered = gather_parts(parts, self.group, self.traffic)
         t2 = time.perf_counter()
         total = self.codec.decode(gathered[0], flat.numel(), sizes).clone()
         for p in gathered[1:]:  # rank order, so every rank computes the same bits
             total += self.codec.decode(p, flat.numel(), sizes)
-        if not isinstance(scale, float):
-            total = total * scale
         out = (total / world if self.average else total).to(flat.dtype)
         self.encode_s += t1 - t0
         self.decode_s += time.perf_counter() - t2
