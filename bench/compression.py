@@ -1,11 +1,14 @@
 """Gradient compression on the wire: bytes each rank sends, encode+decode cost, and convergence.
 
     .venv/bin/python bench/compression.py [--steps 150] [--model SPEC] [--optimizer adamw|momentum]
-                                          [--compressors SPEC ...] [--name compression]
+                                          [--compressors SPEC ...] [--lr LR] [--name NAME]
 
 Two gloo ranks on 127.0.0.1 train memfit's GPT (models/gpt.py) on the default corpus
-(train/data.py) with torch DDP and TrainingOptimizer (AdamW, the default job's lr schedule), one
-model per compressor, all in the same two processes. Every step visits the compressors in a
+(train/data.py) with torch DDP and TrainingOptimizer, one model per compressor, all in the same
+two processes: AdamW with the default job's betas, lr schedule and clipping (results/compression.json),
+or with --optimizer momentum SGD with momentum 0.9 (results/compression_sgd.json), the setting of
+DGC and EF-SignSGD, where a spec with momentum= moves the momentum before compression and the
+optimizer is plain SGD. Every step visits the compressors in a
 fresh shuffled order (the same on both ranks), so machine load hits them alike; step times are
 the median and quartiles over all steps. Bytes are counted where the hooks call their
 collectives (ring volumes: all_gather B * (N - 1), all_reduce 2B (N - 1) / N per rank); the
@@ -41,7 +44,18 @@ from memfit.train.loop import evaluate, lr_at  # noqa: E402
 NAME = "compression"
 MODEL = "gpt:layers=2,hidden=128,heads=4,vocab=256,seq=64"
 BATCH, SEQ, LR, WARMUP, CLIP, WORLD = 8, 64, 2e-3, 20, 1.0, 2  # lr, warm-up, clip: the default job's
-COMPRESSORS = ["none", "topk:0.01", "topk:0.001", "sign", "int8", "bf16", "powersgd:4", "powersgd:4,batched"]
+COMPRESSORS = {
+    # the default job's optimizer: every compressor, the 1-bit one also with 256-element chunks and
+    # with 20 uncompressed warm-up steps (what it costs in bytes shows in the ratio)
+    "adamw": ["none", "topk:0.01", "topk:0.001", "sign", "sign:chunk=256", "sign:chunk=256,start=20", "int8", "bf16",
+              "powersgd:4", "powersgd:4,batched"],
+    # DGC's and EF-SignSGD's setting: momentum SGD, with the momentum moved before compression
+    # (momentum=, plain SGD) against error feedback alone under momentum SGD
+    "momentum": ["none", "topk:0.01,momentum=0.9,warmup=5", "topk:0.01,momentum=0.9", "topk:0.01",
+                 "topk:0.001,momentum=0.9", "sign:chunk=256,momentum=0.9", "sign:chunk=256", "int8", "powersgd:4"],
+}
+LRS = {"adamw": LR, "momentum": 0.5}
+NAMES = {"adamw": NAME, "momentum": "compression_sgd"}
 TARGETS = {"topk:0.01": (50, 0.02), "sign": (25, 0.03), "int8": (3.5, 0.005)}
 """compressor (and its variants with options): (at least this many times fewer bytes, final val loss within)."""
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -171,10 +185,14 @@ def main() -> None:
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "momentum"),
                     help="adamw: the default job's; momentum: SGD with momentum 0.9, DGC's setting")
-    ap.add_argument("--lr", type=float, default=LR)
-    ap.add_argument("--compressors", nargs="+", default=COMPRESSORS, help="specs; the first is the baseline")
-    ap.add_argument("--name", default=NAME, help="results/<name>.json and docs/<name>_loss.png")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: 0.002 for adamw, 0.5 for momentum)")
+    ap.add_argument("--compressors", nargs="+", help="specs, the first is the baseline (default: per optimizer)")
+    ap.add_argument("--name", help="results/<name>.json and docs/<name>_loss.png (default: compression, "
+                    "compression_sgd for momentum)")
     args = ap.parse_args()
+    args.lr = args.lr or LRS[args.optimizer]
+    args.compressors = args.compressors or COMPRESSORS[args.optimizer]
+    args.name = args.name or NAMES[args.optimizer]
     load_before, t0 = os.getloadavg()[0], time.perf_counter()
     out = f"/tmp/memfit_bench_compression_{os.getpid()}"
     run_args = (_free_port(), args.steps, args.model, out, args.compressors, args.optimizer, args.lr)
