@@ -170,6 +170,8 @@ def plot(rows: list[dict], path: Path, optimizer: str = "adamw") -> None:
         line, = ax.plot(range(1, len(xs) + 1), smooth, label=r["compressor"], linewidth=1)
         vx, vy = zip(*r["val_curve"])
         ax.plot(vx, vy, "o", color=line.get_color(), markersize=3)
+    # a diverging run would flatten every other curve: clip the axis just above the starting loss
+    ax.set_ylim(top=max(r["train_loss"][0] for r in rows) + 0.3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte): lines train (10-step mean), dots validation")
     ax.set_title(f"2 gloo ranks, DDP + compression comm hooks, {optimizer}")
