@@ -85,6 +85,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None)
     if hasattr(engine, "stage") and hasattr(engine, "compression"):  # memfit's ZeRO: ShardedOptimizer, ZeroEngine
         strategy = f"zero{engine.stage}"
         state = CompressionState(check_compression_strategy(strategy, spec), engine.group, average=False)
+        state.per_call_steps = False  # the engine reports optimizer steps; micro-batches are not steps
         if engine.stage < 3:  # zero3 passes the check only uncompressed ("none"): nothing to attach
             engine.compression = state
         return state

@@ -35,6 +35,9 @@ class CompressionState:
         self.encode_s = self.decode_s = 0.0
         self.steps = 0
         self.calls: dict = defaultdict(int)
+        self.per_call_steps = True
+        """Count a buffer's calls as steps (DDP); ZeRO turns this off: with gradient accumulation
+        it reduces each micro-batch, and its end_step() counts the optimizer steps."""
         self.powersgd = self.codec = self.feedback = None
         if self.spec.name == "powersgd":
             self.powersgd = BatchedPowerSGD(self.spec.rank, self.spec.dense_steps, self.spec.seed)
@@ -60,7 +63,7 @@ class CompressionState:
         self.traffic.uncompressed += allreduce_bytes(n * flat.element_size(), world)
         # Steps seen by this buffer, or completed steps when the caller reports them (DDP renames its
         # buckets once, when it rebuilds them after step 1, which restarts a per-buffer count).
-        step = max(self.calls[key], self.steps)
+        step = max(self.calls[key], self.steps) if self.per_call_steps else self.steps
         self.calls[key] += 1
         if self.powersgd is not None:
             t0 = time.perf_counter()
