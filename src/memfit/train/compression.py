@@ -32,9 +32,9 @@ def summary(state: Any, step_seconds: list[float]) -> dict[str, Any] | None:
 
 def summary_line(s: dict[str, Any]) -> str:
     """One line for the end-of-run summary."""
-    share = s.get("coding_share_of_step")
-    coding = f", encode+decode {100 * share:.1f}% of step time" if share is not None else ""
     from memfit.core.units import format_bytes
 
+    share = s.get("coding_share_of_step")
+    coding = f", encode+decode {100 * share:.1f}% of step time" if share is not None else ""
     return (f"  compress {s['compression']}: {format_bytes(s['bytes_sent_per_step'])}/step/rank sent, "
             f"{s['ratio']:.1f}x fewer than uncompressed{coding}")

@@ -58,7 +58,7 @@ class CompressionSpec:
 
     def __str__(self) -> str:
         main = {"topk": f":{self.ratio:g}", "powersgd": f":{self.rank}"}.get(self.name, "")
-        return (self.name + main + (",batched" if self.batched and self.name == "powersgd" else ""))
+        return self.name + main + (",batched" if self.batched and self.name == "powersgd" else "")
 
 
 def _number(spec: str, key: str, text: str, kind: type):
