@@ -23,8 +23,9 @@ def _params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _train(rank: int, strategy: str, spec: str | None, optimizer: str = "sgd") -> dict:
-    """STEPS of plain SGD on the rank's own batches; the first step's update and the final weights."""
+def _train(rank: int, strategy: str, spec: str | None, optimizer: str = "sgd", accum: int = 1) -> dict:
+    """STEPS of plain SGD on the rank's own batches (accum micro-batches of 4/accum sequences each);
+    the first step's update and the final weights."""
     from memfit.distributed import distribute, global_count
     from memfit.distributed.compression import register_compression
     from memfit.models.spec import parse_model
@@ -39,9 +40,10 @@ def _train(rank: int, strategy: str, spec: str | None, optimizer: str = "sgd") -
         x = torch.randint(0, 256, (4, 16), generator=g)
         y = torch.randint(0, 256, (4, 16), generator=g)
         total = global_count(y.numel())
-        with opt.micro_batch(True):
-            _, loss, _ = opt.model(x, y)
-        opt.backward(loss / total, final=True)
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            with opt.micro_batch(i == accum - 1):
+                _, loss, _ = opt.model(xm, ym)
+            opt.backward(loss / total, final=i == accum - 1)
         opt.step()
         losses.append(float(loss.detach()) / y.numel())
         if first is None:
@@ -74,6 +76,7 @@ def _refusals() -> dict:
 def _worker(rank: int, world: int) -> dict:
     results = {(strategy, spec): _train(rank, strategy, spec) for strategy, spec in RUNS}
     results.update({("adamw", spec): _train(rank, "ddp", spec, "adamw") for spec in ADAM_RUNS})
+    results.update({("accum", spec): _train(rank, "zero2", spec, accum=2) for spec in (None, f"int8,start={STEPS}")})
     results["refusals"] = _refusals()
     return results
 
@@ -146,3 +149,11 @@ def test_compressed_adamw_keeps_replicas_identical(ranks, spec):
     a, b = ranks[0][("adamw", spec)], ranks[1][("adamw", spec)]
     assert torch.equal(a["params"], b["params"])
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in (a, b))
+
+
+def test_zero2_counts_optimizer_steps_not_micro_batches(ranks):
+    """start=STEPS keeps every optimizer step uncompressed even though ZeRO-2 reduces each of the 2
+    micro-batches: the weights are exactly those of the uncompressed run."""
+    for r in ranks:
+        assert torch.equal(r[("accum", f"int8,start={STEPS}")]["params"], r[("accum", None)]["params"])
+        assert r[("accum", f"int8,start={STEPS}")]["summary"]["steps"] == STEPS
