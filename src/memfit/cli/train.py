@@ -74,6 +74,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)")
     g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3"),
                    help="data-parallel strategy; --batch stays per process (default none)")
+    g.add_argument("--compress", metavar="SPEC",
+                   help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
+                   "fp16, powersgd:4 (options: docs/compression.md; default none)")
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")
     return p
 

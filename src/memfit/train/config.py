@@ -71,6 +71,9 @@ class TrainConfig:
     """Measure one step's memory breakdown with memfit's tracker (params, grads, optimizer, activations)."""
     strategy: str = "none"
     """Data-parallel strategy over the processes torchrun started: none, ddp, ps, zero1, zero2, zero3."""
+    compress: str = "none"
+    """Gradient compression on the wire (ddp, zero1, zero2): topk:0.01, int8, sign, bf16, powersgd:4, ...
+    (memfit.distributed.compression; docs/compression.md)."""
 
     def validate(self) -> None:
         """Raise ConfigError for the first option that cannot work, naming it as the command line does."""
@@ -91,6 +94,10 @@ class TrainConfig:
             _check_float("dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
         if self.offload_optimizer not in ("none", "cpu", "disk"):
             raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r}; accepted: none, cpu, disk")
+        if self.compress not in (None, "none"):
+            from memfit.distributed.compression.spec import check_compression_strategy
+
+            check_compression_strategy(self.strategy, self.compress)  # a bad spec or strategy: one line
         if not isinstance(self.data, (list, tuple)) or not all(isinstance(d, str) for d in self.data):
             raise ConfigError(f"data must be a list of paths, got {self.data!r}")
 

@@ -69,10 +69,14 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
     from memfit.distributed.strategy import distribute
     from memfit.train.config import optimizer_extra
 
-    return distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                      precision=precision, clip=cfg.clip,
-                      offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer,
-                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg))
+    from memfit.train import compression
+
+    opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                     precision=precision, clip=cfg.clip,
+                     offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer,
+                     spill_dir=cfg.spill_dir, **optimizer_extra(cfg))
+    opt.compression = compression.attach(opt, getattr(cfg, "compress", "none"))  # --compress
+    return opt
 
 
 class RankSampler:

@@ -187,9 +187,12 @@ def _evaluate(run: Run, clock: Clock) -> None:
 
 def _save(run: Run, seconds: float, *, last: bool) -> dict[str, Any]:
     """Checkpoint and metrics.json (see Saver for a disk that refuses); returns the metrics."""
+    from memfit.train import compression
+
     run.history["seconds"] = seconds
-    metrics = report.metrics_payload(run.cfg.to_dict(), {**run.info, "horizon": run.horizon}, run.history,
-                                     run.breakdown)
+    comp = compression.summary(getattr(run.opt, "compression", None), run.history["steps"]["seconds"])
+    metrics = report.metrics_payload(run.cfg.to_dict(), {**run.info, "horizon": run.horizon, "compression": comp},
+                                     run.history, run.breakdown)
     ctx = run.ctx
     model_state = dist_train.save_states(run.opt, run.model, run.run_dir, run.step) if ctx else run.model.state_dict()
     if ctx is not None and not ctx.main:  # rank 0 writes checkpoint.pt and metrics.json
