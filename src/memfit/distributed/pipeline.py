@@ -167,7 +167,9 @@ class PipelineOptimizer:
         self.stage_module.eval()
         total = count = 0.0
         try:
+            dev = next(self.stage_module.parameters()).device
             for x, y in batches:
+                x, y = x.to(dev), y.to(dev)
                 h = x if self.rank == 0 else self._recv_like(x)
                 with self.inner.autocast():
                     out = self.stage_module(h)
