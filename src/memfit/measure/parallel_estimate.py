@@ -3,9 +3,9 @@
     pipeline_ranks(spec, batch=2, seq=64, world=2, microbatches=4, schedule="1f1b")
     tensor_ranks(spec, batch=2, seq=64, world=2, tp=2)
 
-Pipeline (global batch world x batch, split into M micro-batches of b rows). Two traces of the GPT
-cut to 1 and 2 blocks at b rows give a block's saved activations (`a`, the difference) and the
-head's (final norm, logits, loss: the 1-block trace less `a`). Rank r holds its stage's weights
+Pipeline (global batch world x batch, split into M micro-batches of b rows). One trace of the GPT
+cut to 1 block at b rows gives, per module, the bytes saved for backward: a block's (`a`), the
+embeddings' and the head's (final norm, head, loss). Rank r holds its stage's weights
 (embeddings on the first, final norm and head on the last; a tied matrix on both), their optimizer
 state, and the activations of the micro-batches in flight at its peak:
 
@@ -13,7 +13,7 @@ state, and the activations of the micro-batches in flight at its peak:
     1f1b    min(M, stages - r): the warm-up depth; the gradients exist from the first backward on
 
 each k*a, plus the stage's output held for its backward (b x seq x hidden) or, on the last stage,
-the head's and the logits (b x seq x vocab; the schedule keeps each micro-batch's output). Temporaries are the 2-block trace's.
+the head's and the logits (b x seq x vocab; the schedule keeps each micro-batch's output). Temporaries are the trace's.
 
 Tensor (tp ranks per replica, replica batch tp x batch): one trace of the model one TP rank runs,
 built with its local shapes (the column-parallel projections' outputs and the row-parallel ones'
@@ -50,9 +50,11 @@ def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | N
     cfg, m = spec.config, microbatches or world
     check_pipeline(cfg.layers, world, batch * world, m, schedule)
     b = batch * world // m
-    one, two = (trace_step(_cut(spec, k), b, seq, precision, optimizer, checkpoint) for k in (1, 2))
-    block = two.activations - one.activations
-    head = one.activations - block
+    one = trace_step(_cut(spec, 1), b, seq, precision, optimizer, checkpoint)
+    saved = one.module_activations
+    block = saved.get("blocks.0", 0)
+    embed = saved.get("tok", 0) + saved.get("pos", 0)
+    head = saved.get("GPT", 0) - block - embed  # final norm, head and the loss's saved tensors
     per_param, per_opt = one.params / _cut(spec, 1).counts()[0], one.optimizer / one.params
     act_bytes = 2 if precision.startswith(("bf16", "16")) else 4
     out = []
@@ -62,12 +64,13 @@ def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | N
         k = len(stage_blocks(cfg.layers, world, r))
         # the stage's output waits in the schedule for its backward: hidden states, or the logits
         # (which the one-device trace frees once the loss is computed)
-        per_mb = k * block + (head + b * seq * cfg.vocab * act_bytes if last else b * seq * cfg.hidden * act_bytes)
+        per_mb = k * block + (embed if r == 0 else 0) + (
+            head + b * seq * cfg.vocab * act_bytes if last else b * seq * cfg.hidden * act_bytes)
         flight = m if schedule == "gpipe" else min(m, world - r)
         grads = 0 if schedule == "gpipe" else params
         row = {"rank": r, "strategy": "pipeline", "world": world, "params": params, "gathered": 0, "grads": grads,
                "in_flight": 0, "optimizer": int(params * per_opt), "activations": flight * per_mb,
-               "temporaries": two.temporaries, "blocks": k, "microbatches_in_flight": flight, "microbatch_rows": b}
+               "temporaries": one.temporaries, "blocks": k, "microbatches_in_flight": flight, "microbatch_rows": b}
         row["total"] = sum(row[c] for c in ("params", "grads", "optimizer", "activations", "temporaries"))
         out.append(row)
     return out
