@@ -135,9 +135,11 @@ class TensorParallelOptimizer:
 
     def data_rows(self, batch: int) -> slice:
         """This replica's rows of a global batch (all TP ranks of a replica take the same)."""
-        from memfit.distributed.strategy import rank_slice
-
-        return rank_slice(batch, self.dp_rank, self.dp)
+        if batch % self.dp:
+            raise ConfigError(f"a global batch of {batch} sequences does not split over {self.dp} data-parallel "
+                              f"replicas; use a batch divisible by {self.dp}")
+        per = batch // self.dp
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
     def _dp_sum(self, values: list[float]) -> list[float]:
         return comm.control_sum(values, group=self.dp_group) if self.dp > 1 else values
