@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from memfit.apply.optimizer import StepResult, TrainingOptimizer
-from memfit.apply.precision import precision_mode
+from memfit.apply.precision import cast_model, precision_mode
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
 
@@ -108,8 +108,9 @@ class TensorParallelOptimizer:
                               f"{type(model).__name__}. Use a gpt spec or a known GPT-2/Llama name")
         if offload not in (None, "none"):
             raise ConfigError("optimizer offload with --strategy tensor is not supported; use --strategy zero1-3")
-        if precision_mode(precision).name != "32-true":
-            raise ConfigError(f"--strategy tensor runs in 32-true only for now (got --precision {precision})")
+        if precision_mode(precision).loss_scaling:
+            raise ConfigError(f"--precision {precision} needs fp16 loss scaling, which --strategy tensor does not "
+                              "coordinate across ranks; use 32-true, bf16-true or bf16-master")
         if clip is not None and not clip > 0:
             raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
         world = dist.get_world_size(group)
@@ -120,6 +121,7 @@ class TensorParallelOptimizer:
         self.mesh = init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         self.tp_group, self.dp_group = self.mesh["tp"].get_group(), self.mesh["dp"].get_group()
         self.dp_rank = self.mesh.get_local_rank("dp")
+        cast_model(model, precision_mode(precision))  # before sharding: DTensors are made from the cast weights
         shard_gpt(model, self.mesh["tp"])
         self.inner = TrainingOptimizer(model, optimizer, lr=lr, weight_decay=weight_decay, precision=precision,
                                        clip=None, **kw)
