@@ -112,3 +112,20 @@ def test_more_stages_than_blocks_fails_fast():
         check_pipeline(4, 2, 4, 3, "gpipe")
     with pytest.raises(ConfigError, match="1F1B needs at least"):
         check_pipeline(4, 4, 4, 2, "1f1b")
+
+
+def test_torch_pipelining_and_dtensor_interfaces_memfit_relies_on():
+    """Pins for docs/design.md's private-API table: the stage builds its sends in these two methods
+    (overridden to count bytes); a DTensor's shard is `_local_tensor`; the functional collectives
+    live in the `_c10d_functional` namespace."""
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.tensor import DTensor
+
+    for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+        assert list(inspect.signature(getattr(PipelineStage, name)).parameters)[1:] in (["fwd_chunk_id"],
+                                                                                        ["bwd_chunk_id"])
+    assert "_local_tensor" in DTensor.__slots__
+    for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        assert getattr(torch.ops._c10d_functional, op).default.namespace == "_c10d_functional"
