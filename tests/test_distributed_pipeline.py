@@ -8,6 +8,7 @@ import torch
 from memfit.core.errors import ConfigError
 from memfit.distributed.spawn import run_world
 from memfit.models.gpt import GPT, GPTConfig
+from reference_run import global_batches, single_losses
 
 pytestmark = pytest.mark.multiproc
 
@@ -25,32 +26,11 @@ RTOL_BF16 = 2e-3
 
 
 def _batches(accum: int):
-    g = torch.Generator().manual_seed(1)
-    return [[torch.randint(0, CFG["vocab"], (GLOBAL_BATCH, CFG["seq"] + 1), generator=g) for _ in range(accum)]
-            for _ in range(STEPS)]
+    return global_batches(CFG, GLOBAL_BATCH, STEPS, accum)
 
 
 def _single(accum: int, policy: str | None = None, precision: str = "32-true") -> list[float]:
-    from memfit.apply.checkpoint import checkpoint
-    from memfit.apply.optimizer import TrainingOptimizer
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG))
-    if policy:
-        checkpoint(model, policy)
-    losses = []
-    with TrainingOptimizer(model, "adamw", lr=1e-2, clip=1.0, precision=precision) as opt:
-        for micro in _batches(accum):
-            tot = sum(m[:, 1:].numel() for m in micro)
-            run = 0.0
-            for m in micro:
-                with opt.autocast():
-                    _, loss, _ = model(m[:, :-1].contiguous(), m[:, 1:].contiguous())
-                opt.backward(loss / tot)
-                run += float(loss.detach())
-            opt.step()
-            losses.append(run / tot)
-    return losses
+    return single_losses(CFG, _batches(accum), policy, "adamw", precision)
 
 
 def _pipeline(rank: int, world: int, cases: list[tuple]) -> dict:

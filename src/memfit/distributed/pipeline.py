@@ -30,6 +30,7 @@ from memfit.apply.precision import precision_mode
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
 from memfit.distributed.stages import cut_to_stage, mark_tied, stage_sizes, tied_weight
+from memfit.distributed.wrapped import WrapsTrainingOptimizer
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -68,7 +69,7 @@ def _counted(ops: list) -> list:
     return ops
 
 
-class PipelineOptimizer:
+class PipelineOptimizer(WrapsTrainingOptimizer):
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None,
                  spill_dir: str | None = None, *, microbatches: int | None = None, schedule: str = "1f1b",
@@ -200,13 +201,6 @@ class PipelineOptimizer:
         dist.all_gather_object(everyone, mine, group=self.group)
         return {k: v for part in everyone for k, v in part.items()}
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return self.inner.autocast()
-
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -214,27 +208,8 @@ class PipelineOptimizer:
         raise ConfigError("--strategy pipeline runs forward and backward together in its schedule: "
                           "call accumulate_step / run_batch instead of model(x) + backward")
 
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return self.inner.state_tensors()
-
-    def state_dict(self) -> dict:
-        """This stage's optimizer state."""
-        return {"stage": None, "pipeline_stage": self.rank, "inner": self.inner.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state["inner"])
-
     def close(self) -> None:
         from memfit.apply.checkpoint import remove
 
         remove(self.stage_module, self.stage_module.blocks)
         self.inner.close()
-
-    def __enter__(self) -> "PipelineOptimizer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -30,6 +30,7 @@ from memfit.apply.optimizer import StepResult, TrainingOptimizer
 from memfit.apply.precision import cast_model, precision_mode
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
+from memfit.distributed.wrapped import WrapsTrainingOptimizer
 
 
 def check_tensor(heads: int, kv_heads: int, world: int, tp: int) -> None:
@@ -95,7 +96,7 @@ def _is_shard(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(isinstance(pl, Shard) for pl in t.placements)
 
 
-class TensorParallelOptimizer:
+class TensorParallelOptimizer(WrapsTrainingOptimizer):
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None,
                  spill_dir: str | None = None, *, tp: int | None = None, group=None, **kw: Any) -> None:
@@ -203,31 +204,3 @@ class TensorParallelOptimizer:
             if owner in fused:
                 t = deinterleave(t, fused[owner], self.tp)
         return t.detach().cpu().clone()
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return self.inner.autocast()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return self.inner.state_tensors()
-
-    def state_dict(self) -> dict:
-        return {"stage": None, "tensor_parallel": self.tp, "inner": self.inner.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state["inner"])
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __enter__(self) -> "TensorParallelOptimizer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
