@@ -23,6 +23,10 @@ def per_rank(args: Any, est: Any) -> list[dict]:
     if args.strategy in ("pipeline", "tensor"):  # model parallel: memfit.measure.parallel_estimate
         from memfit.measure.parallel_estimate import pipeline_ranks, tensor_ranks
 
+        if spec.config is None:
+            raise ConfigError(f"--strategy {args.strategy} cuts memfit's GPT; give a gpt:/llama: spec or a known "
+                              "name, not a Hugging Face config")
+
         common = dict(precision=args.precision, optimizer=args.optimizer, checkpoint=args.checkpoint)
         if args.strategy == "pipeline":
             return pipeline_ranks(spec, est.batch, est.seq, args.world, args.microbatches, args.schedule, **common)
