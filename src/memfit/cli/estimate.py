@@ -26,8 +26,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(p, "optimizer", default="adamw")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--world", type=integer(1), default=1, help="data-parallel world size (default 1)")
-    p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3"),
-                   help="data-parallel strategy: print each rank's figures for --world ranks (docs/distributed.md)")
+    p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
+                   help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
+    p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
+    p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world)")
     add(p, "checkpoint", default="none")
     add(p, "offload_optimizer", default="none")
     p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 24GiB or 80GB: says if it fits")

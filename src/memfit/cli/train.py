@@ -72,11 +72,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="skip measuring one step's memory breakdown with the tracker")
     g.add_argument("--quiet", action="store_true", help="no progress output, only the final summary")
     g = p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)")
-    g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3"),
-                   help="data-parallel strategy; --batch stays per process (default none)")
+    g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
+                   help="distributed strategy; --batch stays per process (default none)")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
                    "fp16, powersgd:4 (options: docs/compression.md; default none)")
+    g.add_argument("--microbatches", metavar="M", type=integer(1, 4096),
+                   help="--strategy pipeline: micro-batches per step (default: the number of processes)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
+    g.add_argument("--tp", metavar="T", type=integer(1, 1024),
+                   help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp)")
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")
     return p
 
@@ -126,5 +131,5 @@ def _launch(cfg: TrainConfig, given: dict, resuming: bool) -> int:
     if given["nproc"] < 2:
         raise ConfigError(f"--nproc must be at least 2 (or left out for one process), got {given['nproc']}")
     cfg.validate()
-    precheck(cfg, resuming)
+    precheck(cfg, resuming, world=given["nproc"])
     return launch(given["nproc"], to_argv("train", given))

@@ -97,7 +97,7 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).reshape(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # local heads under tensor parallelism
         return self.resid_drop(self.proj(y))
 
 

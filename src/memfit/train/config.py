@@ -70,7 +70,13 @@ class TrainConfig:
     track: bool = True
     """Measure one step's memory breakdown with memfit's tracker (params, grads, optimizer, activations)."""
     strategy: str = "none"
-    """Data-parallel strategy over the processes torchrun started: none, ddp, ps, zero1, zero2, zero3."""
+    """Strategy over the processes torchrun started: none, ddp, ps, zero1, zero2, zero3, pipeline, tensor."""
+    microbatches: int | None = None
+    """--strategy pipeline: micro-batches the global batch is split into per schedule step (default: world)."""
+    schedule: str = "1f1b"
+    """--strategy pipeline: gpipe (all forwards, then all backwards) or 1f1b (fewer micro-batches in flight)."""
+    tp: int | None = None
+    """--strategy tensor: tensor-parallel degree (default: world, so dp = world / tp = 1)."""
     compress: str = "none"
     """Gradient compression on the wire (ddp, zero1, zero2): topk:0.01, int8, sign, bf16, powersgd:4, ...
     (memfit.distributed.compression; docs/compression.md)."""

@@ -179,7 +179,8 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
 def _evaluate(run: Run, clock: Clock) -> None:
     t0 = time.perf_counter()
     with memory_errors(lambda: f"evaluating at step {run.step}"):
-        loss = evaluate(run.model, run.opt, run.val_batches, run.device)
+        loss = (run.opt.evaluate(run.val_batches) if hasattr(run.opt, "evaluate")  # pipeline: stage to stage
+                else evaluate(run.model, run.opt, run.val_batches, run.device))
     run.history["val"]["step"].append(run.step)
     run.history["val"]["loss"].append(loss)
     clock.eval_seconds.append(time.perf_counter() - t0)
