@@ -61,6 +61,19 @@ def chunk_head(model: nn.Module, chunks: int | None) -> nn.Module:
     return model
 
 
+def head_weight(model: nn.Module) -> torch.Tensor:
+    """The LM head's weight (vocab, hidden) of memfit's GPT or a Hugging Face causal LM."""
+    from memfit.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return model.head.weight
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(f"found no LM head in {type(model).__name__}: expected memfit's GPT or a Hugging Face "
+                          "causal LM with an nn.Linear lm_head")
+    return head.weight
+
+
 def _check_hf(model: nn.Module) -> None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or not hasattr(model, "base_model") or model.base_model is model:
