@@ -91,8 +91,8 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
 
     out = [row(None, prof)]
     counts = head_counts(src) if "chunked-head" in allowed else []
-    if not counts:
-        return out
+    if not counts or (out[0][1] is not None and out[0][1].time == 0):
+        return out  # (a plan that keeps everything cannot get faster with the head in chunks)
     best = out[0][0].time if out[0][0].feasible else float("inf")
     if not out[0][0].feasible:  # if the most chunks do not fit, fewer will not: trace no others
         most = row(counts[-1], head_profile(src, prof, counts[-1], prec, optimizer))
