@@ -144,3 +144,17 @@ def test_bad_requests_raise_config_errors():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ConfigError, match="softcapping"):
         chunk_head(model, 2)
+
+
+@pytest.mark.slow
+def test_gpt2_small_head_at_seq_1024_is_bit_identical():
+    torch.manual_seed(0)
+    x = torch.randn(1024, 768, requires_grad=True)
+    w = (torch.randn(50257, 768) * 0.02).requires_grad_()
+    y = torch.randint(0, 50257, (1024,))
+    y[::7] = -100
+    ref = reference_cross_entropy(x, w, y)
+    want = _grads(ref, [x, w])
+    got_loss = chunked_cross_entropy(x, w, y, chunks=8)
+    assert torch.equal(got_loss, ref)
+    assert all(torch.equal(a, c) for a, c in zip(want, _grads(got_loss, [x, w])))

@@ -103,3 +103,14 @@ def test_plan_json_without_head_chunks_still_loads():
                      "peak": 1, "time": 0.0, "actions": "keep*2", "feasible": True}]}
     plan = Plan.from_json(d)
     assert plan.head_chunks is None and plan.ranked[0].head_chunks is None
+
+
+@pytest.mark.slow
+def test_grafted_head_profile_equals_the_profile_of_the_chunked_model():
+    from memfit.measure.blocks import chain_profile, spec_source
+    from memfit.models.spec import ModelSpec
+    from memfit.plan.head import head_profile, head_source
+
+    src = spec_source(ModelSpec("g", config=GPTConfig(layers=6, hidden=64, heads=4, vocab=4096, seq=128)), 2, 128)
+    plain = chain_profile(src, "32-true", "adamw")
+    assert head_profile(src, plain, 4, "32-true", "adamw") == chain_profile(head_source(src, 4), "32-true", "adamw")

@@ -1,6 +1,6 @@
 """Swap a model's LM head + cross-entropy for the chunked one (memfit.apply.chunked_head), in place.
 
-    memfit.apply.head_swap.chunk_head(model, 8)     # memfit GPT or a Hugging Face causal LM
+    memfit.chunk_head(model, 8)                     # memfit GPT or a Hugging Face causal LM
     _, loss, n = gpt(x, y)                          # logits None; loss and gradients as before
     loss = hf_model(input_ids=x, labels=x).loss     # output.logits is None
     chunk_head(model, None)                         # back to the plain head
@@ -56,7 +56,10 @@ def chunk_head(model: nn.Module, chunks: int | None) -> nn.Module:
         _check_hf(model)
         model.forward = types.MethodType(_chunked_forward, model)
     else:
-        model.__dict__.pop("forward", None)
+        if getattr(model.__dict__.get("forward"), "__func__", None) is _chunked_forward:
+            del model.forward  # only our own instance forward: the model's class forward is back
+        model.__dict__.pop("_memfit_head_chunks", None)
+        return model
     model._memfit_head_chunks = chunks
     return model
 

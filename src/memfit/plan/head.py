@@ -26,7 +26,7 @@ from memfit.plan.costs import FLOPS
 
 HEAD_CHUNKS = (2, 4, 8, 16, 32, 64)
 """Chunk counts the search tries, fewest first."""
-CHUNK_OVERHEAD = 1 / 32
+CHUNK_OVERHEAD = 1 / 4
 """Share of one head GEMM's time that each chunk adds in the time model."""
 
 

@@ -114,15 +114,16 @@ def _trace_peak(problem, plan: Plan) -> int:
     from memfit.apply.head_swap import chunk_head
 
     if problem.spec is not None:
-        spec, seq = problem.spec, problem.seq
-        return trace_step(lambda: chunk_head(spec.build(seq=seq), plan.head_chunks), batch=plan.micro_batch,
-                          seq=seq, precision=plan.precision, optimizer=plan.optimizer, checkpoint=plan.actions).peak
+        spec, seq, chunks = problem.spec, problem.seq, plan.head_chunks
+        model = (lambda: chunk_head(spec.build(seq=seq), chunks)) if chunks else spec
+        return trace_step(model, batch=plan.micro_batch, seq=seq, precision=plan.precision,
+                          optimizer=plan.optimizer, checkpoint=plan.actions).peak
     from memfit.measure.anymodel import example_step, fake_mode, module_builder, run_steps
 
     with fake_mode():
         r = run_steps(module_builder(problem.model), example_step(problem.example_for(plan.micro_batch),
                       problem.loss_fn), plan.precision, plan.optimizer, plan.actions, "cpu",
-                      prepare=lambda m: chunk_head(m, plan.head_chunks))
+                      prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None)
     return r.tracker.peak_bytes
 
 
