@@ -47,12 +47,17 @@ def head_counts(src: ChainSource) -> list[int]:
     return [k for k in HEAD_CHUNKS if k * MIN_CHUNK <= vocab]
 
 
+_SIZES: dict[tuple, tuple[int, int]] = {}
+
+
 def head_size(src: ChainSource) -> tuple[int, int]:
-    """(vocab, hidden) of the model's LM head, from a one-block build on the meta device."""
-    with torch.device("meta"):
-        model = src.build_k(1)
-    v, h = head_weight(model).shape
-    return int(v), int(h)
+    """(vocab, hidden) of the model's LM head, from a one-block build on the meta device (cached)."""
+    if src.key not in _SIZES:
+        with torch.device("meta"):
+            model = src.build_k(1)
+        v, h = head_weight(model).shape
+        _SIZES[src.key] = (int(v), int(h))
+    return _SIZES[src.key]
 
 
 def head_profile(src: ChainSource, prof: ChainProfile, chunks: int, precision: str, optimizer: str) -> ChainProfile:
