@@ -11,7 +11,7 @@ gradients, bit for bit (tests/test_apply_chunked_head.py checks with torch.equal
 * The GEMMs are sliced, never split along their reduction: logits and grad wrt hidden over token
   rows (a row block of A @ B is the same dot products as the full product's rows), the weight
   gradient over vocabulary columns (dW[v0:v1] sums over *all* tokens, as the unchunked GEMM does).
-  MKL takes another kernel for blocks under 12 rows or columns, with another summation order: every
+  MKL may take another kernel for blocks under 12 rows or columns, with another summation order: every
   chunk here has at least MIN_CHUNK rows/columns (or is the whole).
 * The weight gradient's vocabulary slice needs the softmax of every token on those columns. The
   forward keeps per token the row max m and the log-sum-exp term l (2 floats per token): the kernel
@@ -23,9 +23,10 @@ gradients, bit for bit (tests/test_apply_chunked_head.py checks with torch.equal
   kernel's cascade summation adds the same numbers in the same order as on (N, vocab).
 
 Cost: the logits are computed three times (forward, then once per backward pass): two head GEMMs
-more than the unchunked head. Memory: about 2 x (N / chunks) x vocab floats per pass instead of
-3-4 x N x vocab. With autocast (bf16) the GEMMs run in the autocast dtype as an unchunked head's
-would; bitwise equality is then not claimed (oneDNN's bf16 kernels are not checked slice by slice).
+more than the unchunked head, and small chunks run the GEMMs less efficiently (bench/chunked_head.py).
+Memory: about 3 x (N / chunks) x vocab floats at once instead of 3 x N x vocab. With autocast
+(bf16) the GEMMs run in the autocast dtype as an unchunked head's would; bitwise equality is then
+not claimed (oneDNN's bf16 kernels are not checked slice by slice).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 MIN_CHUNK = 32
 """Fewest rows (tokens) or columns (vocabulary) per chunk; MKL sends smaller GEMM blocks to kernels
-with another summation order (blocks under 12 differ on AVX2)."""
+with another summation order (most blocks under 12 rows differ on this project's AVX2 machine)."""
 VOCAB_ALIGN = 64
 """Vocabulary chunks start at multiples of this: the column-sum kernel (the bias gradient) handles
 columns in vector groups counted from the first, 4 x 8 floats on AVX2, 4 x 16 on AVX-512."""
