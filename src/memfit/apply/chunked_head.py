@@ -24,7 +24,7 @@ gradients, bit for bit (tests/test_apply_chunked_head.py checks with torch.equal
 
 Cost: the logits are computed three times (forward, then once per backward pass): two head GEMMs
 more than the unchunked head, and small chunks run the GEMMs less efficiently (bench/chunked_head.py).
-Memory: about 3 x (N / chunks) x vocab floats at once instead of 3 x N x vocab. With autocast
+Memory: about 3 x (N / chunks) x vocab floats at once instead of several N x vocab. With autocast
 (bf16) the GEMMs run in the autocast dtype as an unchunked head's would; bitwise equality is then
 not claimed (oneDNN's bf16 kernels are not checked slice by slice).
 """
