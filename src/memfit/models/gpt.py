@@ -146,6 +146,10 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tied_embeddings:
             self.head.weight = self.tok.weight
+        # With targets: a replacement for head + summed cross-entropy, called as head_loss(hidden, weight,
+        # bias, targets, ignore_index, reduction). memfit.apply.head_swap sets a chunked one that never
+        # holds all the logits; the forward then returns logits=None.
+        self.head_loss = None
         self.apply(self._init)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
         for name, p in self.named_parameters():
@@ -160,7 +164,8 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits for `idx` (B, T); with `targets`, returns (logits, summed cross-entropy, n tokens).
+        """Logits for `idx` (B, T); with `targets`, returns (logits, summed cross-entropy, n tokens)
+        (logits None when a chunked head is installed: see `head_loss`).
 
         The loss is a *sum* so that gradient accumulation can divide by the token count of the
         whole accumulated batch (see memfit.train.loop); `ignore_index=-1` marks padding.
@@ -174,7 +179,11 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        h = self.ln_f(x)
+        if targets is not None and self.head_loss is not None:
+            loss = self.head_loss(h, self.head.weight, self.head.bias, targets, -1, "sum")
+            return None, loss, (targets != -1).sum()
+        logits = self.head(h)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction="sum")

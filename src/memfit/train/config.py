@@ -51,6 +51,8 @@ class TrainConfig:
     checkpoint: str = "none"
     """Activation checkpoint policy, passed to memfit.checkpoint unchanged."""
     offload_optimizer: str = "none"
+    head_chunks: int | None = None
+    """LM head + cross-entropy in this many chunks (memfit.apply.head_swap; set by a plan); None = plain."""
     spill_dir: str | None = None
     """Folder for every disk offload of the run: activations (+offload:disk) and optimizer state."""
     clip: float | None = 1.0
@@ -98,6 +100,8 @@ class TrainConfig:
             _check_float("clip", self.clip, "positive (0 on the command line turns clipping off)", lambda v: v > 0)
         if self.dropout is not None:
             _check_float("dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
+        if self.head_chunks is not None:
+            _check_int("head_chunks", self.head_chunks, 1, MAX_COUNT)
         if self.offload_optimizer not in ("none", "cpu", "disk"):
             raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r}; accepted: none, cpu, disk")
         if self.compress not in (None, "none"):
