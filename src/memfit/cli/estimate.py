@@ -36,6 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(p, "json")
     p.add_argument("--input", action="append", default=[], metavar="SPEC",
                    help=f"one input of a model factory MODULE:FUNCTION: {INPUT_HELP}; repeat for each")
+    p.add_argument("--lora", metavar="r=R,targets=NAME[,NAME...]",
+                   help="fine-tune LoRA adapters on a frozen base (e.g. r=8,targets=q_proj,v_proj; alpha=A optional)")
     p.add_argument("--loss", metavar="MODULE:FUNCTION",
                    help="for a model factory: loss = FUNCTION(output, inputs) (default: output.loss, output[1], "
                    "or the output itself when it is one number)")
@@ -58,10 +60,15 @@ def _estimate(args: argparse.Namespace):
         if not args.input:
             raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")
         example = parse_inputs(args.input)
+        if args.lora:
+            raise ConfigError("--lora applies to a named model or config.json; a factory adds its own adapters "
+                              "(e.g. peft.get_peft_model)")
         loss_fn = load_factory(args.loss) if args.loss else None
         est = estimate(load_factory(model), example, params=params, loss_fn=loss_fn, **common)
         est.model = model
         return est
+    if args.lora and model is None:
+        raise ConfigError("--lora needs a model (name, spec or config.json), not --params alone")
     if args.input or args.loss:
         raise ConfigError("--input and --loss are for a model factory (MODULE:FUNCTION), "
                           f"not of {model or '--params'}; use --batch and --seq")
@@ -69,7 +76,7 @@ def _estimate(args: argparse.Namespace):
     if model is not None:
         spec = parse_model(model)
         spec.check_shape(args.batch, args.seq)  # what `memfit train` would refuse, refused here too
-    return estimate(spec, params=params, batch=args.batch, seq=args.seq, **common)
+    return estimate(spec, params=params, batch=args.batch, seq=args.seq, lora=args.lora, **common)
 
 
 def run(args: argparse.Namespace) -> int:

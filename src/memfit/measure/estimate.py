@@ -10,6 +10,7 @@ figures add up to it and no module's figure exceeds it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -87,6 +88,7 @@ def estimate(
     offload_optimizer: str | None = None,
     device_memory: int | str | None = None,
     loss_fn: Any = None,
+    lora: Any = None,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -94,6 +96,7 @@ def estimate(
     `model` may also be any nn.Module (real or meta weights) or a zero-argument factory, with `example`
     one micro-batch (dict of keyword arguments, tuple of positional arguments or a tensor) and
     optionally `loss_fn(output, example)` (memfit.measure.anymodel).
+    `lora` ("r=8,targets=q_proj,v_proj" or a LoraConfig) freezes the named model and adds LoRA adapters.
     """
     check_precision(precision)
     optimizer_states(optimizer)
@@ -104,6 +107,9 @@ def estimate(
         offload_optimizer = None
     budget = parse_bytes(device_memory) if device_memory is not None else None
     if model is not None and not isinstance(model, (str, ModelSpec)):  # any nn.Module or factory + example
+        if lora is not None:
+            raise ConfigError("lora= applies to a named model or config; add the adapters to your module "
+                              "(e.g. peft.get_peft_model) and pass it")
         from memfit.measure.anymodel_estimate import estimate_module
 
         return Estimate(**estimate_module(model, example, optimizer=optimizer, precision=precision, checkpoint=checkpoint,
@@ -120,13 +126,22 @@ def estimate(
                         offload_optimizer, per, ms.offloaded, budget)
 
     spec = parse_model(model) if isinstance(model, str) else model
+    if lora is not None:
+        from dataclasses import replace
+
+        from memfit.models.lora import parse_lora
+
+        spec = replace(spec, lora=parse_lora(lora) if isinstance(lora, str) else lora)
     n, n_tensors = spec.counts()
     if params is not None and params != n:
         raise ConfigError(f"--params {params} contradicts {spec.name}, which has {n} parameters; give one of them")
     # Default: the model's context length, capped at 4096 (long-context models train mostly shorter).
     seq = seq or min(spec.seq or 1024, 4096)
     common["n_tensors"] = n_tensors
-    if needs_shapes(optimizer):  # Adafactor, 8-/4-bit: state bytes per tensor shape
+    if spec.lora is not None:  # a frozen base: only the adapters hold gradients and optimizer state
+        common["param_shapes"] = spec.trainable_shapes()
+        common["n_trainable"] = sum(math.prod(s) for s in common["param_shapes"])
+    elif needs_shapes(optimizer):  # Adafactor, 8-/4-bit: state bytes per tensor shape
         common["param_shapes"] = param_shapes(spec)
     sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
     single = model_state_bytes(n, offload_optimizer=offload_optimizer, **common)
@@ -134,7 +149,7 @@ def estimate(
     from memfit.measure.trace import trace_step  # heavy import (FakeTensorMode) only when tracing
 
     tr = None
-    if offload_optimizer in (None, "none"):  # long chains of identical blocks: composed, exact, fast
+    if offload_optimizer in (None, "none") and spec.lora is None:  # chains of identical blocks: composed, exact
         from memfit.measure.blocks import composed_step
 
         tr = composed_step(spec, batch, seq, precision, optimizer, checkpoint)

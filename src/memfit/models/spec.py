@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from memfit.core.errors import ConfigError
 from memfit.models.gpt import GPT, GPTConfig
+from memfit.models.lora import LoraConfig, apply_lora
 
 _GPT2 = dict(vocab=50257, seq=1024, arch="gpt2")
 _LLAMA = dict(arch="llama", bias=False, tied_embeddings=False)
@@ -65,6 +66,8 @@ class ModelSpec:
     name: str
     config: GPTConfig | None = None
     hf_config: Path | None = None
+    lora: LoraConfig | None = None
+    """LoRA adapters on a frozen base (memfit.models.lora), applied by every build."""
 
     def build(self, seq: int | None = None) -> nn.Module:
         """Instantiate in the current device/fake-tensor context (e.g. under FakeTensorMode)."""
@@ -74,8 +77,10 @@ class ModelSpec:
                 raise ConfigError(f"seq={seq} exceeds {self.name}'s position table ({cfg.seq})")
             if seq is not None and seq > cfg.seq:
                 cfg = replace(cfg, seq=seq)  # rotary models have no position table to outgrow
-            return GPT(cfg)
-        return build_hf(self.hf_config)
+            model = GPT(cfg)
+        else:
+            model = build_hf(self.hf_config)
+        return apply_lora(model, self.lora) if self.lora is not None else model
 
     def num_params(self) -> int:
         return self.counts()[0]
@@ -91,6 +96,10 @@ class ModelSpec:
         Tied weights appear once in parameters(), as they occupy memory once."""
         params = list(self.on_meta().parameters())
         return sum(p.numel() for p in params), len(params)
+
+    def trainable_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the parameters that train (all of them, or a LoRA's adapters on a frozen base)."""
+        return [tuple(p.shape) for p in self.on_meta().parameters() if p.requires_grad]
 
     @property
     def seq(self) -> int | None:
