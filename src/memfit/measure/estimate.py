@@ -115,34 +115,15 @@ def estimate(
         return Estimate(**estimate_module(model, example, optimizer=optimizer, precision=precision, checkpoint=checkpoint,
                                loss_fn=loss_fn, zero=zero, world=world, offload_optimizer=offload_optimizer,
                                device_memory=budget))
-    common = dict(precision=precision, optimizer=optimizer)
     if model is None:
-        if params is None:
-            raise ConfigError("give a model (name, spec or config.json) or --params N")
-        ms = model_state_bytes(params, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
-        per = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "activations": 0, "temporaries": 0}
-        per["total"] = sum(per.values())
-        return Estimate(f"{params:,} parameters", params, None, None, precision, optimizer, zero, world, "none",
-                        offload_optimizer, per, ms.offloaded, budget)
-
-    spec = parse_model(model) if isinstance(model, str) else model
-    if lora is not None:
-        from dataclasses import replace
-
-        from memfit.models.lora import parse_lora
-
-        spec = replace(spec, lora=parse_lora(lora) if isinstance(lora, str) else lora)
+        return _states_only(params, precision, optimizer, zero, world, offload_optimizer, budget)
+    spec = _spec_of(model, lora)
     n, n_tensors = spec.counts()
     if params is not None and params != n:
         raise ConfigError(f"--params {params} contradicts {spec.name}, which has {n} parameters; give one of them")
     # Default: the model's context length, capped at 4096 (long-context models train mostly shorter).
     seq = seq or min(spec.seq or 1024, 4096)
-    common["n_tensors"] = n_tensors
-    if spec.lora is not None:  # a frozen base: only the adapters hold gradients and optimizer state
-        common["param_shapes"] = spec.trainable_shapes()
-        common["n_trainable"] = sum(math.prod(s) for s in common["param_shapes"])
-    elif needs_shapes(optimizer):  # Adafactor, 8-/4-bit: state bytes per tensor shape
-        common["param_shapes"] = param_shapes(spec)
+    common = dict(precision=precision, optimizer=optimizer, **_trainable(spec, optimizer, n_tensors))
     sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
     single = model_state_bytes(n, offload_optimizer=offload_optimizer, **common)
 
@@ -160,6 +141,40 @@ def estimate(
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
                     module_activations=dict(tr.module_activations))
+
+
+def _states_only(params: int | None, precision: str, optimizer: str, zero: int, world: int,
+                 offload_optimizer: str | None, budget: int | None) -> Estimate:
+    """No model, a parameter count: model states only."""
+    if params is None:
+        raise ConfigError("give a model (name, spec or config.json) or --params N")
+    ms = model_state_bytes(params, precision=precision, optimizer=optimizer, zero=zero, world=world,
+                           offload_optimizer=offload_optimizer)
+    per = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "activations": 0, "temporaries": 0}
+    per["total"] = sum(per.values())
+    return Estimate(f"{params:,} parameters", params, None, None, precision, optimizer, zero, world, "none",
+                    offload_optimizer, per, ms.offloaded, budget)
+
+
+def _spec_of(model: Any, lora: Any) -> ModelSpec:
+    spec = parse_model(model) if isinstance(model, str) else model
+    if lora is not None:
+        from dataclasses import replace
+
+        from memfit.models.lora import parse_lora
+
+        spec = replace(spec, lora=parse_lora(lora) if isinstance(lora, str) else lora)
+    return spec
+
+
+def _trainable(spec: ModelSpec, optimizer: str, n_tensors: int) -> dict[str, Any]:
+    """model_state_bytes' arguments that describe what trains: every parameter, or a LoRA's adapters only."""
+    if spec.lora is not None:  # a frozen base: only the adapters hold gradients and optimizer state
+        shapes = spec.trainable_shapes()
+        return dict(param_shapes=shapes, n_trainable=sum(math.prod(s) for s in shapes))
+    if needs_shapes(optimizer):  # Adafactor, 8-/4-bit: state bytes per tensor shape
+        return dict(param_shapes=param_shapes(spec))
+    return dict(n_tensors=n_tensors)
 
 
 def _per_device(tr: Any, ratios: dict[str, tuple[int, int]]) -> tuple[dict[str, int], dict[str, int]]:
