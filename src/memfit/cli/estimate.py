@@ -38,6 +38,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"one input of a model factory MODULE:FUNCTION: {INPUT_HELP}; repeat for each")
     p.add_argument("--lora", metavar="r=R,targets=NAME[,NAME...]",
                    help="fine-tune LoRA adapters on a frozen base (e.g. r=8,targets=q_proj,v_proj; alpha=A optional)")
+    p.add_argument("--task", choices=("causal-lm", "seq2seq", "masked-lm", "image-classification"),
+                   help="for a config.json: the model family to build (default: from the config's architectures)")
+    p.add_argument("--image-size", type=integer(1), metavar="N",
+                   help="for an image model's config.json: N x N pixel inputs (default: the config's image_size)")
     p.add_argument("--loss", metavar="MODULE:FUNCTION",
                    help="for a model factory: loss = FUNCTION(output, inputs) (default: output.loss, output[1], "
                    "or the output itself when it is one number)")
@@ -74,7 +78,7 @@ def _estimate(args: argparse.Namespace):
                           f"not of {model or '--params'}; use --batch and --seq")
     spec = None
     if model is not None:
-        spec = parse_model(model)
+        spec = parse_model(model, task=args.task, image_size=args.image_size, families=True)
         spec.check_shape(args.batch, args.seq)  # what `memfit train` would refuse, refused here too
     return estimate(spec, params=params, batch=args.batch, seq=args.seq, lora=args.lora, **common)
 

@@ -123,6 +123,8 @@ def estimate(
         raise ConfigError(f"--params {params} contradicts {spec.name}, which has {n} parameters; give one of them")
     # Default: the model's context length, capped at 4096 (long-context models train mostly shorter).
     seq = seq or min(spec.seq or 1024, 4096)
+    if spec.task not in (None, "causal-lm"):  # seq2seq, masked LM, image classifier: their own batches
+        return _family(spec, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer, budget)
     common = dict(precision=precision, optimizer=optimizer, **_trainable(spec, optimizer, n_tensors))
     sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
     single = model_state_bytes(n, offload_optimizer=offload_optimizer, **common)
@@ -156,8 +158,21 @@ def _states_only(params: int | None, precision: str, optimizer: str, zero: int, 
                     offload_optimizer, per, ms.offloaded, budget)
 
 
+def _family(spec: ModelSpec, batch: int, seq: int | None, precision: str, optimizer: str, zero: int, world: int,
+            checkpoint: str, offload_optimizer: str | None, budget: int | None) -> Estimate:
+    """A config family other than causal LMs, traced as any module on the family's own micro-batch."""
+    from memfit.measure.anymodel_estimate import estimate_module
+
+    seq = None if spec.task == "image-classification" else seq  # image models have no sequence
+    fields = estimate_module(lambda: spec.build(seq=seq), spec.example(batch, seq), optimizer=optimizer,
+                             precision=precision, checkpoint=checkpoint, zero=zero, world=world,
+                             offload_optimizer=offload_optimizer, device_memory=budget)
+    fields.update(model=f"{spec.name} ({spec.task})", batch=batch, seq=seq)
+    return Estimate(**fields)
+
+
 def _spec_of(model: Any, lora: Any) -> ModelSpec:
-    spec = parse_model(model) if isinstance(model, str) else model
+    spec = parse_model(model, families=True) if isinstance(model, str) else model
     if lora is not None:
         from dataclasses import replace
 
