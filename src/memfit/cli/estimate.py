@@ -42,6 +42,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="for a config.json: the model family to build (default: from the config's architectures)")
     p.add_argument("--image-size", type=integer(1), metavar="N",
                    help="for an image model's config.json: N x N pixel inputs (default: the config's image_size)")
+    p.add_argument("--routing", choices=("balanced", "worst"), default="balanced",
+                   help="mixture-of-experts layers: tokens spread evenly over the experts, or the most one expert can "
+                   "receive (default balanced)")
     p.add_argument("--loss", metavar="MODULE:FUNCTION",
                    help="for a model factory: loss = FUNCTION(output, inputs) (default: output.loss, output[1], "
                    "or the output itself when it is one number)")
@@ -59,7 +62,7 @@ def _estimate(args: argparse.Namespace):
     budget = parse_bytes(args.device_memory) if args.device_memory else None
     common = dict(precision=args.precision, optimizer=args.optimizer, zero=0 if args.strategy else args.zero,
                   world=1 if args.strategy else args.world, checkpoint=args.checkpoint,
-                  offload_optimizer=args.offload_optimizer, device_memory=budget)
+                  offload_optimizer=args.offload_optimizer, device_memory=budget, routing=args.routing)
     if is_factory(model):  # any nn.Module: a factory and its example batch
         if not args.input:
             raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")
@@ -111,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
         print("\n  activations and temporaries not estimated: give a model to trace them")
     if est.modules and args.modules > 0:
         print(f"\n  {'module (peak while it runs)':<40}{'peak':>14}{'saved for bwd':>16}")
-        for name, peak in list(est.modules.items())[: args.modules]:
+        shown = list(est.modules.items())[: args.modules]
+        shown += [(n, v) for n, v in est.modules.items() if n.endswith(".experts") and (n, v) not in shown]
+        for name, peak in shown:  # mixture-of-experts layers always get their rows
             act = est.module_activations.get(name, 0)
             print(f"  {name or '(model)':<40}{format_bytes(peak):>14}{format_bytes(act):>16}")
     if est.device_memory is not None:

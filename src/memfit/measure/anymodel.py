@@ -229,7 +229,8 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
 def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from memfit.measure.moe import fake_experts
     from memfit.measure.trace import _unpacked_batches
 
-    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
+    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), fake_experts():
         yield

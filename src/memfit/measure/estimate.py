@@ -89,6 +89,7 @@ def estimate(
     device_memory: int | str | None = None,
     loss_fn: Any = None,
     lora: Any = None,
+    routing: str = "balanced",
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -97,7 +98,19 @@ def estimate(
     one micro-batch (dict of keyword arguments, tuple of positional arguments or a tensor) and
     optionally `loss_fn(output, example)` (memfit.measure.anymodel).
     `lora` ("r=8,targets=q_proj,v_proj" or a LoraConfig) freezes the named model and adds LoRA adapters.
+    `routing` (mixture-of-experts layers): "balanced" or "worst" (memfit.measure.moe).
     """
+    from memfit.measure.moe import routing as moe_routing
+
+    with moe_routing(routing):
+        return _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
+                         zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
+                         device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst")
+
+
+def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: int | None, precision: str,
+              optimizer: str, zero: int, world: int, checkpoint: str, offload_optimizer: str | None,
+              device_memory: int | str | None, loss_fn: Any, lora: Any, worst: bool) -> Estimate:
     check_precision(precision)
     optimizer_states(optimizer)
     _positive("batch", batch)
@@ -132,7 +145,7 @@ def estimate(
     from memfit.measure.trace import trace_step  # heavy import (FakeTensorMode) only when tracing
 
     tr = None
-    if offload_optimizer in (None, "none") and spec.lora is None:  # chains of identical blocks: composed, exact
+    if offload_optimizer in (None, "none") and spec.lora is None and not worst:  # identical blocks: composed, exact
         from memfit.measure.blocks import composed_step
 
         tr = composed_step(spec, batch, seq, precision, optimizer, checkpoint)
