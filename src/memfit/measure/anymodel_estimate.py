@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from memfit.measure.anymodel import check_example, example_step, fake_mode, module_builder, run_steps
 from memfit.measure.formulas import model_state_bytes
+from memfit.measure.workspace import WorkspaceTracker
 
 
 def estimate_module(model: Any, example: Any, *, optimizer: str = "adamw", precision: str = "32-true",
@@ -17,7 +18,8 @@ def estimate_module(model: Any, example: Any, *, optimizer: str = "adamw", preci
     check_example(example)
     t0 = time.perf_counter()
     with fake_mode():
-        r = run_steps(module_builder(model), example_step(example, loss_fn), precision, optimizer, checkpoint, "cpu")
+        r = run_steps(module_builder(model), example_step(example, loss_fn), precision, optimizer, checkpoint, "cpu",
+                      tracker=WorkspaceTracker)
     tr = r.tracker
     b = tr.breakdown
     params = list(r.model.parameters())
