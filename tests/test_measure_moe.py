@@ -76,3 +76,23 @@ def test_cli_mixtral_config_experts_rows_and_routing(tmp_path, capsys):
         assert main(["estimate", str(path), "--batch", "2", "--seq", "64", "--routing", how, "--json"]) == 0
         totals[how] = json.loads(capsys.readouterr().out)["per_device"]["total"]
     assert totals["worst"] >= totals["balanced"] > 0
+
+
+def test_worst_routing_costs_more_where_the_experts_hold_the_peak():
+    def build(impl):
+        def make():
+            cfg = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=1024,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                             num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+            model.set_experts_implementation(impl)
+            return model
+        return make
+
+    peaks = {}
+    for impl in ("eager", "grouped_mm"):
+        for how in ("balanced", "worst"):
+            with routing(how):
+                peaks[impl, how] = trace_step(build(impl), 4, 64).peak
+    assert peaks["eager", "worst"] > peaks["eager", "balanced"]  # the busiest expert's transients
+    assert peaks["grouped_mm", "worst"] == peaks["grouped_mm", "balanced"]  # one sorted buffer either way
