@@ -210,10 +210,12 @@ def render(result: dict) -> str:
         f"Two AdamW steps in fp32, batch {result['batch']} (sequence {result['seq']} for token models); the second "
         "step's peak. Predicted: `memfit.estimate` / `trace_step` under FakeTensorMode. Measured: the real step, "
         "by memfit's tracker and by the CPU allocator's profiler memory events. Error = (predicted - measured) / "
-        "measured. Mixtral rows force the routing by biasing the real router (`memfit.measure.moe.force_routing`).",
+        "measured. Mixtral rows force the routing by biasing the real router (`memfit.measure.moe.force_routing`). "
+        "The CNN's prediction includes oneDNN's convolution-backward workspaces, which the allocator sees and the "
+        "tracker (tensor storages only) does not.",
         "",
     ]
-    return "\n".join(head) + table(result)
+    return "\n".join(head) + "\n" + table(result)
 
 
 def snippets(result: dict) -> dict[str, str]:
