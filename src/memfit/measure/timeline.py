@@ -17,7 +17,11 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from memfit.core.tracker import CATEGORIES, MemoryTracker
+
+_DEVICE = torch.ops.prim.device.default
 
 N_CAT = len(CATEGORIES)
 Vec = tuple  # bytes per category, CATEGORIES order
@@ -104,6 +108,8 @@ class TimelineTracker(MemoryTracker):
             self.record[-1] = (total, tuple(self._cur), bw, tag)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # no memory changes; most dispatches of a fake step are this one
+            return func(*args, **(kwargs or {}))
         self._note()
         out = super().__torch_dispatch__(func, types, args, kwargs)
         self._note()

@@ -134,6 +134,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _holds_no_data(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -146,6 +152,8 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tied_embeddings:
             self.head.weight = self.tok.weight
+        if _holds_no_data(self.head.weight):
+            return  # meta or fake weights (estimates, plans): initial values are never read
         self.apply(self._init)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
         for name, p in self.named_parameters():
