@@ -14,7 +14,7 @@ whole step's peak from one traced block per action.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,13 +49,13 @@ class Stretch:
     peak: Vec
     net: Vec
 
-    @property
-    def peak_bytes(self) -> int:
-        return sum(self.peak)
+    def __post_init__(self) -> None:
+        # Totals are read in every composition walk: computed once.
+        object.__setattr__(self, "peak_bytes", sum(self.peak))
+        object.__setattr__(self, "net_bytes", sum(self.net))
 
-    @property
-    def net_bytes(self) -> int:
-        return sum(self.net)
+    peak_bytes: int = field(init=False, repr=False, compare=False)
+    net_bytes: int = field(init=False, repr=False, compare=False)
 
     def __add__(self, other: "Stretch") -> "Stretch":
         return Stretch(vadd(self.peak, other.peak), vadd(self.net, other.net))

@@ -46,11 +46,12 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
         n = src.n_blocks
         t_fwd, t_sel = _block_seconds(prof, problem.tokens(micro)), None
         costs = getattr(problem, "costs", None)
+        bw = getattr(costs, "bandwidth", None)
         if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
             scale = micro / problem.batch
             t_fwd, t_sel = costs.recompute_s * scale, costs.selective_s * scale
         relief = _opt_bytes(prof, n) if off else 0
-        choice = solve(prof, limit + relief, bases, _cost(t_fwd, t_sel), n_blocks=n, max_segment=min(n, 16))
+        choice = solve(prof, limit + relief, bases, _cost(t_fwd, t_sel, prof, bw), n_blocks=n, max_segment=min(n, 16))
         accum = problem.batch // micro
         base = 3 * n * t_fwd
         transfer = 2 * relief / HOST_BW
@@ -71,7 +72,7 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
                 n_blocks=n, ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
                 where=composed.where)
     if verify and cand.offload_optimizer is None:
-        _verify(problem, plan, prof, bases, _cost(_block_seconds(prof, problem.tokens(cand.micro_batch))))
+        _verify(problem, plan, prof, bases, _cost(_block_seconds(prof, problem.tokens(cand.micro_batch)), None, prof))
     elif cand.offload_optimizer:
         plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
     return plan
