@@ -177,8 +177,8 @@ def composed_step(spec: Any, batch: int, seq: int, precision: str = "32-true", o
         if src.n_blocks < min_blocks:
             return None
         actions = resolve_policy(checkpoint, src.n_blocks)
-        if any(a.offload or a.compress for a in actions):
-            return None  # offload/compression traces are not checked against the composition yet
+        if any(a.offload == "disk" for a in actions):
+            return None  # disk read-ahead brings the previous offloaded block back early: not additive
         bases, multi = bases_of(actions)
         regions = segments(actions)
         ends = ([actions[i] for i in regions[0][:2]], [actions[i] for i in regions[-1][-2:]])
