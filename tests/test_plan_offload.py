@@ -13,7 +13,7 @@ from memfit.measure.blocks import chain_profile, spec_source
 from memfit.measure.trace import trace_step
 from memfit.models.gpt import GPT, GPTConfig
 from memfit.models.spec import parse_model
-from memfit.plan.costs import _bases, _cost
+from memfit.plan.costs import HOOK_S, _bases, _cost
 from memfit.plan.fit import fit
 
 SPEC = "gpt:layers=6,hidden=64,heads=4,vocab=256,seq=128"
@@ -44,8 +44,8 @@ def test_offload_and_compression_costs_come_from_traced_bytes():
     freed = prof.fwd["keep"].net_bytes - prof.fwd["keep+compress:int8"].net_bytes
     assert 0 < freed < moved
     cost = _cost(1.0, None, prof, {"cpu": 1e6, "int8": 1e5})
-    assert cost(A("keep", offload="cpu"), 1) == pytest.approx(2 * moved / 1e6)
-    assert cost(A("keep", compress="int8"), 1) == pytest.approx(freed / 1e5)
+    assert cost(A("keep", offload="cpu"), 1) == pytest.approx(2 * moved / 1e6 + HOOK_S)
+    assert cost(A("keep", compress="int8"), 1) == pytest.approx(freed / 1e5 + HOOK_S)
     assert cost(A("recompute"), 1) == 1.0 and cost(A("keep"), 1) == 0.0
 
 

@@ -18,6 +18,8 @@ DISK_BW = 1e9
 """Bytes/s assumed for a spill file's write plus read without a profile."""
 CODEC_BW = 2e9
 """Device bytes freed per second of compressing and restoring activations (int8/fp8) without a profile."""
+HOOK_S = 1e-6
+"""Seconds per block for running saved-tensor hooks at all: a modifier that moves nothing never ties."""
 CODECS = ("int8", "fp8")
 """The codecs the planner considers when `compress` is allowed (lossy)."""
 
@@ -89,7 +91,7 @@ def _cost(t_fwd: float, t_selective: float | None = None, prof: ChainProfile | N
         if got is None:
             got = mode_s[b.mode]
             if b.offload or b.compress:
-                n = moved(b, k)
+                n, got = moved(b, k), got + HOOK_S
                 if b.offload:
                     got += 2 * n / rates[b.offload]  # out in forward, back in backward
                 if b.compress:

@@ -1,0 +1,101 @@
+"""How fast the planner's pieces are: `memfit estimate` on a 70B model, one composed evaluation and one
+solve on a 100-block chain.
+
+    .venv/bin/python bench/planner_speed.py            # bench/results/planner_speed.json
+
+Contenders run interleaved in shuffled order (bench/common.py), 5 rounds, median and spread, with the
+machine's load. The estimate is timed as a fresh process (what a user waits for) beside the import
+floor every such process pays (torch, and torch._dynamo, which FakeTensorMode imports), and the
+estimate's own in-process seconds from its JSON. The chain is a 100-block GPT (hidden 64, batch 8 x
+seq 128); a composed evaluation is `ChainProfile.compose` of a 100-entry action list.
+"""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import interleaved, save  # noqa: E402
+
+ESTIMATE = ["-m", "memfit", "estimate", "llama-2-70b", "--zero", "3", "--world", "64", "--checkpoint", "full", "--json"]
+ROUNDS = 5
+CALLS = 100
+
+
+def estimate_cli() -> dict:
+    inner: list[float] = []
+
+    def run() -> None:
+        out = subprocess.run([sys.executable, *ESTIMATE], capture_output=True, text=True, check=True).stdout
+        inner.append(json.loads(out)["trace_seconds"])
+
+    def floor() -> None:
+        subprocess.run([sys.executable, "-c", "import torch, torch._dynamo"], check=True)
+
+    timing = interleaved({"memfit estimate llama-2-70b": run, "import torch + torch._dynamo": floor}, rounds=ROUNDS)
+    from common import spread
+
+    return {"command": "memfit " + " ".join(ESTIMATE[2:]), "timing": timing,
+            "in_process_estimate_s": spread(inner[1:])}  # the first call is the warm-up
+
+
+def chain() -> dict:
+    from memfit.apply.policy import BlockAction, resolve_policy
+    from memfit.measure.blocks import chain_profile, spec_source
+    from memfit.models.spec import parse_model
+    from memfit.plan.costs import _bases, _cost
+    from memfit.plan.solve import solve
+
+    spec = parse_model("gpt:layers=100,hidden=64,heads=4,vocab=256,seq=128")
+    bases = _bases(("recompute", "selective", "offload-cpu"))
+    t0 = time.perf_counter()
+    prof = chain_profile(spec_source(spec, 8, 128), "32-true", "adamw", bases=bases)
+    profile_s = time.perf_counter() - t0
+    rng = random.Random(0)
+    mixed = [rng.choice(bases) for _ in range(100)]
+    sqrt = resolve_policy("sqrt", 100)
+    keep = prof.peak_of([BlockAction("keep")] * 100)
+    full = prof.peak_of([BlockAction("recompute")] * 100)
+    budget = full + (keep - full) // 2
+    cost = _cost(1e-3, None, prof)
+    got: dict = {}
+
+    def many(acts):
+        def run() -> None:
+            for _ in range(CALLS):
+                prof.compose(acts)
+        return run
+
+    def solve_half() -> None:
+        got["choice"] = solve(prof, budget, bases, cost, max_segment=16)
+
+    timing = interleaved({f"compose x{CALLS} (sqrt)": many(sqrt), f"compose x{CALLS} (mixed actions)": many(mixed),
+                          "solve (budget halfway)": solve_half}, rounds=ROUNDS)
+    c = got["choice"]
+    return {"chain": "gpt:layers=100,hidden=64,heads=4,vocab=256 batch 8 x seq 128, 32-true, adamw",
+            "actions": [str(b) for b in bases], "profile_seconds": profile_s, "calls_per_compose_timing": CALLS,
+            "timing": timing, "solve": {"budget": budget, "peak": c.peak, "fits": c.peak <= budget}}
+
+
+def main() -> None:
+    print("estimate (fresh processes)", flush=True)
+    est = estimate_cli()
+    print("100-block chain", flush=True)
+    ch = chain()
+    path = save("planner_speed", {"estimate": est, "chain": ch})
+    w = est["timing"]["wall"]
+    print(f"estimate: {w['memfit estimate llama-2-70b']['median']:.2f} s wall (import floor "
+          f"{w['import torch + torch._dynamo']['median']:.2f} s; in process "
+          f"{est['in_process_estimate_s']['median']:.2f} s)")
+    for name, s in ch["timing"]["wall"].items():
+        scale = 1e3 / CALLS if name.startswith("compose") else 1e3
+        print(f"{name}: {s['median'] * scale:.2f} ms" + (" per call" if name.startswith("compose") else ""))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
