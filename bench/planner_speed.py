@@ -13,34 +13,47 @@ from __future__ import annotations
 
 import json
 import random
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, save  # noqa: E402
+from common import interleaved, save, spread  # noqa: E402
 
 ESTIMATE = ["-m", "memfit", "estimate", "llama-2-70b", "--zero", "3", "--world", "64", "--checkpoint", "full", "--json"]
 ROUNDS = 5
 CALLS = 100
 
 
+def _child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def estimate_cli() -> dict:
+    """Wall seconds of fresh processes, and their CPU seconds (less sensitive to a loaded machine)."""
     inner: list[float] = []
+    cpu: dict[str, list[float]] = {"estimate": [], "floor": []}
+
+    def timed(name: str, argv: list[str]) -> str:
+        c0 = _child_cpu()
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True).stdout
+        cpu[name].append(_child_cpu() - c0)
+        return out
 
     def run() -> None:
-        out = subprocess.run([sys.executable, *ESTIMATE], capture_output=True, text=True, check=True).stdout
-        inner.append(json.loads(out)["trace_seconds"])
+        inner.append(json.loads(timed("estimate", ESTIMATE))["trace_seconds"])
 
     def floor() -> None:
-        subprocess.run([sys.executable, "-c", "import torch, torch._dynamo"], check=True)
+        timed("floor", ["-c", "import torch, torch._dynamo"])
 
     timing = interleaved({"memfit estimate llama-2-70b": run, "import torch + torch._dynamo": floor}, rounds=ROUNDS)
-    from common import spread
-
+    # The first call of each is the warm-up.
     return {"command": "memfit " + " ".join(ESTIMATE[2:]), "timing": timing,
-            "in_process_estimate_s": spread(inner[1:])}  # the first call is the warm-up
+            "in_process_estimate_s": spread(inner[1:]),
+            "process_cpu_s": {"estimate": spread(cpu["estimate"][1:]), "import floor": spread(cpu["floor"][1:])}}
 
 
 def chain() -> dict:
@@ -88,9 +101,10 @@ def main() -> None:
     ch = chain()
     path = save("planner_speed", {"estimate": est, "chain": ch})
     w = est["timing"]["wall"]
-    print(f"estimate: {w['memfit estimate llama-2-70b']['median']:.2f} s wall (import floor "
-          f"{w['import torch + torch._dynamo']['median']:.2f} s; in process "
-          f"{est['in_process_estimate_s']['median']:.2f} s)")
+    c = est["process_cpu_s"]
+    print(f"estimate: {w['memfit estimate llama-2-70b']['median']:.2f} s wall, {c['estimate']['median']:.2f} s CPU "
+          f"(import floor {w['import torch + torch._dynamo']['median']:.2f} s wall, {c['import floor']['median']:.2f} s "
+          f"CPU; the estimate in process {est['in_process_estimate_s']['median']:.2f} s)")
     for name, s in ch["timing"]["wall"].items():
         scale = 1e3 / CALLS if name.startswith("compose") else 1e3
         print(f"{name}: {s['median'] * scale:.2f} ms" + (" per call" if name.startswith("compose") else ""))

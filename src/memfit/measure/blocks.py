@@ -146,8 +146,13 @@ def chain_profile(src: ChainSource, precision: str, optimizer: str, device: str 
     if prof is None:
         if src.n_blocks < 1:
             raise NotAChain("no identical repeated blocks")
-        prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases, with_segments,
-                             src.plain_differs, ends)
+        from memfit.measure import chain_cache
+
+        prof = chain_cache.load(key)
+        if prof is None:
+            prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases,
+                                 with_segments, src.plain_differs, ends)
+            chain_cache.store(key, prof)
         _CACHE[key] = prof
     return prof
 

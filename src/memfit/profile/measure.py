@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from memfit.profile import cache
+from memfit.core import cache
 
 
 @dataclass
