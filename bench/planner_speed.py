@@ -4,14 +4,16 @@ solve on a 100-block chain.
     .venv/bin/python bench/planner_speed.py            # bench/results/planner_speed.json
 
 Contenders run interleaved in shuffled order (bench/common.py), 5 rounds, median and spread, with the
-machine's load. The estimate is timed as a fresh process (what a user waits for) beside the import
-floor every such process pays (torch, and torch._dynamo, which FakeTensorMode imports), and the
+machine's load. The estimate is timed as a fresh process (what a user waits for), traced and with its chain
+profile read from the disk cache (memfit.measure.chain_cache), beside the import floor every such
+process pays (torch, and torch._dynamo, which FakeTensorMode imports), with CPU seconds and the
 estimate's own in-process seconds from its JSON. The chain is a 100-block GPT (hidden 64, batch 8 x
 seq 128); a composed evaluation is `ChainProfile.compose` of a 100-entry action list.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import subprocess
@@ -33,27 +35,31 @@ def _child_cpu() -> float:
 
 
 def estimate_cli() -> dict:
-    """Wall seconds of fresh processes, and their CPU seconds (less sensitive to a loaded machine)."""
-    inner: list[float] = []
-    cpu: dict[str, list[float]] = {"estimate": [], "floor": []}
+    """Wall seconds of fresh processes, and their CPU seconds (less sensitive to a loaded machine): traced
+    (MEMFIT_NO_CACHE=1), with the chain profile read from the disk cache, and the import floor."""
+    inner: dict[str, list[float]] = {"traced": [], "cached": []}
+    cpu: dict[str, list[float]] = {"traced": [], "cached": [], "import floor": []}
 
-    def timed(name: str, argv: list[str]) -> str:
+    def timed(name: str, argv: list[str], env: dict | None = None) -> str:
         c0 = _child_cpu()
-        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True,
+                             env={**os.environ, **(env or {})}).stdout
         cpu[name].append(_child_cpu() - c0)
         return out
 
-    def run() -> None:
-        inner.append(json.loads(timed("estimate", ESTIMATE))["trace_seconds"])
+    def run(name: str, env: dict | None = None):
+        return lambda: inner[name].append(json.loads(timed(name, ESTIMATE, env))["trace_seconds"])
 
     def floor() -> None:
-        timed("floor", ["-c", "import torch, torch._dynamo"])
+        timed("import floor", ["-c", "import torch, torch._dynamo"])
 
-    timing = interleaved({"memfit estimate llama-2-70b": run, "import torch + torch._dynamo": floor}, rounds=ROUNDS)
-    # The first call of each is the warm-up.
+    timing = interleaved({"estimate, traced": run("traced", {"MEMFIT_NO_CACHE": "1"}),
+                          "estimate, cached chain profile": run("cached"),
+                          "import torch + torch._dynamo": floor}, rounds=ROUNDS)
+    # The first call of each is the warm-up (it also fills the cache).
     return {"command": "memfit " + " ".join(ESTIMATE[2:]), "timing": timing,
-            "in_process_estimate_s": spread(inner[1:]),
-            "process_cpu_s": {"estimate": spread(cpu["estimate"][1:]), "import floor": spread(cpu["floor"][1:])}}
+            "in_process_estimate_s": {k: spread(v[1:]) for k, v in inner.items()},
+            "process_cpu_s": {k: spread(v[1:]) for k, v in cpu.items()}}
 
 
 def chain() -> dict:
@@ -101,10 +107,12 @@ def main() -> None:
     ch = chain()
     path = save("planner_speed", {"estimate": est, "chain": ch})
     w = est["timing"]["wall"]
-    c = est["process_cpu_s"]
-    print(f"estimate: {w['memfit estimate llama-2-70b']['median']:.2f} s wall, {c['estimate']['median']:.2f} s CPU "
-          f"(import floor {w['import torch + torch._dynamo']['median']:.2f} s wall, {c['import floor']['median']:.2f} s "
-          f"CPU; the estimate in process {est['in_process_estimate_s']['median']:.2f} s)")
+    c, inner = est["process_cpu_s"], est["in_process_estimate_s"]
+    for name, key in (("estimate, traced", "traced"), ("estimate, cached chain profile", "cached")):
+        print(f"{name}: {w[name]['median']:.2f} s wall, {c[key]['median']:.2f} s CPU, "
+              f"{inner[key]['median']:.2f} s in process")
+    print(f"import floor: {w['import torch + torch._dynamo']['median']:.2f} s wall, "
+          f"{c['import floor']['median']:.2f} s CPU")
     for name, s in ch["timing"]["wall"].items():
         scale = 1e3 / CALLS if name.startswith("compose") else 1e3
         print(f"{name}: {s['median'] * scale:.2f} ms" + (" per call" if name.startswith("compose") else ""))

@@ -84,6 +84,7 @@ class TimelineTracker(MemoryTracker):
         self.frees: list[tuple[int, int, int, int]] = []
         """(record index, creating block, bytes, category) of storages made in a block's forward."""
         self._fwd_phase = -1
+        self._recording = False  # only the measured step (from reset_peak on) is recorded
 
     def _tag(self) -> int | None:
         names = self.block_names
@@ -94,7 +95,8 @@ class TimelineTracker(MemoryTracker):
         return None
 
     def _note(self) -> None:
-        self.record.append((self.current_bytes, tuple(self._cur), self._in_bw, self._tag()))
+        if self._recording:
+            self.record.append((self.current_bytes, tuple(self._cur), self._in_bw, self._tag()))
 
     def _check_peak(self) -> None:
         super()._check_peak()
@@ -120,6 +122,7 @@ class TimelineTracker(MemoryTracker):
         self.record.clear()
         self.frees.clear()
         self._fwd_phase = self._phase
+        self._recording = True
         self._note()
 
     def _on_free(self, key: int) -> None:
