@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,9 @@ def _code_digest() -> str:
     import torch
 
     h = hashlib.sha256(torch.__version__.encode())
-    try:
-        import transformers
-
-        h.update(transformers.__version__.encode())
-    except ImportError:
+    try:  # the installed version, without importing transformers (seconds)
+        h.update(metadata.version("transformers").encode())
+    except metadata.PackageNotFoundError:
         pass
     root = Path(__file__).resolve().parents[1]
     for path in sorted(root.rglob("*.py")):

@@ -7,6 +7,7 @@ FFN width cover Llama-style shapes with the same code.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -135,9 +136,12 @@ class Block(nn.Module):
 
 
 def _holds_no_data(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.device.type == "meta" or is_fake(t)
+    if t.device.type == "meta":
+        return True
+    # No fake tensor exists before FakeTensorMode's module is loaded; importing it here would pull in
+    # torch._dynamo (seconds) for every build.
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and fake.is_fake(t)
 
 
 class GPT(nn.Module):
