@@ -7,6 +7,7 @@ FFN width cover Llama-style shapes with the same code.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +135,15 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _holds_no_data(t: torch.Tensor) -> bool:
+    if t.device.type == "meta":
+        return True
+    # No fake tensor exists before FakeTensorMode's module is loaded; importing it here would pull in
+    # torch._dynamo (seconds) for every build.
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and fake.is_fake(t)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -150,6 +160,8 @@ class GPT(nn.Module):
         # bias, targets, ignore_index, reduction). memfit.apply.head_swap sets a chunked one that never
         # holds all the logits; the forward then returns logits=None.
         self.head_loss = None
+        if _holds_no_data(self.head.weight):
+            return  # meta or fake weights (estimates, plans): initial values are never read
         self.apply(self._init)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
         for name, p in self.named_parameters():

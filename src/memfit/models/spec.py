@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, fields, replace
@@ -97,7 +98,7 @@ class ModelSpec:
 
     def on_meta(self, seq: int | None = None) -> nn.Module:
         """The model built on the meta device: shapes and dtypes only, nothing allocated."""
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init():
             return self.build(seq)
 
     def counts(self) -> tuple[int, int]:
@@ -148,6 +149,24 @@ class ModelSpec:
             c = self.config
             return c.hidden, max(c.ffn or 0, c.vocab, (c.heads + 2 * (c.kv_heads or c.heads)) * c.head_dim), c.heads
         return _hf_widths(read_hf_config(self.hf_config, families=self.task is not None))
+
+
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def _no_init():
+    """torch's weight init functions as no-ops: meta weights hold no values, and `normal_` on the meta
+    device goes through torch._refs, whose first call imports torch._dynamo (seconds)."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda t, *args, **kwargs: t)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def _parse_bool(key: str, value: str) -> bool:

@@ -57,7 +57,7 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
                 ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
                 where=composed.where)
     if verify and cand.offload_optimizer is None:
-        _verify(problem, plan, prof, bases, _cost(_block_seconds(prof, problem.tokens(cand.micro_batch))))
+        _verify(problem, plan, prof, bases, _cost(_block_seconds(prof, problem.tokens(cand.micro_batch)), None, prof))
     elif cand.offload_optimizer:
         plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
     return plan
@@ -77,11 +77,11 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
         speed = costs.recompute_s * scale / max(t_fwd, 1e-12)
         t_fwd, t_sel = costs.recompute_s * scale, costs.selective_s * scale
     relief = _opt_bytes(prof, n) if off else 0
-    cost = _cost(t_fwd, t_sel)
+    bw = getattr(costs, "bandwidth", None)
     accum = problem.batch // micro
 
     def row(chunks: int | None, p) -> tuple:
-        choice = solve(p, limit + relief, bases, cost, n_blocks=n, max_segment=min(n, 16))
+        choice = solve(p, limit + relief, bases, _cost(t_fwd, t_sel, p, bw), n_blocks=n, max_segment=min(n, 16))
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
         head = head_seconds(src, tokens, chunks, speed) if chunks else 0.0
