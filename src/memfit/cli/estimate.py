@@ -127,5 +127,6 @@ def run(args: argparse.Namespace) -> int:
                    else f"does NOT fit: {format_bytes(-est.headroom)} over")
         print(f"\n  device memory {format_bytes(est.device_memory)}: {verdict}")
     if est.traced:
-        print(f"\n  traced in {est.trace_seconds:.1f} s without allocating (FakeTensorMode)")
+        print(f"\n  estimated in {est.trace_seconds:.1f} s without allocating (FakeTensorMode traces; per-block "
+              "traces of model specs are cached on disk, MEMFIT_NO_CACHE=1 traces again)")
     return 0
