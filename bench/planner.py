@@ -98,9 +98,10 @@ def run_case(case: dict, quick: bool, rounds: int) -> dict:
         eager.step()  # warm
         measured[p] = eager.peak()
     act_none = measured["none"]["breakdown"]["activations"]
-    half = measured["none"]["peak"] - act_none // 2  # leaves 50% of the no-checkpoint activation memory
+    half = max(lo, measured["none"]["peak"] - act_none // 2)  # leaves 50% of the no-checkpoint activations
     budgets = sorted({round(lo + (none_pred - lo) * i / 5) for i in range(6)} | {half})
     plans, fit_s = {}, []
+    eager.policy("none")  # fit() reads the module as the user hands it over: no wrappers installed
     example = {"input_ids": eager.x, "labels": eager.x}
     for b in budgets:
         s0 = time.perf_counter()

@@ -6,7 +6,7 @@ from shuffled interleaved rounds):
   - one fixed plan chosen for the longest length.
 Then a mixed run through AdaptivePlan.apply, as a training loop would use it, with the peak of every batch.
 
-    python bench/planner_adaptive.py --quick     # hidden 64 (about a minute)
+    python bench/planner_adaptive.py --quick     # hidden 64, vocab 256 (a few minutes)
     python bench/planner_adaptive.py             # hidden 256, vocab 8192 (a few minutes)
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run(quick: bool, rounds: int) -> dict:
 
     name = ("gpt:layers=12,hidden=64,heads=4,vocab=256,seq=1024" if quick
             else "gpt:layers=12,hidden=256,heads=4,vocab=8192,seq=1024")
-    batch = 4 if quick else 2
+    batch = 1  # seq 1024 at batch 1 already takes the longest step
     spec = parse_model(name)
     # The budget: what the middle length needs with every activation kept, so short lengths keep all
     # and the longest must recompute.
