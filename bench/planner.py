@@ -58,14 +58,14 @@ def cases(quick: bool) -> list[dict]:
             dict(key="hf-llama", name=str(llama_config(False)), batch=1, seq=256, hf=True)]
 
 
-def _budgets(spec, batch: int, seq: int) -> tuple[int, int, object]:
-    """Smallest feasible budget (bisected on the composed estimate) and the predicted no-checkpoint peak."""
+def _budgets(src) -> tuple[int, int, object]:
+    """Smallest feasible budget (bisected on the composed estimate of the source fit() will plan from)
+    and the predicted no-checkpoint peak."""
     from memfit.apply.policy import resolve_policy
-    from memfit.measure.blocks import chain_profile, spec_source
+    from memfit.measure.blocks import chain_profile
     from memfit.measure.compose import BASE_ACTIONS
     from memfit.plan.solve import solve
 
-    src = spec_source(spec, batch, seq)
     prof = chain_profile(src, "32-true", "adamw")
     n = src.n_blocks
     none_peak = prof.peak_of(resolve_policy("none", n))
@@ -78,6 +78,7 @@ def _budgets(spec, batch: int, seq: int) -> tuple[int, int, object]:
 
 def run_case(case: dict, quick: bool, rounds: int) -> dict:
     from memfit.apply.policy import resolve_policy, to_string
+    from memfit.measure.blocks import module_source, spec_source
     from memfit.models.spec import parse_model, read_hf_config
     from memfit.plan.fit import fit
     from memfit.profile.measure import profile
@@ -86,9 +87,11 @@ def run_case(case: dict, quick: bool, rounds: int) -> dict:
     spec, batch, seq = parse_model(case["name"]), case["batch"], case["seq"]
     vocab = spec.config.vocab if spec.config is not None else read_hf_config(spec.hf_config)["vocab_size"]
     print(f"== {case['key']}: {spec.name}, batch {batch} x seq {seq}", flush=True)
-    lo, none_pred, prof = _budgets(spec, batch, seq)
     costs = profile(case["name"], batch=batch, seq=seq, use_cache=False).blocks  # this machine's block costs
     eager = Bench(lambda: spec.build(seq=seq), batch, seq, vocab)
+    example = {"input_ids": eager.x, "labels": eager.x}
+    src = module_source(eager.model, example, None) if case.get("hf") else spec_source(spec, batch, seq)
+    lo, none_pred, prof = _budgets(src)
     from memfit.apply.checkpoint import find_blocks
 
     n = len(find_blocks(eager.model))
@@ -102,7 +105,6 @@ def run_case(case: dict, quick: bool, rounds: int) -> dict:
     budgets = sorted({round(lo + (none_pred - lo) * i / 5) for i in range(6)} | {half})
     plans, fit_s = {}, []
     eager.policy("none")  # fit() reads the module as the user hands it over: no wrappers installed
-    example = {"input_ids": eager.x, "labels": eager.x}
     for b in budgets:
         s0 = time.perf_counter()
         if case.get("hf"):  # the user's path for a Hugging Face module: fit(model, example, ...)
