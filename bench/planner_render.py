@@ -97,6 +97,12 @@ def render(result: dict) -> str:
              "time; the ratio is bisected for the largest one whose measured peak fits. Inductor would use the same "
              "partition, but its kernels allocate outside the dispatcher, where the tracker cannot see them. "
              "aot_eager does not fuse, so its step times are eager-speed.", ""]
+    loaded = [c["key"] for c in result["models"] if max(c["timing"]["load_before"][0], c["timing"]["load_after"][0])
+              > m.get("cores", 1)]
+    if loaded:
+        lines += [f"The machine was busy during the timed rounds of {', '.join(loaded)} (1-minute load above its "
+                  f"{m.get('cores')} cores): step-time differences of a few percent there are within the noise; the "
+                  "peaks are not affected.", ""]
     for case in result["models"]:
         lines += _case(case) + [""]
     lines += ["![peak against step time per contender](planner_frontier.png)"]
