@@ -2,8 +2,8 @@
 GPT-2-small run holds two copies of the weights, not one per contender):
 
 - eager checkpoint policies (memfit's plans and the uniform policies), switched in place on one model;
-- torch.compile at a tuned `torch._functorch.config.activation_memory_budget`, on a second model that
-  is never re-checkpointed (switching wrappers would invalidate dynamo's guards);
+- torch.compile at a tuned `torch._functorch.config.activation_memory_budget`, block by block, on a
+  second model that memfit never re-checkpoints;
 - PyTorch's SAC ILP (`torch.distributed._tools.sac_ilp`): attempted, and where it stops, the stage and
   the exact error are recorded.
 

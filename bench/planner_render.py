@@ -94,7 +94,7 @@ def render(result: dict) -> str:
              "Step times are the median (fastest–slowest) of the shuffled rounds. A plan identical to a uniform "
              "policy is that policy's run (`= name`). torch.compile runs with the aot_eager backend and the min-cut "
              "partitioner, which reads `activation_memory_budget` (a ratio of the saved activations) at compile "
-             "time; the ratio is bisected for the largest one whose measured peak fits. Inductor would use the same "
+             "time; each block is compiled on its own (as torchtitan does), and the ratio is bisected for the largest one whose measured peak fits. Inductor would use the same "
              "partition, but its kernels allocate outside the dispatcher, where the tracker cannot see them. "
              "aot_eager does not fuse, so its step times are eager-speed.", ""]
     loaded = [c["key"] for c in result["models"] if max(c["timing"]["load_before"][0], c["timing"]["load_after"][0])
