@@ -201,9 +201,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (2 on a quiet 2-core machine halves the run)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    out = {"quick": args.quick, "threads": 1, "models": []}
+    torch.set_num_threads(args.threads)
+    out = {"quick": args.quick, "threads": args.threads, "models": []}
     for case in cases(args.quick):
         result = run_case(case, args.quick, args.rounds)
         result["targets"] = targets(result)

@@ -84,11 +84,11 @@ def _case(case: dict) -> list[str]:
 
 def render(result: dict) -> str:
     m = result.get("machine", {})
-    quick = " --quick" if result.get("quick") else ""
+    quick = (" --quick" if result.get("quick") else "") + (f" --threads {result['threads']}" if result.get("threads", 1) != 1 else "")
     lines = ["## planner: memfit's plan against uniform checkpointing, torch.compile's memory budget and SAC ILP", "",
              f"`python bench/planner.py{quick}`", "",
              f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}, "
-             f"{m.get('device', 'cpu')}; run {result.get('date', '?')}; {result.get('threads', 1)} intra-op thread. "
+             f"{m.get('device', 'cpu')}; run {result.get('date', '?')}; {result.get('threads', 1)} intra-op thread(s). "
              + run_line(result), "",
              "Peaks are memfit's tracker on one real step (AdamW, fp32, the batch and the optimizer state included). "
              "Step times are the median (fastest–slowest) of the shuffled rounds. A plan identical to a uniform "
