@@ -1,204 +1,222 @@
-"""Planner benchmark: memfit's plan against the best uniform checkpoint policy, at budgets from the
-smallest feasible to the no-checkpoint peak. Measured peak (memfit's tracker on real steps) and step
-time (median of shuffled, interleaved rounds).
+"""Planner benchmark (issue 9, section 6): at budgets from the smallest feasible to the no-checkpoint
+peak, the measured peak (memfit's tracker on a real step) and step time of
+  - memfit's plan (memfit.fit with this machine's `memfit profile` costs, then plan.apply's policy);
+  - every uniform policy (none, every:4, every:3, every:2, sqrt, selective, full), so the best that fits
+    each budget can be picked;
+  - torch.compile with activation_memory_budget bisected to the budget (bench/planner_contenders.py);
+  - PyTorch's SAC ILP where it runs (on a CPU-only machine it does not: the exact error is recorded).
+All contenders of a model run interleaved in shuffled order in one harness call (bench/common.py).
 
-    python bench/planner.py --quick        # small 12-block GPT (minutes)
-    python bench/planner.py                # GPT-2-small shape (12 blocks, hidden 768) at seq 128
+    python bench/planner.py --quick     # small GPT and small HF Llama (a few minutes)
+    python bench/planner.py             # GPT-2-small shape (12 x 768, vocab 50257) and an HF Llama, seq 1024
 
-torch.compile's activation_memory_budget and torch.distributed._tools.sac_ilp are not run here:
-see docs/planner.md for why.
+Full-mode shapes: batch 1 x seq 1024 (GPT-2's context). With fewer tokens the step's peak on GPT-2 small
+is not in the blocks at all: with AdamW it is the optimizer step (weights, gradients, two states and the
+step's temporaries); with SGD it is still at a point no checkpoint policy changes. Then the smallest
+feasible budget equals the no-checkpoint peak (seq 256 and 512 alike) and there is nothing to plan.
+A step at 1024 tokens takes several seconds on one core: the full run is long (5 rounds of about 17
+contenders per model, plus the compiles of the ratio bisection).
 """
 from __future__ import annotations
 
 import argparse
-import os
-import random
-import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
-from common import fmt_bytes, save  # noqa: E402
+from common import ROOT, interleaved, save  # noqa: E402
+from planner_contenders import Bench, CompileTuner, sac_ilp_attempt  # noqa: E402
+from planner_render import plot, render, snippets  # noqa: E402,F401  (render/snippets: bench/render.py)
 
 UNIFORM = ["none", "every:4", "every:3", "every:2", "sqrt", "selective", "full"]
+ALLOW = ("recompute", "selective")
+OVERHEAD_SHARE = 1 / 3  # target: overhead at the 50% budget at most a third of full checkpointing's
+NOISE = 0.03  # target: no slower than the best uniform policy, with this allowance
 
 
-def _step(model, opt, x):
-    # The step the planner plans (memfit.measure.trace): logits are dropped before backward.
-    from memfit.measure.trace import _loss
+def llama_config(quick: bool) -> Path:
+    """A Hugging Face Llama config.json (random weights are built from it; nothing is downloaded)."""
+    from transformers import LlamaConfig
 
-    with opt.autocast():
-        loss = _loss(model, x)
-    opt.backward(loss)
-    opt.step()
-
-
-class Runner:
-    """One model per policy, warmed up; step() times one step; peak() measures one with the tracker."""
-
-    def __init__(self, spec, policy, batch: int, seq: int) -> None:
-        import memfit
-        from memfit.apply.optimizer import TrainingOptimizer
-
-        torch.manual_seed(0)
-        self.model = spec.build(seq=seq)
-        memfit.checkpoint(self.model, policy)
-        self.opt = TrainingOptimizer(self.model, "adamw", lr=1e-4)
-        self.x = torch.randint(0, spec.config.vocab, (batch, seq))
-        _step(self.model, self.opt, self.x)
-
-    def step(self) -> float:
-        t0 = time.perf_counter()
-        _step(self.model, self.opt, self.x.clone())
-        return time.perf_counter() - t0
-
-    def peak(self) -> int:
-        import memfit
-
-        with memfit.track(self.model, self.opt) as t:
-            x = self.x.clone()
-            _step(self.model, self.opt, x)
-        return t.peak_bytes
+    shape = (dict(hidden_size=64, intermediate_size=176, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256) if quick else
+             dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=32000))
+    folder = Path(tempfile.mkdtemp(prefix="memfit-bench-")) / "hf-llama"
+    folder.mkdir()
+    # use_cache off: a training loop has no use for a KV cache, and memfit.checkpoint switches it off anyway.
+    LlamaConfig(max_position_embeddings=1024, use_cache=False, **shape).to_json_file(folder / "config.json")
+    return folder / "config.json"
 
 
-def run(quick: bool, rounds: int) -> dict:
-    from memfit.measure.blocks import chain_profile, spec_source
-    from memfit.models.spec import parse_model
+def cases(quick: bool) -> list[dict]:
+    if quick:
+        return [dict(key="gpt", name="gpt:layers=12,hidden=64,heads=4,vocab=256,seq=128", batch=4, seq=128),
+                dict(key="hf-llama", name=str(llama_config(True)), batch=4, seq=128, hf=True)]
+    return [dict(key="gpt2", name="gpt2", batch=1, seq=1024),
+            dict(key="hf-llama", name=str(llama_config(False)), batch=1, seq=1024, hf=True)]
+
+
+def _budgets(src, optimizer: str = "adamw") -> tuple[int, int, object]:
+    """Smallest feasible budget (bisected on the composed estimate of the source fit() will plan from)
+    and the predicted no-checkpoint peak."""
     from memfit.apply.policy import resolve_policy
-    from memfit.plan.fit import fit
-    from memfit.plan.solve import solve
+    from memfit.measure.blocks import chain_profile
     from memfit.measure.compose import BASE_ACTIONS
+    from memfit.plan.solve import solve
 
-    name = "gpt:layers=12,hidden=64,heads=4,vocab=256,seq=128" if quick else "gpt2"
-    batch, seq = (4, 128) if quick else (1, 128)
-    spec = parse_model(name)
-    t0 = time.perf_counter()
-    prof = chain_profile(spec_source(spec, batch, seq), "32-true", "adamw")
-    n = spec.config.layers
+    prof = chain_profile(src, "32-true", optimizer)
+    n = src.n_blocks
     none_peak = prof.peak_of(resolve_policy("none", n))
     lo, hi = 0, none_peak
-    cost = lambda b, k: 0.0  # noqa: E731
     while hi - lo > 4096:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if solve(prof, mid, BASE_ACTIONS, cost, n_blocks=n) is None else (lo, mid)
-    budgets = [round(hi + (none_peak - hi) * i / 5) for i in range(6)]
-    uniform_peaks = {p: prof.peak_of(resolve_policy(p, n)) for p in UNIFORM}
+        lo, hi = (mid, hi) if solve(prof, mid, BASE_ACTIONS, lambda b, k: 0.0, n_blocks=n) is None else (lo, mid)
+    return hi, none_peak, prof
+
+
+def run_case(case: dict, quick: bool, rounds: int) -> dict:
+    from memfit.apply.policy import resolve_policy, to_string
+    from memfit.measure.blocks import module_source, spec_source
+    from memfit.models.spec import parse_model, read_hf_config
+    from memfit.plan.fit import fit
     from memfit.profile.measure import profile
 
-    costs = profile(name, batch=batch, seq=seq, use_cache=False).blocks  # this machine's block costs
-    plans, solve_s = {}, []
+    t_start = time.perf_counter()
+    spec, batch, seq = parse_model(case["name"]), case["batch"], case["seq"]
+    vocab = spec.config.vocab if spec.config is not None else read_hf_config(spec.hf_config)["vocab_size"]
+    print(f"== {case['key']}: {spec.name}, batch {batch} x seq {seq}", flush=True)
+    costs = profile(case["name"], batch=batch, seq=seq, use_cache=False).blocks  # this machine's block costs
+    eager = Bench(lambda: spec.build(seq=seq), batch, seq, vocab)
+    example = {"input_ids": eager.x, "labels": eager.x}
+    src = module_source(eager.model, example, None) if case.get("hf") else spec_source(spec, batch, seq)
+    lo, none_pred, prof = _budgets(src)
+    from memfit.apply.checkpoint import find_blocks
+
+    n = len(find_blocks(eager.model))
+    measured = {}
+    for p in UNIFORM:
+        eager.policy(p)
+        eager.step()  # warm
+        measured[p] = eager.peak()
+    act_none = measured["none"]["breakdown"]["activations"]
+    half = max(lo, measured["none"]["peak"] - act_none // 2)  # leaves 50% of the no-checkpoint activations
+    budgets = sorted({round(lo + (none_pred - lo) * i / 5) for i in range(6)} | {half})
+    plans, fit_s = {}, []
+    eager.policy("none")  # fit() reads the module as the user hands it over: no wrappers installed
     for b in budgets:
         s0 = time.perf_counter()
-        plans[b] = fit(name, budget=b, batch=batch, seq=seq, allow=("recompute", "selective"), verify=False,
-                       costs=costs)
-        solve_s.append(time.perf_counter() - s0)
-    policies = {p: p for p in UNIFORM}
-    for b, plan in plans.items():
-        policies[f"plan@{b}"] = plan.actions
-    runners = {k: Runner(spec, v, batch, seq) for k, v in policies.items()}
-    peaks = {k: r.peak() for k, r in runners.items()}
-    times: dict[str, list[float]] = {k: [] for k in runners}
-    loads = []
-    for _ in range(rounds):
-        order = list(runners)
-        random.shuffle(order)
-        loads.append(os.getloadavg()[0])
-        for k in order:
-            times[k].append(runners[k].step())
-    med = {k: statistics.median(v) for k, v in times.items()}
-    spread = {k: (min(v), max(v)) for k, v in times.items()}
+        if case.get("hf"):  # the user's path for a Hugging Face module: fit(model, example, ...)
+            plans[b] = fit(eager.model, example, budget=b, allow=ALLOW, costs=costs)
+        else:
+            plans[b] = fit(case["name"], budget=b, batch=batch, seq=seq, allow=ALLOW, costs=costs)
+        fit_s.append(time.perf_counter() - s0)
+    # Contenders, one per distinct action list: a plan equal to a uniform policy is that policy's run.
+    uniform_key = {to_string(resolve_policy(p, n)): p for p in UNIFORM}
+    plan_key = {b: uniform_key.get(to_string(p.actions), f"plan:{to_string(p.actions)}") for b, p in plans.items()}
+    for b, k in plan_key.items():
+        if k not in measured:
+            eager.policy(plans[b].actions)
+            eager.step()
+            measured[k] = eager.peak()
+    print("    tuning torch.compile's activation_memory_budget", flush=True)
+    compiled = Bench(lambda: spec.build(seq=seq), batch, seq, vocab)
+    tuner = CompileTuner(compiled, steps=2 if quick else 3)
+    ratio = {b: tuner.tune(b) for b in budgets}
+    for r in set(ratio.values()) - {None}:
+        measured[f"compile@{r:.4f}"] = {k: tuner.at(r)[k] for k in ("peak", "breakdown")}
+    policy_of = {p: p for p in UNIFORM} | {plan_key[b]: plans[b].actions for b in budgets}
+
+    def setup(name: str) -> None:
+        if name in policy_of:
+            eager.policy(policy_of[name])
+        else:
+            tuner.use(float(name.split("@")[1]))
+
+    contenders = {k: (lambda k=k: eager.step()) for k in policy_of}
+    contenders |= {f"compile@{r:.4f}": compiled.step for r in set(ratio.values()) - {None}}
+    print(f"    timing {len(contenders)} contenders, {rounds} rounds", flush=True)
+    timing = interleaved(contenders, rounds=rounds, setup=setup)
+    med = {k: v["median"] for k, v in timing["wall"].items()}
     rows = []
     for b in budgets:
-        fits = [p for p in UNIFORM if peaks[p] <= b]
+        fits = [p for p in UNIFORM if measured[p]["peak"] <= b]
         best = min(fits, key=lambda p: med[p]) if fits else None
-        k = f"plan@{b}"
-        rows.append({"budget": b, "plan": str(plans[b].actions and ",".join(map(str, plans[b].actions))),
-                     "plan_peak": peaks[k], "plan_predicted": plans[b].predicted_peak, "plan_time": med[k],
-                     "plan_spread": spread[k], "uniform": best, "uniform_peak": peaks.get(best),
-                     "uniform_time": med.get(best), "uniform_spread": spread.get(best)})
-    s100 = _solve_100(prof)
-    return {"model": name, "batch": batch, "seq": seq, "rounds": rounds, "rows": rows, "none_peak": none_peak,
-            "uniform_peaks": uniform_peaks, "uniform_times": {p: med[p] for p in UNIFORM},
-            "full_time": med["full"], "none_time": med["none"], "load": loads, "solve_100_blocks_s": s100,
-            "fit_seconds": solve_s, "costs": {"recompute_s": costs.recompute_s, "selective_s": costs.selective_s},
-            "wall_s": time.perf_counter() - t0}
+        ck = f"compile@{ratio[b]:.4f}" if ratio[b] is not None else None
+        rows.append({"budget": b, "half": b == half, "plan": plan_key[b], "plan_actions": to_string(plans[b].actions),
+                     "plan_predicted": plans[b].predicted_peak, "plan_notes": plans[b].notes,
+                     "micro_batch": plans[b].micro_batch, "accumulation": plans[b].accumulation,
+                     "uniform": best, "compile": ck, "compile_ratio": ratio[b]})
+    sac = sac_ilp_attempt(lambda: spec.build(seq=seq), batch, seq, vocab, budgets[0] / 2**30)
+    print(f"    SAC ILP: {sac}", flush=True)
+    return {"key": case["key"], "model": spec.name, "hf": bool(case.get("hf")), "batch": batch, "seq": seq,
+            "n_blocks": n, "budgets": budgets, "smallest_feasible": lo, "none_predicted": none_pred,
+            "half_budget": half, "activations_none": act_none, "rows": rows,
+            "peaks": {k: v["peak"] for k, v in measured.items()},
+            "breakdowns": {k: v["breakdown"] for k, v in measured.items()},
+            "timing": timing, "fit_seconds": fit_s, "compile_tried": tuner.summary(), "sac_ilp": sac,
+            "costs": {"recompute_s": costs.recompute_s, "selective_s": costs.selective_s},
+            "wall_s": time.perf_counter() - t_start}
 
 
-def _solve_100(prof) -> float:
-    from memfit.measure.compose import BASE_ACTIONS
+def targets(case: dict) -> dict:
+    """issue 9's targets, computed from one model's measurements."""
+    med = {k: v["median"] for k, v in case["timing"]["wall"].items()}
+    peaks, rows = case["peaks"], case["rows"]
+    within = all(peaks[r["plan"]] <= r["budget"] for r in rows)
+    half = next(r for r in rows if r["half"])
+    over = med[half["plan"]] - med["none"]
+    full_over = med["full"] - med["none"]
+    vs_uniform = [med[r["plan"]] / med[r["uniform"]] for r in rows if r["uniform"]]
+    return {"plan_within_budget": within,
+            "half_budget_overhead_s": over, "full_overhead_s": full_over,
+            "half_budget_overhead_share": over / full_over if full_over > 0 else None,
+            "half_budget_ok": over <= OVERHEAD_SHARE * full_over,
+            "worst_vs_best_uniform": max(vs_uniform) if vs_uniform else None,
+            "no_slower_than_uniform": all(v <= 1 + NOISE for v in vs_uniform)}
+
+
+def solve_100_blocks(case: dict) -> float:
+    """Seconds for one exact solve over a 100-block chain of this model's blocks, mid-way between full and none."""
     from memfit.apply.policy import resolve_policy
+    from memfit.measure.blocks import chain_profile, spec_source
+    from memfit.measure.compose import BASE_ACTIONS
+    from memfit.models.spec import parse_model
     from memfit.plan.solve import solve
 
+    spec = parse_model(case["name"])
+    prof = chain_profile(spec_source(spec, case["batch"], case["seq"]), "32-true", "adamw")
     budget = (prof.peak_of(resolve_policy("none", 100)) + prof.peak_of(resolve_policy("full", 100))) // 2
+    cost = lambda b, k: {"keep": 0.0, "selective": 0.2, "recompute": 1.0}[b.mode]  # noqa: E731
     t0 = time.perf_counter()
-    solve(prof, budget, BASE_ACTIONS, lambda b, k: {"keep": 0, "selective": 0.2, "recompute": 1}[b.mode],
-          n_blocks=100)
+    solve(prof, budget, BASE_ACTIONS, cost, n_blocks=100)
     return time.perf_counter() - t0
-
-
-def render(result: dict) -> str:
-    load = result.get("load") or [0]
-    m = result.get("machine", {})
-    lines = ["## planner: memfit's plan against the best uniform policy at each budget", "",
-             f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}; "
-             f"run {result.get('date', '?')}.", "",
-             f"Command: `python bench/planner.py{' --quick' if result.get('quick') else ''}`. "
-             f"Machine load (1-min average) during the rounds: {min(load):.1f}-{max(load):.1f}. "
-             f"Planner on {result['model']} (batch {result['batch']}, seq {result['seq']}), {result['rounds']} "
-             f"shuffled rounds, CPU; peaks by memfit's tracker on real steps. No checkpointing: "
-             f"{fmt_bytes(result['none_peak'])}, {result['none_time'] * 1000:.0f} ms; full: "
-             f"{result['full_time'] * 1000:.0f} ms. One 100-block solve: {result['solve_100_blocks_s']:.2f} s.", "",
-             "| budget | memfit plan peak | memfit time (ms) | best uniform that fits | its peak | its time (ms) |",
-             "|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        u = r["uniform"] or "none fits"
-        ut = f"{r['uniform_time'] * 1000:.0f}" if r["uniform_time"] else "-"
-        up = fmt_bytes(r["uniform_peak"]) if r["uniform_peak"] else "-"
-        lines.append(f"| {fmt_bytes(r['budget'])} | {fmt_bytes(r['plan_peak'])} | {r['plan_time'] * 1000:.0f} "
-                     f"[{r['plan_spread'][0] * 1000:.0f}-{r['plan_spread'][1] * 1000:.0f}] | {u} | {up} | {ut} |")
-    lines += ["", "![frontier](planner_frontier.png)"]
-    return "\n".join(lines)
-
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def plot(result: dict, path: Path) -> None:
-    """Step time against measured peak: memfit's plans and the uniform policies."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    rows = result["rows"]
-    ax.plot([r["plan_peak"] / 2**20 for r in rows], [r["plan_time"] * 1000 for r in rows], "o-", label="memfit plan")
-    up, ut = result["uniform_peaks"], result["uniform_times"]
-    for name in ut:
-        ax.plot(up[name] / 2**20, ut[name] * 1000, "s", color="gray")
-        ax.annotate(name, (up[name] / 2**20, ut[name] * 1000), fontsize=7)
-    ax.set_xlabel("measured peak (MiB)")
-    ax.set_ylabel("median step time (ms)")
-    ax.set_title(f"{result['model']}, batch {result['batch']} x seq {result['seq']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (2 on a quiet 2-core machine halves the run)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    result = run(args.quick, args.rounds)
-    path = save("planner", {**result, "quick": args.quick})
-    plot(result, ROOT / "docs" / "planner_frontier.png")
-    print(render(result))
-    print(f"\nwrote {path} in {result['wall_s']:.0f} s")
+    torch.set_num_threads(args.threads)
+    out = {"quick": args.quick, "threads": args.threads, "models": []}
+    for case in cases(args.quick):
+        result = run_case(case, args.quick, args.rounds)
+        result["targets"] = targets(result)
+        result["solve_100_blocks_s"] = solve_100_blocks(case)
+        out["models"].append(result)
+    path = save("planner", out)
+    import json
+
+    saved = json.loads(path.read_text())
+    plot(saved, ROOT / "docs" / "planner_frontier.png")
+    print(render(saved))
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

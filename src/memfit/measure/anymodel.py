@@ -62,7 +62,10 @@ def module_builder(model: Any) -> Callable[[], nn.Module]:
 
         def build() -> nn.Module:
             dev = torch.empty(0).device  # the surrounding torch.device context
-            return _materialise(copy.deepcopy(template), dev)
+            # The template's meta tensors are shared, not copied: _materialise replaces each one anyway, and
+            # deep-copying a plain meta buffer under FakeTensorMode fails (HF Llama's rotary inv_freq).
+            memo = {id(t): t for t in (*template.parameters(), *template.buffers())}
+            return _materialise(copy.deepcopy(template, memo), dev)
 
         return build
     if callable(model):

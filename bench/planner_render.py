@@ -1,0 +1,158 @@
+"""Markdown, a docs snippet and the frontier plot for bench/planner.py's JSON (kept apart: files under 400 lines)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from common import fmt_bytes, run_line
+
+NOISE, SHARE = 0.03, 1 / 3
+
+
+def _t(timing: dict, key: str | None) -> str:
+    if not key:
+        return "-"
+    s = timing["wall"][key]
+    scale, unit = (1e3, "ms") if s["median"] < 1 else (1, "s")
+    d = 0 if unit == "ms" else 2
+    return f"{s['median'] * scale:.{d}f} ({s['min'] * scale:.{d}f}–{s['max'] * scale:.{d}f}) {unit}"
+
+
+def _p(case: dict, key: str | None, budget: int) -> str:
+    if not key:
+        return "-"
+    p = case["peaks"][key]
+    return fmt_bytes(p) + ("" if p <= budget else " **over**")
+
+
+def _mark(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "**missed**")
+
+
+def _name(key: str | None) -> str:
+    if not key:
+        return "none fits"
+    return "plan (its own list)" if key.startswith("plan:") else f"= `{key}`"
+
+
+def _case(case: dict) -> list[str]:
+    tm, t = case["timing"], case["targets"]
+    none = case["peaks"]["none"]
+    shape = "Hugging Face LlamaForCausalLM from a LlamaConfig, random weights" if case["hf"] else "memfit GPT"
+    lines = [f"### {case['key']}: {case['model']} ({shape}), batch {case['batch']} x seq {case['seq']}, "
+             f"{case['n_blocks']} blocks", "",
+             f"No checkpointing: peak {fmt_bytes(none)} (activations {fmt_bytes(case['activations_none'])} of it), "
+             f"step {_t(tm, 'none')}; full checkpointing: {fmt_bytes(case['peaks']['full'])}, {_t(tm, 'full')}. "
+             f"Budgets: six from the smallest feasible ({fmt_bytes(case['smallest_feasible'])}) to the predicted "
+             f"no-checkpoint peak, plus the one leaving 50% of the no-checkpoint activations "
+             f"({fmt_bytes(case['half_budget'])}, marked ½). {tm['rounds']} rounds of {len(tm['wall'])} distinct "
+             f"contenders, shuffled each round; 1-minute load {tm['load_before'][0]:.1f} before and "
+             f"{tm['load_after'][0]:.1f} after the timed rounds.", "",
+             "| budget | memfit plan | its peak | its step | best uniform that fits | its peak | its step | "
+             "torch.compile ratio | its peak | its step |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in case["rows"]:
+        b = r["budget"]
+        ratio = "cannot reach" if r["compile_ratio"] is None else f"{r['compile_ratio']:.3f}"
+        lines.append(f"| {fmt_bytes(b)}{' ½' if r['half'] else ''} | {_name(r['plan'])} | {_p(case, r['plan'], b)} | "
+                     f"{_t(tm, r['plan'])} | {r['uniform'] or 'none fits'} | {_p(case, r['uniform'], b)} | "
+                     f"{_t(tm, r['uniform'])} | {ratio} | {_p(case, r['compile'], b)} | {_t(tm, r['compile'])} |")
+    share = t["half_budget_overhead_share"]
+    worst = t["worst_vs_best_uniform"]
+    lines += ["", "Plans (per-block actions, `memfit.fit` with `allow=(\"recompute\", \"selective\")`):", ""]
+    for r in case["rows"]:
+        lines.append(f"- {fmt_bytes(r['budget'])}: `{r['plan_actions']}` (predicted {fmt_bytes(r['plan_predicted'])}"
+                     f"{', micro-batch %d x %d' % (r['micro_batch'], r['accumulation']) if r['accumulation'] > 1 else ''})")
+    lines += ["", "Targets (computed from the medians above):", "",
+              f"- memfit's measured peak within the budget at every budget: {_mark(t['plan_within_budget'])}.",
+              f"- at the ½ budget, overhead over no checkpointing {t['half_budget_overhead_s'] * 1e3:.0f} ms against full "
+              f"checkpointing's {t['full_overhead_s'] * 1e3:.0f} ms"
+              + (f" ({share:.2f} of it; target at most {SHARE:.2f})" if share is not None else "")
+              + f": {_mark(t['half_budget_ok'])}.",
+              f"- no slower than the best uniform policy that fits (3% allowance): {_mark(t['no_slower_than_uniform'])}"
+              + (f"; worst ratio {worst:.3f}." if worst else "."),
+              f"- one solve over 100 of these blocks: {case['solve_100_blocks_s']:.2f} s (target under 1 s): "
+              f"{_mark(case['solve_100_blocks_s'] < 1)}."]
+    tried = ", ".join(f"{r}: {fmt_bytes(v['peak'])}" for r, v in case["compile_tried"].items())
+    lines += ["", f"torch.compile ratios tried (activation_memory_budget: measured peak): {tried}."]
+    sac = case["sac_ilp"]
+    if sac.get("ran"):
+        lines.append(f"SAC ILP ran: decisions {sac['decisions']} (not applied by this bench).")
+    else:
+        lines.append(f"PyTorch's SAC ILP did not run here: it stopped at {sac['stage']} with `{sac['error']}`.")
+    return lines
+
+
+def render(result: dict) -> str:
+    m = result.get("machine", {})
+    quick = (" --quick" if result.get("quick") else "") + (f" --threads {result['threads']}" if result.get("threads", 1) != 1 else "")
+    lines = ["## planner: memfit's plan against uniform checkpointing, torch.compile's memory budget and SAC ILP", "",
+             f"`python bench/planner.py{quick}`", "",
+             f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}, "
+             f"{m.get('device', 'cpu')}; run {result.get('date', '?')}; {result.get('threads', 1)} intra-op thread(s). "
+             + run_line(result), "",
+             "Peaks are memfit's tracker on one real step (AdamW, fp32, the batch and the optimizer state included). "
+             "Step times are the median (fastest–slowest) of the shuffled rounds. A plan identical to a uniform "
+             "policy is that policy's run (`= name`). torch.compile runs with the aot_eager backend and the min-cut "
+             "partitioner, which reads `activation_memory_budget` (a ratio of the saved activations) at compile "
+             "time; each block is compiled on its own (as torchtitan does), and the ratio is bisected for the largest one whose measured peak fits. Inductor would use the same "
+             "partition, but its kernels allocate outside the dispatcher, where the tracker cannot see them. "
+             "aot_eager does not fuse, so its step times are eager-speed.", ""]
+    loaded = [c["key"] for c in result["models"] if max(c["timing"]["load_before"][0], c["timing"]["load_after"][0])
+              > m.get("cores", 1)]
+    if loaded:
+        lines += [f"The machine was busy during the timed rounds of {', '.join(loaded)} (1-minute load above its "
+                  f"{m.get('cores')} cores): step-time differences of a few percent there are within the noise; the "
+                  "peaks are not affected.", ""]
+    for case in result["models"]:
+        lines += _case(case) + [""]
+    lines += ["![peak against step time per contender](planner_frontier.png)"]
+    return "\n".join(lines)
+
+
+def snippets(result: dict) -> dict[str, str]:
+    """docs/planner.md's benchmark summary, between <!-- bench:planner --> markers."""
+    out = []
+    for c in result["models"]:
+        t = c["targets"]
+        share = t["half_budget_overhead_share"]
+        out.append(f"- {c['model']} (batch {c['batch']} x seq {c['seq']}): peak within budget at all "
+                   f"{len(c['rows'])} budgets: {_mark(t['plan_within_budget'])}; overhead at the ½ budget "
+                   + (f"{share:.2f} of full checkpointing's" if share is not None else "n/a")
+                   + f"; worst time against the best uniform policy that fits "
+                   + (f"{t['worst_vs_best_uniform']:.3f}" if t["worst_vs_best_uniform"] else "n/a")
+                   + f"; 100-block solve {c['solve_100_blocks_s']:.2f} s.")
+    r = result.get("run", {})
+    load = f" (1-minute load {r['load_start'][0]:.1f} at the start, {r['load_end'][0]:.1f} at the end)" if r else ""
+    head = f"From `python bench/planner.py{' --quick' if result.get('quick') else ''}`, run {result.get('date')}{load}:"
+    return {"planner": "\n".join([head, ""] + out)}
+
+
+def plot(result: dict, path: Path) -> None:
+    """Step time against measured peak for every contender, one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = result["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, c in zip(axes[0], models):
+        med = {k: v["median"] for k, v in c["timing"]["wall"].items()}
+        groups = {"uniform": [k for k in med if not k.startswith(("plan:", "compile@"))],
+                  "memfit plan": sorted({r["plan"] for r in c["rows"]}),
+                  "torch.compile budget": [k for k in med if k.startswith("compile@")]}
+        for (label, keys), style in zip(groups.items(), ("s", "o", "^")):
+            pts = sorted((c["peaks"][k] / 2**20, med[k] * 1e3, k) for k in keys)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style + ("-" if label != "uniform" else ""), label=label,
+                    alpha=0.8)
+            if label == "uniform":
+                for x, y, k in pts:
+                    ax.annotate(k, (x, y), fontsize=7)
+        for b in c["budgets"]:
+            ax.axvline(b / 2**20, color="lightgray", lw=0.6, zorder=0)
+        ax.set_xlabel("measured peak (MiB); gray lines: budgets")
+        ax.set_ylabel("median step time (ms)")
+        ax.set_title(f"{c['key']}: batch {c['batch']} x seq {c['seq']}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
