@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import interleaved, save  # noqa: E402
+from common import fmt_spread, interleaved, load_line, run_line, save  # noqa: E402
 
 from memfit.apply.chunked_head import chunked_cross_entropy, reference_cross_entropy  # noqa: E402
 from memfit.apply.head_swap import chunk_head  # noqa: E402
@@ -74,6 +74,44 @@ def main() -> None:
             p = payload[key]["peaks"]
             print(key, {k: round(r["traced_peak"] / 2**20, 2) for k, r in p.items()}, "MiB")
     print({k: round(s["median"], 3) for k, s in payload["head_time"]["wall"].items()}, "s;", path)
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def _table(r: dict) -> list[str]:
+    small, big = r["small"], r.get("gpt2")
+    cols = ([f"GPT-2 small, batch {big['batch']} x seq {big['seq']} (traced)"] if big else []) + \
+        [f"small GPT, batch {small['batch']} x seq {small['seq']} (traced)", "same, measured on a real step"]
+    lines = ["| head | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for k, row in small["peaks"].items():
+        label = "plain" if k == "plain" else f"{k} chunks"
+        cells = ([_mib(big["peaks"][k]["traced_peak"])] if big else []) + \
+            [_mib(row["traced_peak"]), _mib(row["measured_peak"])]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _times(r: dict) -> list[str]:
+    t = r["head_time"]
+    lines = [f"| head + loss, forward and backward ({t['tokens']} tokens x {t['hidden']} hidden x {t['vocab']} "
+             "vocab) | median (min–max) | against plain |", "|---|---|---|"]
+    base = t["wall"]["plain"]["median"]
+    for name, s in t["wall"].items():
+        lines.append(f"| {name} | {fmt_spread(s)} | {s['median'] / base:.2f}x |")
+    return lines + ["", load_line(t)]
+
+
+def snippets(r: dict) -> dict[str, str]:
+    text = "\n".join([f"From `python bench/chunked_head.py`, run {r['date']}; peaks of a training step, fp32, AdamW "
+                      f"(small GPT: `{r['small']['model']}`).", "", *_table(r), "", *_times(r)])
+    return {"chunked_head": text}
+
+
+def render(r: dict) -> str:
+    return "\n".join(["## Chunked LM head (`bench/chunked_head.py`)", "", snippets(r)["chunked_head"], "",
+                      run_line(r)])
 
 
 if __name__ == "__main__":

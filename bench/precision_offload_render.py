@@ -111,7 +111,7 @@ def _overhead(r: dict) -> list[str]:
 
 
 def _compare(r: dict, cpu_only: bool) -> list[str]:
-    from precision_offload import AMP_BF16, CONTENDERS, DEEPSPEED, MEMFIT_OFFLOAD
+    from precision_offload_compare import AMP_BF16, CONTENDERS, DEEPSPEED, MEMFIT_OFFLOAD
 
     c = r["compare"]
     t = c.get("timing") or {"wall": {}}
