@@ -1,8 +1,7 @@
 """How fast the planner's pieces are: `memfit estimate` on a 70B model, one composed evaluation and one
 solve on a 100-block chain.
 
-    .venv/bin/python bench/planner_speed.py            # bench/results/planner_speed.json, docs/planner.md
-    .venv/bin/python bench/planner_speed.py --render   # the docs section again from the JSON
+    .venv/bin/python bench/planner_speed.py            # bench/results/planner_speed.json; then bench/render.py
 
 Contenders run interleaved in shuffled order (bench/common.py), 5 rounds, median and spread, with the
 machine's load. The estimate is timed as a fresh process (what a user waits for), traced and with its chain
@@ -28,8 +27,6 @@ from common import interleaved, save, spread  # noqa: E402
 
 ESTIMATE = ["-m", "memfit", "estimate", "llama-2-70b", "--zero", "3", "--world", "64", "--checkpoint", "full", "--json"]
 ROUNDS = 5
-RESULT = Path(__file__).resolve().parent / "results" / "planner_speed.json"
-DOC = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
 CALLS = 100
 
 
@@ -104,62 +101,39 @@ def chain() -> dict:
             "timing": timing, "solve": {"budget": budget, "peak": c.peak, "fits": c.peak <= budget}}
 
 
-def render() -> None:
-    """The Speed section of docs/planner.md, from bench/results/planner_speed.json."""
-    d = json.loads(RESULT.read_text())
-    e, c = d['estimate'], d['chain']
-    w, cpu, inner = e['timing']['wall'], e['process_cpu_s'], e['in_process_estimate_s']
-    cw = c['timing']['wall']
-    n = c['calls_per_compose_timing']
+def _table(d: dict) -> str:
+    """Intro line and table, from bench/results/planner_speed.json."""
+    e, c = d["estimate"], d["chain"]
+    cpu, inner = e["process_cpu_s"], e["in_process_estimate_s"]
+    cw = c["timing"]["wall"]
+    n = c["calls_per_compose_timing"]
 
     def rng(s: dict, scale: float = 1.0, digits: int = 2) -> str:
         return f"{s['median']*scale:.{digits}f} ({s['min']*scale:.{digits}f}-{s['max']*scale:.{digits}f})"
 
-    load = f"{e['timing']['load_before'][0]:.0f} before and {e['timing']['load_after'][0]:.0f} after"
-    text = textwrap.dedent(f"""\
-    ## Speed (`bench/planner_speed.py`)
-
-    `python bench/planner_speed.py` writes `bench/results/planner_speed.json` (5 interleaved rounds, median
-    (min-max); {d['machine']['cores']} cores, 1-minute load {load} the estimate rounds, so wall
-    times there are mostly waiting: CPU seconds are the better guide).
+    load = f"{e['timing']['load_before'][0]:.1f} before and {e['timing']['load_after'][0]:.1f} after"
+    return textwrap.dedent(f"""\
+    From `python bench/planner_speed.py`, run {d['date']} (5 interleaved rounds, median (min-max);
+    {d['machine']['cores']} cores, 1-minute load {load} the estimate rounds; on a busy machine wall
+    times are mostly waiting and CPU seconds are the better guide).
 
     | what | median (min-max) |
     |---|---|
-    | `memfit estimate llama-2-70b --zero 3 --world 64 --checkpoint full`, traced (`MEMFIT_NO_CACHE=1`) | {rng(cpu['traced'])} s CPU, {rng(inner['traced'])} s in process |
-    | the same, chain profile from the disk cache | {rng(cpu['cached'])} s CPU, {rng(inner['cached'])} s in process |
-    | `python -c "import torch, torch._dynamo"` (the floor of any traced estimate) | {rng(cpu['import floor'])} s CPU |
+    | `memfit estimate llama-2-70b --zero 3 --world 64 --checkpoint full`, traced (`MEMFIT_NO_CACHE=1`) | {rng(e['timing']['wall']['estimate, traced'])} s wall, {rng(cpu['traced'])} s CPU, {rng(inner['traced'])} s in process |
+    | the same, chain profile from the disk cache | {rng(e['timing']['wall']['estimate, cached chain profile'])} s wall, {rng(cpu['cached'])} s CPU, {rng(inner['cached'])} s in process |
+    | `python -c "import torch, torch._dynamo"` (the floor of any traced estimate) | {rng(e['timing']['wall']['import torch + torch._dynamo'])} s wall, {rng(cpu['import floor'])} s CPU |
     | one composed evaluation, 100 blocks, `sqrt` | {rng(cw[f'compose x{n} (sqrt)'], 1e3 / n)} ms |
     | one composed evaluation, 100 blocks, random mix of {len(c['actions'])} actions | {rng(cw[f'compose x{n} (mixed actions)'], 1e3 / n)} ms |
     | one solve, 100 blocks, {len(c['actions'])} actions + segments up to 16, budget halfway | {rng(cw['solve (budget halfway)'], 1e3, 0)} ms |
-
-    What made them fast:
-
-    - **The trace.** The autograd engine asks every fake tensor its device (`prim.device`: 59% of the
-      dispatches of a traced step); the tracker now passes those straight through, and the timeline tracker
-      records only the measured step. GPT builds on meta or fake weights skip weight init, and meta builds
-      skip torch's init functions (`normal_` on the meta device goes through `torch._refs`, whose first call
-      imports `torch._dynamo`, seconds). The traced estimate still pays for importing torch and
-      `torch._dynamo` (FakeTensorMode imports it) and two short traces of two steps each; on this machine
-      that is above 3 s.
-    - **The disk cache** (`measure/chain_cache.py`). A chain profile is a pure function of the model spec (and
-      a Hugging Face config's contents), batch, seq, precision, optimizer, the traced actions, the torch and
-      transformers versions and memfit's own sources (a digest of them is in the key, so changed code never
-      reads a stale figure). A repeated estimate or plan of a known shape reads it back and never imports
-      `torch._dynamo`. Modules given in memory are not cached. `MEMFIT_NO_CACHE=1` turns it off (tests do).
-    - **Composition** walks totals (each stretch's byte totals are computed once) and rebuilds the categories
-      only for the peak's stretch.
-    - **The solver** keeps its Pareto fronts in numpy arrays.
-
     """)
-    s = DOC.read_text()
-    start = s.find('## Speed (`bench/planner_speed.py`)')
-    anchor = '## Verify on real steps'
-    if start >= 0:
-        end = s.index(anchor)
-        s = s[:start] + text + s[end:]
-    else:
-        s = s.replace(anchor, text + anchor, 1)
-    DOC.write_text(s)
+
+
+def snippets(d: dict) -> dict[str, str]:
+    return {"planner_speed": _table(d)}
+
+
+def render(d: dict) -> str:
+    return "## planner_speed: how fast the planner estimates, composes and solves\n\n" + _table(d)
 
 
 def main() -> None:
@@ -182,6 +156,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--render" not in sys.argv:
-        main()
-    render()
+    main()
