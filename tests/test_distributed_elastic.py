@@ -87,6 +87,7 @@ def test_kill_9_of_one_rank_restarts_and_ends_in_the_uninterrupted_state(tmp_pat
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through /proc")
 def test_a_killed_rank_without_restarts_is_one_line(tmp_path):
     proc = _train(tmp_path / "r", "--steps", "400", "--save-every", "2")

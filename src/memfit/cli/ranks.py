@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from memfit.cli.options import model_of
@@ -21,7 +22,8 @@ def per_rank(args: Any, est: Any) -> list[dict]:
         raise ConfigError("--strategy needs a model to trace (not --params): give a model name or spec")
     spec = parse_model(model_of(args))
     rows = rank_model_state(spec.on_meta(est.seq), args.strategy, args.world, args.precision, args.optimizer)
-    return rank_totals(rows, est.per_device)
+    blocks = [v for k, v in est.module_activations.items() if re.fullmatch(r"[A-Za-z_]+\.\d+", k)]
+    return rank_totals(rows, est.per_device, max(blocks, default=0))
 
 
 def print_per_rank(args: Any, est: Any) -> int:

@@ -62,7 +62,7 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     return out
 
 
-def rank_totals(rows: list[dict], one_device: dict[str, int]) -> list[dict]:
+def rank_totals(rows: list[dict], one_device: dict[str, int], block_activations: int = 0) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total").
 
@@ -70,7 +70,11 @@ def rank_totals(rows: list[dict], one_device: dict[str, int]) -> list[dict]:
     gradients; zero2/3's bucket in flight) plus the trace's activations and temporaries. ps and ddp hold the
     gradients only transiently as one process does, so their peak is the one-device peak with the
     rank's optimizer state in place of the full one; ddp adds its gradient buckets, which live
-    between steps (gradient_as_bucket_view)."""
+    between steps (gradient_as_bucket_view).
+
+    `block_activations`: bytes one block saves for backward (Estimate.module_activations). A
+    block's gradient bucket fills as that block's backward frees them, so the bucket in flight adds
+    only what exceeds them to the start-of-backward peak (0: count the whole bucket)."""
     out = []
     for r in rows:
         if r["strategy"] == "zero1":  # full gradients live between steps
@@ -79,7 +83,7 @@ def rank_totals(rows: list[dict], one_device: dict[str, int]) -> list[dict]:
         elif r["strategy"].startswith("zero"):
             # Gradient slices appear during backward as activations are freed: the peak is at the
             # start of backward (one bucket in flight) or, for small activations, at its end.
-            held = r["params"] + r["gathered"] + r["optimizer"] + r["in_flight"]
+            held = r["params"] + r["gathered"] + r["optimizer"] + max(0, r["in_flight"] - block_activations)
             total = held + max(one_device["activations"] + one_device["temporaries"], r["grads"])
         else:
             total = one_device["total"] - one_device["optimizer"] + r["optimizer"]
