@@ -23,7 +23,8 @@ def per_rank(args: Any, est: Any) -> list[dict]:
     spec = parse_model(model_of(args))
     rows = rank_model_state(spec.on_meta(est.seq), args.strategy, args.world, args.precision, args.optimizer)
     blocks = [v for k, v in est.module_activations.items() if re.fullmatch(r"[A-Za-z_]+\.\d+", k)]
-    return rank_totals(rows, est.per_device, max(blocks, default=0))
+    root = next(iter(est.module_activations.values()), 0)  # the model itself comes first
+    return rank_totals(rows, est.per_device, max(blocks, default=0), root)
 
 
 def print_per_rank(args: Any, est: Any) -> int:
