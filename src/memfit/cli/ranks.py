@@ -29,6 +29,10 @@ def per_rank(args: Any, est: Any) -> list[dict]:
 
 def print_per_rank(args: Any, est: Any) -> int:
     rows = per_rank(args, est)
+    budget = est.device_memory
+    if budget is not None:
+        for r in rows:
+            r["fits"] = r["total"] <= budget
     if args.json:
         print(json.dumps({"estimate": est.to_json(), "ranks": rows}, indent=1))
         return 0
@@ -40,4 +44,8 @@ def print_per_rank(args: Any, est: Any) -> int:
         label = str(r["rank"]) if len(shown) > 1 else "each"
         print("  " + f"{label:<6}" + "".join(f"{format_bytes(r[c]):>13}" for c in COLUMNS))
     print("\n  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO-2/3's gradient bucket")
+    if budget is not None:
+        worst = max(r["total"] for r in rows)
+        verdict = "fits" if worst <= budget else "does not fit"
+        print(f"  each rank {verdict} in {format_bytes(budget)} (largest rank: {format_bytes(worst)})")
     return 0
