@@ -20,3 +20,6 @@ site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
   "$venv/bin/python" -m pip install --quiet --no-deps pydantic pydantic-core annotated-types typing-inspection
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 DS_ACCELERATOR=cpu "$venv/bin/python" -c "import deepspeed; print('deepspeed', deepspeed.__version__)"
+# DeepSpeed's CPU backend compiles its shared-memory collectives (g++) on first use; build them now,
+# once, so that benchmark ranks do not wait on each other's compile lock.
+DS_ACCELERATOR=cpu "$venv/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
