@@ -144,8 +144,15 @@ def _build(name: str):
     if name.startswith("DeepSpeed"):
         import deepspeed
 
+        # Buckets of one block's elements, as memfit's layout has: DeepSpeed's defaults (5e8-element
+        # reduce/all-gather buffers, ZeRO-3 keeping every tensor under 1e5 elements unsharded) are
+        # sized for billion-parameter models and would measure the defaults, not the technique.
+        block = sum(p.numel() for p in model.blocks[0].parameters())
+        zero = {"stage": int(name[-1]), "reduce_bucket_size": block, "allgather_bucket_size": block}
+        if zero["stage"] == 3:
+            zero.update(stage3_prefetch_bucket_size=block, stage3_param_persistence_threshold=0)
         config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": int(name[-1])}, "zero_allow_untested_optimizer": True}
+                  "zero_optimization": zero, "zero_allow_untested_optimizer": True}
         engine, _, _, _ = deepspeed.initialize(model=model, config=config,
                                                optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
         return engine, _Engine(engine), None
@@ -282,7 +289,10 @@ def render(result: dict) -> str:
         f"per rank; {result['rounds']} rounds, contenders shuffled each round; medians over rounds (rank 0; "
         "ranks agree unless marked). Peak: the allocator's (profiler) over a step, everything the rank "
         "allocated; tracked: memfit's tracker (memfit's strategies only). Host = device RAM here. "
-        f"Load average before/after: {result['load_before'][0]:.1f} / {result['load_after'][0]:.1f}.", "",
+        f"Load average before/after: {result['load_before'][0]:.1f} / {result['load_after'][0]:.1f}."
+        + (f" DeepSpeed {result['deepspeed']} (DS_ACCELERATOR=cpu, its own venv: bench/setup_deepspeed.sh), "
+           "buckets of one block's elements; its bytes are counted at torch.distributed's Python collectives "
+           "(all-reduce included), a lower bound where it calls others." if result.get("deepspeed") else ""), "",
         "| contender | peak per rank | tracked | RSS growth | step time (range) | bytes sent / step / rank |",
         "|---|---|---|---|---|---|",
     ]
