@@ -1,10 +1,14 @@
 """Gradient compression on the wire: bytes each rank sends, encode+decode cost, and convergence.
 
-    .venv/bin/python bench/compression.py [--steps 200] [--model SPEC]
+    .venv/bin/python bench/compression.py [--steps 150] [--model SPEC] [--optimizer adamw|momentum]
+                                          [--compressors SPEC ...] [--lr LR] [--name NAME]
 
 Two gloo ranks on 127.0.0.1 train memfit's GPT (models/gpt.py) on the default corpus
-(train/data.py) with torch DDP and TrainingOptimizer (AdamW, the default job's lr schedule), one
-model per compressor, all in the same two processes. Every step visits the compressors in a
+(train/data.py) with torch DDP and TrainingOptimizer, one model per compressor, all in the same
+two processes: AdamW with the default job's betas, lr schedule and clipping (results/compression.json),
+or with --optimizer momentum SGD with momentum 0.9 (results/compression_sgd.json), the setting of
+DGC and EF-SignSGD, where a spec with momentum= moves the momentum before compression and the
+optimizer is plain SGD. Every step visits the compressors in a
 fresh shuffled order (the same on both ranks), so machine load hits them alike; step times are
 the median and quartiles over all steps. Bytes are counted where the hooks call their
 collectives (ring volumes: all_gather B * (N - 1), all_reduce 2B (N - 1) / N per rank); the
@@ -17,6 +21,7 @@ import argparse
 import datetime
 import os
 import random
+import shlex
 import socket
 import statistics
 import sys
@@ -39,18 +44,40 @@ from memfit.train.loop import evaluate, lr_at  # noqa: E402
 NAME = "compression"
 MODEL = "gpt:layers=2,hidden=128,heads=4,vocab=256,seq=64"
 BATCH, SEQ, LR, WARMUP, CLIP, WORLD = 8, 64, 2e-3, 20, 1.0, 2  # lr, warm-up, clip: the default job's
-COMPRESSORS = ["none", "topk:0.01", "topk:0.001", "sign", "int8", "bf16", "powersgd:4", "powersgd:4,batched"]
+COMPRESSORS = {
+    # the default job's optimizer: every compressor, the 1-bit one also with 256-element chunks and
+    # with 20 uncompressed warm-up steps (what it costs in bytes shows in the ratio)
+    "adamw": ["none", "topk:0.01", "topk:0.001", "sign", "sign:chunk=256", "sign:chunk=256,start=20", "int8", "bf16",
+              "powersgd:4", "powersgd:4,batched"],
+    # DGC's and EF-SignSGD's setting: momentum SGD, with the momentum moved before compression
+    # (momentum=, plain SGD) against error feedback alone under momentum SGD
+    "momentum": ["none", "topk:0.01,momentum=0.9,warmup=5", "topk:0.01,momentum=0.9", "topk:0.01",
+                 "topk:0.001,momentum=0.9", "sign:chunk=256,momentum=0.9", "sign:chunk=256", "int8", "powersgd:4"],
+}
+LRS = {"adamw": LR, "momentum": 0.5}
+NAMES = {"adamw": NAME, "momentum": "compression_sgd"}
 TARGETS = {"topk:0.01": (50, 0.02), "sign": (25, 0.03), "int8": (3.5, 0.005)}
-"""compressor: (at least this many times fewer bytes, final val loss within this fraction)."""
-PNG = Path(__file__).resolve().parent.parent / "docs" / "compression_loss.png"
+"""compressor (and its variants with options): (at least this many times fewer bytes, final val loss within)."""
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def target_of(spec: str) -> tuple[float, float] | None:
+    head = spec.split(",")[0]
+    return TARGETS.get(head) or TARGETS.get(head.split(":")[0] if head.startswith(("sign", "int8")) else head)
+
+
+def optimizer_for(spec: str, optimizer: str) -> str:
+    """DGC's momentum correction (momentum= in the spec) replaces the optimizer's momentum: plain SGD."""
+    return "sgd" if optimizer == "momentum" and "momentum=" in spec else optimizer
 
 
 class Contender:
-    def __init__(self, spec: str, model_spec: str, corpus, rank: int) -> None:
+    def __init__(self, spec: str, model_spec: str, corpus, rank: int, optimizer: str, lr: float) -> None:
         torch.manual_seed(0)  # same initial weights for every compressor and rank
-        self.spec = spec
+        self.spec, self.lr = spec, lr
         self.model = parse_model(model_spec).build(seq=SEQ)
-        self.opt = TrainingOptimizer(self.model, "adamw", lr=LR, clip=CLIP)
+        extra = {"betas": (0.9, 0.95)} if optimizer == "adamw" else {}  # the default job's AdamW
+        self.opt = TrainingOptimizer(self.model, optimizer_for(spec, optimizer), lr=lr, clip=CLIP, **extra)
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
         self.state = register_compression(self.ddp, spec)
         self.sampler = WindowSampler(corpus.train, BATCH, SEQ, seed=1 + rank)  # same data per compressor
@@ -58,7 +85,7 @@ class Contender:
 
     def step(self, step: int, horizon: int) -> None:
         for group in self.opt.param_groups:
-            group["lr"] = lr_at(step, LR, WARMUP, horizon)
+            group["lr"] = lr_at(step, self.lr, WARMUP, horizon)
         x, y = self.sampler.next()
         t0 = time.perf_counter()
         _, loss, n = self.ddp(x, y)  # memfit GPT: (logits, summed loss, tokens)
@@ -68,14 +95,15 @@ class Contender:
         self.losses.append(float(loss.detach()) / int(n))
 
 
-def _run(rank: int, port: int, steps: int, model_spec: str, out: str) -> None:
+def _run(rank: int, port: int, steps: int, model_spec: str, out: str, specs: list[str], optimizer: str,
+         lr: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks share the machine's cores
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
         corpus = load_corpus(min_split_bytes=SEQ + 1)
         val = fixed_windows(corpus.val, 4, 16, SEQ, seed=1234)
-        contenders = [Contender(s, model_spec, corpus, rank) for s in COMPRESSORS]
+        contenders = [Contender(s, model_spec, corpus, rank, optimizer, lr) for s in specs]
         order = list(contenders)
         for step in range(steps):
             random.Random(step).shuffle(order)  # same seed on both ranks: same collective order
@@ -120,8 +148,8 @@ def summarize(ranks: list[list[dict]]) -> list[dict]:
                "coding_includes_collectives": r0["compressor"].startswith("powersgd"),
                "final_val_loss": final, "val_vs_none": final / base_val - 1,
                "val_curve": r0["val"], "train_loss": losses}
-        if row["compressor"] in TARGETS:
-            fewer, within = TARGETS[row["compressor"]]
+        if target_of(row["compressor"]) is not None:
+            fewer, within = target_of(row["compressor"])
             row["target"] = {"ratio_at_least": fewer, "loss_within": within,
                              # one-sided: a lower loss than uncompressed is within any margin
                              "met": bool(row["ratio"] >= fewer and row["val_vs_none"] <= within)}
@@ -129,7 +157,7 @@ def summarize(ranks: list[list[dict]]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, optimizer: str = "adamw") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -142,9 +170,11 @@ def plot(rows: list[dict], path: Path) -> None:
         line, = ax.plot(range(1, len(xs) + 1), smooth, label=r["compressor"], linewidth=1)
         vx, vy = zip(*r["val_curve"])
         ax.plot(vx, vy, "o", color=line.get_color(), markersize=3)
+    # a diverging run would flatten every other curve: clip the axis just above the starting loss
+    ax.set_ylim(top=max(r["train_loss"][0] for r in rows) + 0.3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte): lines train (10-step mean), dots validation")
-    ax.set_title("2 gloo ranks, DDP + compression comm hooks")
+    ax.set_title(f"2 gloo ranks, DDP + compression comm hooks, {optimizer}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,10 +185,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "momentum"),
+                    help="adamw: the default job's; momentum: SGD with momentum 0.9, DGC's setting")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: 0.002 for adamw, 0.5 for momentum)")
+    ap.add_argument("--compressors", nargs="+", help="specs, the first is the baseline (default: per optimizer)")
+    ap.add_argument("--name", help="results/<name>.json and docs/<name>_loss.png (default: compression, "
+                    "compression_sgd for momentum)")
     args = ap.parse_args()
+    args.lr = args.lr or LRS[args.optimizer]
+    args.compressors = args.compressors or COMPRESSORS[args.optimizer]
+    args.name = args.name or NAMES[args.optimizer]
     load_before, t0 = os.getloadavg()[0], time.perf_counter()
     out = f"/tmp/memfit_bench_compression_{os.getpid()}"
-    ctx = mp.start_processes(_run, args=(_free_port(), args.steps, args.model, out), nprocs=WORLD,
+    run_args = (_free_port(), args.steps, args.model, out, args.compressors, args.optimizer, args.lr)
+    ctx = mp.start_processes(_run, args=run_args, nprocs=WORLD,
                              join=False, start_method="spawn")
     while not ctx.join(timeout=30):
         pass
@@ -166,26 +206,34 @@ def main() -> None:
     for r in range(WORLD):
         os.remove(f"{out}.{r}")
     rows = summarize(ranks)
-    plot(rows, PNG)
+    png = DOCS / f"{args.name}_loss.png"
+    plot(rows, png, args.optimizer)
     wall = time.perf_counter() - t0
     for r in rows:
         print(f"{r['compressor']:>20}: {fmt_bytes(r['bytes_sent_per_step'])}/step ({r['ratio']:.1f}x fewer), "
               f"coding {100 * r['coding_share']:.1f}% of step, val {r['final_val_loss']:.4f} "
               f"({100 * r['val_vs_none']:+.2f}%)")
-    path = save(NAME, {"model": args.model, "batch_per_rank": BATCH, "seq": SEQ, "world": WORLD, "steps": args.steps,
-                       "optimizer": f"AdamW lr {LR} (warm-up {WARMUP}, cosine), clip {CLIP}", "threads_per_rank": 1,
+    opt = (f"AdamW betas (0.9, 0.95)" if args.optimizer == "adamw" else
+           "SGD momentum 0.9 (plain SGD where the spec has DGC's momentum=)")
+    command = " ".join(["bench/compression.py"] + [shlex.quote(a) for a in sys.argv[1:]])
+    path = save(args.name, {"script": NAME, "name": args.name, "command": command, "model": args.model, "png": png.name, "optimizer_name": args.optimizer, "batch_per_rank": BATCH, "seq": SEQ, "world": WORLD, "steps": args.steps,
+                       "optimizer": f"{opt} lr {args.lr:g} (warm-up {WARMUP}, cosine), clip {CLIP}",
+                       "threads_per_rank": 1,
                        "load_avg": [load_before, os.getloadavg()[0]], "wall_s": wall, "rows": rows})
-    print(f"wrote {path} and {PNG} in {wall:.0f} s")
+    print(f"wrote {path} and {png} in {wall:.0f} s")
 
 
 def render(result: dict) -> str:
     from render import machine_line
 
     a, b = result["load_avg"]
+    png = result.get("png", "compression_loss.png")
+    command = result.get("command", f"bench/compression.py --steps {result['steps']}")
     lines = [
-        "## compression: gradient bytes on the wire vs convergence (2 gloo ranks, DDP comm hooks)",
+        f"## {result.get('name', NAME)}: gradient bytes on the wire vs convergence (2 gloo ranks, DDP comm hooks, "
+        f"{result.get('optimizer_name', 'adamw')})",
         "",
-        f"`.venv/bin/python bench/compression.py --steps {result['steps']}`",
+        f"`.venv/bin/python {command}`",
         "",
         machine_line(result),
         "",
@@ -196,7 +244,7 @@ def render(result: dict) -> str:
         f"volumes); ratio vs fp32 all-reduce. Coding = encode+decode time as a share of step time "
         f"(PowerSGD: its collectives are inside that time). Step time: median [quartiles] over all steps "
         f"of both ranks. Load average {a:.1f} before, {b:.1f} after, on {result['machine']['cores']} cores; "
-        f"run took {result['wall_s']:.0f} s. Loss curves: [compression_loss.png](compression_loss.png).",
+        f"run took {result['wall_s']:.0f} s. Loss curves: [{png}]({png}).",
         "",
         "| compressor | bytes/step/rank | fewer bytes | coding share | step s (median [q1, q3]) | final val loss | vs none | target |",
         "|---|---:|---:|---:|---:|---:|---:|---|",

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "docs" / "BENCHMARKS.md"
-ORDER = ["estimate_accuracy", "activations", "precision_offload"]
+ORDER = ["estimate_accuracy", "estimate_families", "activations", "precision_offload"]
 
 HEADER = """# Benchmarks
 
@@ -58,7 +58,7 @@ def main() -> None:
     names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER)
     parts = [HEADER]
     for name in names:
-        module = _load_bench(name)
+        module = _load_bench(results[name].get("script", name))  # one script may write several results
         try:
             parts.append(module.render(results[name]).rstrip() + "\n")
         except (KeyError, TypeError) as exc:  # a result written by an older version of its script
@@ -68,7 +68,7 @@ def main() -> None:
     print(f"wrote {OUT.relative_to(ROOT)} ({len(names)} sections)")
     blocks = {}
     for name in names:
-        module = _load_bench(name)
+        module = _load_bench(results[name].get("script", name))  # one script may write several results
         if hasattr(module, "snippets"):
             try:
                 blocks.update(module.snippets(results[name]))

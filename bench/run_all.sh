@@ -25,6 +25,8 @@ for n in "${names[@]}"; do
   args=()
   if [ -n "${QUICK:-}" ] && grep -q -- '"--quick"' "bench/$n.py"; then args=(--quick); fi
   "$PY" "bench/$n.py" "${args[@]}"
+  # compression runs twice: the default job's AdamW, and momentum SGD (DGC's setting)
+  if [ "$n" = compression ]; then "$PY" bench/compression.py --optimizer momentum; fi
   echo "== bench/$n.py done in $(( $(date +%s) - start )) s"
 done
 "$PY" bench/render.py

@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Traced chain profiles are not read from or written to the user's cache while testing: a test that
+# patches the tracing path must not leave its figures behind (tests/test_measure_chain_cache.py opts in).
+os.environ["MEMFIT_NO_CACHE"] = "1"
 
 
 def pytest_addoption(parser):

@@ -168,7 +168,7 @@ def test_topk_warmup_decays_to_the_target_ratio():
 @pytest.mark.parametrize("spec, fragment", [
     ("topk:0", "outside (0, 1]"), ("topk:1.5", "outside (0, 1]"), ("topk:-1", "outside (0, 1]"),
     ("gzip", "unknown compressor 'gzip'"), ("powersgd:0", "rank 0 must be at least 1"),
-    ("topk:abc", "not a number"), ("int8:foo=2", "unknown option"), ("sign,momentum=0.9", "topk only"),
+    ("topk:abc", "not a number"), ("int8:foo=2", "unknown option"), ("int8,momentum=0.9", "topk and sign with error feedback"),
 ])
 def test_bad_specs_raise_one_line_config_errors(spec, fragment):
     with pytest.raises(ConfigError, match=None) as err:
@@ -222,3 +222,17 @@ def test_groups_never_straddle_tensors(sizes, chunk, seed):
     for seg, orig in zip(q.split(sizes), parts):
         for a, b in zip(orig.split(chunk), seg.split(chunk)):
             assert ((a - b).abs() <= a.abs().max() / 254 * (1 + 1e-5)).all()
+
+
+
+def test_sign_momentum_correction_keeps_the_velocity():
+    """Momentum correction for sign: u = m u + g is compressed with the residual, and since sign
+    sends every element there is nothing to mask: u carries on (top-k zeroes what it sent)."""
+    codec, fb = make_codec(parse_compression("sign:chunk=4,momentum=0.5")), ErrorFeedback(0.5, mask=False)
+    g = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    for step in range(3):
+        x = fb.corrected("b", g)
+        sent = codec.decode(codec.encode(x, step), 4)
+        residual = fb.update("b", x, sent)
+        assert torch.equal(sent + residual, x) or torch.allclose(sent + residual, x, atol=1e-6)
+    assert torch.allclose(fb.velocity["b"], g * (1 + 0.5 + 0.25))

@@ -70,3 +70,77 @@ def test_solver_matches_brute_force(n, g, a_k, a_s, x, r, peaks, slack):
     assert solve(prof, lo - 1, (KEEP, SEL, REC), cost, max_segment=n) is None
 
 
+
+
+# Offload and compression: kinds whose forward keeps less on the device (what moves to the host, or what
+# a compressed copy saves) at a time cost. Any subset of actions, random chains up to 8 blocks.
+OFF, INT8, FP8 = BlockAction("keep", offload="cpu"), BlockAction("keep", compress="int8"), BlockAction("keep", compress="fp8")
+REC_OFF = BlockAction("recompute", offload="cpu")
+ALL = (KEEP, SEL, REC, OFF, INT8, FP8, REC_OFF)
+
+
+def synthetic_any(n, g, saved, rest, peaks) -> ChainProfile:
+    """One kind per base (saved[i] bytes kept by its forward), segment kinds for the recompute ones."""
+    p = iter(peaks)
+    fwd, bwd, seg_extra = {}, {}, {}
+    for b, a in zip(ALL, saved):
+        key = str(b)
+        fwd[key], bwd[key] = s(a + next(p), a), s(next(p), g - a)
+        if b.mode == "recompute":
+            r = next(rest)
+            fwd[key + "|first"], fwd[key + "|rest"] = s(a + next(p), a), s(next(p), 0)
+            bwd[key + "|rest"], seg_extra[key] = s(next(p), r), s(next(p), g - r)
+    zero = Stretch(ZERO, ZERO)
+    around = {k: s(next(p), 0) for k in ("pre_fwd", "post_fwd", "post_bwd", "pre_bwd", "opt")}
+    ends = {k: (zero, zero) for k in fwd}
+    return ChainProfile(
+        n_blocks=n, start=(1000, 0, 0, 0, 0), start_per_block=ZERO, **around,
+        per_block={k: zero for k in around}, fwd=fwd, bwd=bwd, seg_extra=seg_extra,
+        deferred={}, traced_blocks=n, first=ends, last=ends)
+
+
+def lists_of(n: int, bases, sid: int = 0):
+    """Every action list of n blocks over `bases`, recompute ones also as segments of any length."""
+    if n == 0:
+        yield []
+        return
+    for b in bases:
+        if b.mode != "recompute":
+            for rest in lists_of(n - 1, bases, sid):
+                yield [b] + rest
+            continue
+        for k in range(1, n + 1):
+            seg = [b] if k == 1 else [BlockAction("recompute", offload=b.offload, segment=sid)] * k
+            for rest in lists_of(n - k, bases, sid + 1):
+                yield seg + rest
+
+
+def list_cost(acts, costs) -> float:
+    return sum(costs[str(BlockAction(a.mode, a.offload, a.compress))] for a in acts)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), g=st.integers(0, 50), saved=st.tuples(
+       st.integers(50, 200), st.integers(20, 120), st.integers(5, 30), st.integers(0, 40), st.integers(10, 60),
+       st.integers(10, 60), st.integers(0, 5)),
+       peaks=st.lists(st.integers(0, 300), min_size=40, max_size=40),
+       times=st.lists(st.floats(0.01, 2.0), min_size=6, max_size=6), slack=st.integers(0, 2000))
+def test_solver_with_offload_and_compression_matches_brute_force(data, g, saved, peaks, times, slack):
+    picked = data.draw(st.lists(st.sampled_from(ALL[1:]), min_size=1, max_size=3, unique=True))
+    bases = (KEEP, *picked)
+    segmentable = sum(b.mode == "recompute" for b in bases)
+    n = data.draw(st.integers(1, 8 if segmentable <= 1 and len(bases) <= 3 else 6))
+    rest = iter(data.draw(st.lists(st.integers(-100, 100), min_size=2, max_size=2)))
+    prof = synthetic_any(n, g, saved, rest, peaks)
+    costs = {str(KEEP): 0.0, **{str(b): t for b, t in zip(ALL[1:], times)}}
+    cost = lambda b, k: costs[str(b)]  # noqa: E731
+    scored = [(prof.peak_of(acts), list_cost(acts, costs), acts) for acts in lists_of(n, bases)]
+    lo = min(p for p, _, _ in scored)
+    budget = lo + slack
+    best = min(t for p, t, _ in scored if p <= budget)
+    got = solve(prof, budget, bases, cost, max_segment=n)
+    assert got is not None
+    assert got.peak <= budget and prof.peak_of(got.actions) == got.peak
+    assert abs(got.time - best) < 1e-9
+    assert abs(list_cost(got.actions, costs) - got.time) < 1e-9
+    assert solve(prof, lo - 1, bases, cost, max_segment=n) is None

@@ -43,6 +43,8 @@ _CONFIGS = {
 @pytest.mark.parametrize("command", ["estimate", "track", "train"])
 def test_hf_configs_memfit_cannot_build(tmp_path, capsys, command, name, needle):
     pytest.importorskip("transformers")
+    if command == "estimate" and name.startswith("t5"):
+        pytest.skip("estimate builds seq2seq models (tests/test_measure_hf_families.py)")
     path = tmp_path / "config.json"
     content = _CONFIGS[name]
     path.write_text(content if isinstance(content, str) else json.dumps(content))

@@ -22,6 +22,8 @@ _EXPORTS = {
     "MemoryTracker": "memfit.core.tracker:MemoryTracker",
     "checkpoint": "memfit.apply.checkpoint:checkpoint",
     "find_blocks": "memfit.apply.checkpoint:find_blocks",
+    "chunk_head": "memfit.apply.head_swap:chunk_head",
+    "chunked_cross_entropy": "memfit.apply.chunked_head:chunked_cross_entropy",
     "TrainingOptimizer": "memfit.apply.optimizer:TrainingOptimizer",
     "distribute": "memfit.distributed.strategy:distribute",
     "LossScaler": "memfit.apply.loss_scale:LossScaler",

@@ -5,6 +5,7 @@ import argparse
 import json
 
 from memfit.cli.args import integer
+from memfit.cli.estimate_inputs import INPUT_HELP, is_factory, load_factory, parse_inputs
 from memfit.cli.options import add, add_model, model_of
 from memfit.core.errors import ConfigError
 from memfit.core.units import format_bytes, parse_bytes, parse_count
@@ -26,34 +27,72 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(p, "optimizer", default="adamw")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--world", type=integer(1), default=1, help="data-parallel world size (default 1)")
-    p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3"),
-                   help="data-parallel strategy: print each rank's figures for --world ranks (docs/distributed.md)")
+    p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
+                   help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
+    p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
+    p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world)")
     add(p, "checkpoint", default="none")
     add(p, "offload_optimizer", default="none")
     p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 24GiB or 80GB: says if it fits")
     add(p, "modules", default=8)
     add(p, "json")
+    p.add_argument("--input", action="append", default=[], metavar="SPEC",
+                   help=f"one input of a model factory MODULE:FUNCTION: {INPUT_HELP}; repeat for each")
+    p.add_argument("--lora", metavar="r=R,targets=NAME[,NAME...]",
+                   help="fine-tune LoRA adapters on a frozen base (e.g. r=8,targets=q_proj,v_proj; alpha=A optional)")
+    p.add_argument("--task", choices=("causal-lm", "seq2seq", "masked-lm", "image-classification"),
+                   help="for a config.json: the model family to build (default: from the config's architectures)")
+    p.add_argument("--image-size", type=integer(1), metavar="N",
+                   help="for an image model's config.json: N x N pixel inputs (default: the config's image_size)")
+    p.add_argument("--routing", choices=("balanced", "worst"), default="balanced",
+                   help="mixture-of-experts layers: tokens spread evenly over the experts, or the most one expert can "
+                   "receive (default balanced)")
+    p.add_argument("--loss", metavar="MODULE:FUNCTION",
+                   help="for a model factory: loss = FUNCTION(output, inputs) (default: output.loss, output[1], "
+                   "or the output itself when it is one number)")
     return p
 
 
-def run(args: argparse.Namespace) -> int:
-    from memfit.measure.estimate import CATEGORIES, estimate
+def _estimate(args: argparse.Namespace):
+    from memfit.measure.estimate import estimate
     from memfit.models.spec import parse_model
 
     model = model_of(args, required=False)
     if model is None and args.params is None:
-        raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json) or --params N")
+        raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
     budget = parse_bytes(args.device_memory) if args.device_memory else None
+    common = dict(precision=args.precision, optimizer=args.optimizer, zero=0 if args.strategy else args.zero,
+                  world=1 if args.strategy else args.world, checkpoint=args.checkpoint,
+                  offload_optimizer=args.offload_optimizer, device_memory=budget, routing=args.routing)
+    if is_factory(model):  # any nn.Module: a factory and its example batch
+        if not args.input:
+            raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")
+        example = parse_inputs(args.input)
+        if args.lora:
+            raise ConfigError("--lora applies to a named model or config.json; a factory adds its own adapters "
+                              "(e.g. peft.get_peft_model)")
+        loss_fn = load_factory(args.loss) if args.loss else None
+        est = estimate(load_factory(model), example, params=params, loss_fn=loss_fn, **common)
+        est.model = model
+        return est
+    if args.lora and model is None:
+        raise ConfigError("--lora needs a model (name, spec or config.json), not --params alone")
+    if args.input or args.loss:
+        raise ConfigError("--input and --loss are for a model factory (MODULE:FUNCTION), "
+                          f"not of {model or '--params'}; use --batch and --seq")
     spec = None
     if model is not None:
-        spec = parse_model(model)
+        spec = parse_model(model, task=args.task, image_size=args.image_size, families=True)
         spec.check_shape(args.batch, args.seq)  # what `memfit train` would refuse, refused here too
-    est = estimate(
-        spec, params=params, batch=args.batch, seq=args.seq, precision=args.precision,
-        optimizer=args.optimizer, zero=0 if args.strategy else args.zero, world=1 if args.strategy else args.world,
-        checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
-    )
+    return estimate(spec, params=params, batch=args.batch, seq=args.seq, lora=args.lora, **common)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.measure.estimate import CATEGORIES
+
+    est = _estimate(args)
     if args.strategy:  # per-rank figures (memfit.distributed.rank_memory)
         from memfit.cli.ranks import print_per_rank
 
@@ -61,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(est.to_json(), indent=1))
         return 0
-    shape = f"batch {est.batch} x seq {est.seq}, " if est.traced else ""
+    shape = f"batch {est.batch} x seq {est.seq}, " if est.traced and est.batch else ""
     name = f"{est.model}: " if est.traced else ""
     print(f"{name}{est.n_params / 1e6:,.1f}M parameters, {shape}{est.precision}, {est.optimizer}, "
           f"ZeRO-{est.zero} on {est.world} device(s), checkpoint {est.checkpoint}"
@@ -78,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
         print("\n  activations and temporaries not estimated: give a model to trace them")
     if est.modules and args.modules > 0:
         print(f"\n  {'module (peak while it runs)':<40}{'peak':>14}{'saved for bwd':>16}")
-        for name, peak in list(est.modules.items())[: args.modules]:
+        shown = list(est.modules.items())[: args.modules]
+        shown += [(n, v) for n, v in est.modules.items() if n.endswith(".experts") and (n, v) not in shown]
+        for name, peak in shown:  # mixture-of-experts layers always get their rows
             act = est.module_activations.get(name, 0)
             print(f"  {name or '(model)':<40}{format_bytes(peak):>14}{format_bytes(act):>16}")
     if est.device_memory is not None:

@@ -46,12 +46,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0
-    print(f"  {'micro x accum':<15}{'offload':<9}{'precision':<13}{'peak':>12}{'time':>11}  actions")
+    print(f"  {'micro x accum':<15}{'offload':<9}{'precision':<13}{'head':>6}{'peak':>14}{'time':>11}  actions")
     for c in plan.ranked:
         peak = format_bytes(c.peak) if c.feasible else "does not fit"
         time = f"{c.time * 1000:.1f} ms" if c.feasible else ""
         print(f"  {f'{c.micro_batch} x {c.accumulation}':<15}{c.offload_optimizer or '-':<9}{c.precision:<13}"
-              f"{peak:>12}{time:>11}  {c.actions}")
+              f"{c.head_chunks or '-':>6}{peak:>14}{time:>11}  {c.actions}")
     print()
     print(plan.summary())
     return 0

@@ -21,6 +21,17 @@ def per_rank(args: Any, est: Any) -> list[dict]:
     if not est.traced:
         raise ConfigError("--strategy needs a model to trace (not --params): give a model name or spec")
     spec = parse_model(model_of(args))
+    if args.strategy in ("pipeline", "tensor"):  # model parallel: memfit.measure.parallel_estimate
+        from memfit.measure.parallel_estimate import pipeline_ranks, tensor_ranks
+
+        if spec.config is None:
+            raise ConfigError(f"--strategy {args.strategy} cuts memfit's GPT; give a gpt:/llama: spec or a known "
+                              "name, not a Hugging Face config")
+
+        common = dict(precision=args.precision, optimizer=args.optimizer, checkpoint=args.checkpoint)
+        if args.strategy == "pipeline":
+            return pipeline_ranks(spec, est.batch, est.seq, args.world, args.microbatches, args.schedule, **common)
+        return tensor_ranks(spec, est.batch, est.seq, args.world, args.tp, **common)
     rows = rank_model_state(spec.on_meta(est.seq), args.strategy, args.world, args.precision, args.optimizer)
     blocks = [v for k, v in est.module_activations.items() if re.fullmatch(r"[A-Za-z_]+\.\d+", k)]
     root = next(iter(est.module_activations.values()), 0)  # the model itself comes first
@@ -43,7 +54,14 @@ def print_per_rank(args: Any, est: Any) -> int:
     for r in shown:
         label = str(r["rank"]) if len(shown) > 1 else "each"
         print("  " + f"{label:<6}" + "".join(f"{format_bytes(r[c]):>13}" for c in COLUMNS))
-    print("\n  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO-2/3's gradient bucket")
+    if args.strategy == "pipeline":
+        print("\n  " + "; ".join(f"rank {r['rank']}: {r['blocks']} blocks, {r['microbatches_in_flight']} micro-batches "
+                                 f"of {r['microbatch_rows']} rows in flight" for r in rows))
+    elif args.strategy == "tensor":
+        print(f"\n  tp {rows[0]['tp']} x dp {rows[0]['dp']}: weights, gradients and optimizer state of the attention and "
+              "MLP projections sharded over tp")
+    else:
+        print("\n  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO-2/3's gradient bucket")
     if budget is not None:
         worst = max(r["total"] for r in rows)
         verdict = "fits" if worst <= budget else "does not fit"

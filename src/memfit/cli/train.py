@@ -73,8 +73,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="skip measuring one step's memory breakdown with the tracker")
     g.add_argument("--quiet", action="store_true", help="no progress output, only the final summary")
     g = p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)")
-    g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3"),
-                   help="data-parallel strategy; --batch stays per process (default none)")
+    g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
+                   help="distributed strategy; --batch stays per process (default none)")
+    g.add_argument("--compress", metavar="SPEC",
+                   help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
+                   "fp16, powersgd:4 (options: docs/compression.md; default none)")
+    g.add_argument("--microbatches", metavar="M", type=integer(1, 4096),
+                   help="--strategy pipeline: micro-batches per step (default: the number of processes)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
+    g.add_argument("--tp", metavar="T", type=integer(1, 1024),
+                   help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp)")
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")
     g.add_argument("--max-restarts", metavar="K", type=integer(0), help="with --nproc: restart all ranks up to K times "
                    "when one fails; they resume from the last checkpoint (default 0; see docs/distributed.md)")
@@ -136,7 +144,7 @@ def _launch(cfg: TrainConfig, given: dict, resuming: bool) -> int:
     if given["nproc"] < 2:
         raise ConfigError(f"--nproc must be at least 2 (or left out for one process), got {given['nproc']}")
     cfg.validate()
-    precheck(cfg, resuming)
+    precheck(cfg, resuming, world=given["nproc"])
     # Every rank, and every attempt after an elastic restart, writes to (and resumes from) one folder.
     given = {**given, "out": cfg.out or str(new_run_dir())}
     return launch(given["nproc"], to_argv("train", given, drop=("nproc", "max_restarts")),

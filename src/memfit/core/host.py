@@ -31,7 +31,9 @@ _local = threading.local()
 
 
 def storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """t's untyped storage, or None for sparse and other storage-less tensors."""
+    """t's untyped storage, or None for sparse and other storage-less tensors. A DTensor's is its
+    local shard's: what this rank holds (tensor parallelism)."""
+    t = getattr(t, "_local_tensor", t)
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):

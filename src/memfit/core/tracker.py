@@ -46,6 +46,9 @@ __all__ = ["MemoryTracker", "track", "mark_host", "host_allocations", "host_empt
            "optimizer_state_tensors"]
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Tensors in an op's output: a tensor, or (nested) tuples/lists of them. Cheap on the hot path."""
     if isinstance(obj, torch.Tensor):
@@ -147,6 +150,8 @@ class MemoryTracker(TorchDispatchMode, StorageLedger):
 
     # ---------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # the autograd engine asks every fake tensor its device: no memory, the hottest op
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         in_bw = torch._C._current_graph_task_id() != -1
         if in_bw != self._in_bw:

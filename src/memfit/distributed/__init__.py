@@ -1,4 +1,4 @@
-"""distributed: data-parallel strategies (ps, ddp, zero1-3) on torch.distributed.
+"""distributed: strategies on torch.distributed: data parallel (ps, ddp, zero1-3), pipeline, tensor.
 
     init(device)                          join the process group torchrun describes (timeouts set)
     distribute(model, strategy, ...)      an optimizer with TrainingOptimizer's interface for it

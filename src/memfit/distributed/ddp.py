@@ -21,6 +21,22 @@ from memfit.core.errors import ConfigError
 from memfit.distributed import comm
 
 
+class CommHook:
+    """State of the one comm hook DDP allows: memfit's counting all-reduce, or a compressor's hook
+    once memfit.distributed.compression.register_compression has set `compression`."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.compression = None
+        """A callable bucket -> Future (the compressor's hook bound to its state), or None."""
+
+
+def _dispatch(state: CommHook, bucket):
+    if state.compression is not None:
+        return state.compression(bucket)
+    return comm.ddp_counting_hook(state.group, bucket)
+
+
 class DDPOptimizer:
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None,
@@ -35,7 +51,8 @@ class DDPOptimizer:
             model, device_ids=[device] if device.type == "cuda" else None, process_group=group,
             gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb,
         )
-        self.ddp.register_comm_hook(group or dist.group.WORLD, comm.ddp_counting_hook)
+        self.comm_hook = CommHook(group or dist.group.WORLD)  # DDP takes one hook, once: it dispatches
+        self.ddp.register_comm_hook(self.comm_hook, _dispatch)
         self.model, self.precision, self.mode = self.ddp, self.inner.precision, self.inner.mode
         self.tracked_module = model
         self.scaler = self.inner.scaler

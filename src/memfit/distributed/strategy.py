@@ -25,7 +25,7 @@ import torch.nn as nn
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
 
-STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3")
+STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor")
 
 
 def check_strategy(name: str) -> str:
@@ -50,6 +50,14 @@ def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: fl
         from memfit.distributed.ps import ParameterServer
 
         return ParameterServer(model, optimizer, lr, **kw)
+    if strategy == "pipeline":  # model parallel: docs/distributed.md, "pipeline" and "tensor"
+        from memfit.distributed.pipeline import PipelineOptimizer
+
+        return PipelineOptimizer(model, optimizer, lr, **kw)
+    if strategy == "tensor":
+        from memfit.distributed.tensor_parallel import TensorParallelOptimizer
+
+        return TensorParallelOptimizer(model, optimizer, lr, **kw)
     from memfit.distributed.sharded import ShardedOptimizer
 
     return ShardedOptimizer(model, int(strategy[-1]), optimizer, lr, **kw)

@@ -29,6 +29,7 @@ from memfit.apply.checkpoint import applied
 from memfit.apply.policy import segments
 from memfit.core import tracker as tracker_mod
 from memfit.distributed import comm
+from memfit.distributed.compression.reduce_scatter import compressed_reduce_scatter
 from memfit.distributed.layout import Bucket, FlatLayout
 
 
@@ -81,6 +82,8 @@ class ZeroEngine:
         self._hooks = []
         self._pending: dict[int, object] = {}
         self._gathered: set[int] = set()
+        self.compression = None
+        """A CompressionState (memfit.distributed.compression.register_compression), stages 1-2 only."""
         if stage == 1:
             self._attach_full_grads()
         else:
@@ -115,8 +118,7 @@ class ZeroEngine:
         full = b.flatten([p.grad for p in b.params], self.dtype, self.device)
         for p in b.params:
             p.grad = None
-        part = torch.empty(b.slice, dtype=self.dtype, device=self.device)
-        comm.reduce_scatter(part, full, group=self.group)
+        part = self._reduce_scatter(b, full)
         del full
         if self.grads[b.index] is None:
             self.grads[b.index] = part
@@ -143,13 +145,22 @@ class ZeroEngine:
         """The rank's summed gradient slices (stage 1 reduce-scatters them here)."""
         if self.stage == 1:
             for b, gflat in zip(self.layout.buckets, self.grad_flat):
-                part = torch.empty(b.slice, dtype=self.dtype, device=self.device)
-                comm.reduce_scatter(part, gflat, group=self.group)
-                self.grads[b.index].copy_(part)
+                self.grads[b.index].copy_(self._reduce_scatter(b, gflat))
         for b in self.layout.buckets:  # a bucket no parameter of which got a gradient
             if self.grads[b.index] is None:
                 self.grads[b.index] = torch.zeros(b.slice, dtype=self.dtype, device=self.device)
+        if self.compression is not None:
+            self.compression.end_step()
         return self.grads
+
+    def _reduce_scatter(self, b: Bucket, full: torch.Tensor) -> torch.Tensor:
+        """The rank's slice of the sum over ranks of `full` (b's padded flat gradient)."""
+        if self.compression is not None:  # top-k budgets and scales per parameter, padding apart
+            sizes = [p.numel() for p in b.params] + ([b.padded - b.numel] if b.padded > b.numel else [])
+            return compressed_reduce_scatter(full, self.group, self.compression, key=b.index, sizes=sizes)
+        part = torch.empty(b.slice, dtype=self.dtype, device=self.device)
+        comm.reduce_scatter(part, full, group=self.group)
+        return part
 
     def zero_grads(self) -> None:
         """Stage 1 zeroes its flat gradient buffers; stages 2-3 drop the gradient slices."""

@@ -71,14 +71,29 @@ def module_builder(model: Any) -> Callable[[], nn.Module]:
                 m = model()
             except ConfigError:
                 raise
-            except Exception as exc:
-                raise ConfigError(f"the model factory failed: {type(exc).__name__}: {_one_line(exc)}") from None
+            except Exception as exc:  # e.g. peft moves weights with swap_tensors, which fake tensors refuse
+                m = _on_meta_then_fake(model, exc)
             if not isinstance(m, nn.Module):
                 raise ConfigError(f"the model factory returned {type(m).__name__}, not an nn.Module")
             return m
 
         return build_factory
     raise ConfigError(f"model must be an nn.Module or a zero-argument factory, got {type(model).__name__}")
+
+
+def _on_meta_then_fake(factory: Callable[[], Any], first: Exception) -> Any:
+    """Build on the meta device with fake tensors set aside, then give the result fake weights on the device."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    dev = torch.empty(0).device  # the surrounding torch.device context
+    try:
+        with unset_fake_temporarily(), torch.device("meta"):
+            m = factory()
+    except ConfigError:
+        raise
+    except Exception:
+        raise ConfigError(f"the model factory failed: {type(first).__name__}: {_one_line(first)}") from None
+    return _materialise(m, dev) if isinstance(m, nn.Module) else m
 
 
 def _one_line(exc: BaseException) -> str:
@@ -97,7 +112,23 @@ def fake_like(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def real_like(obj: Any, device: torch.device) -> Any:
+    """The example's own values on `device`, a fresh copy per step (as a data loader hands out batches)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_meta:
+            raise ConfigError("a measured step needs example values, not meta tensors: pass real tensors or a "
+                              "function device -> batch")
+        return obj.to(device, copy=True)
+    if isinstance(obj, Mapping):
+        return {k: real_like(v, device) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(real_like(v, device) for v in obj)
+    return obj
+
+
 def check_example(example: Any) -> None:
+    if callable(example) and not isinstance(example, torch.Tensor):
+        return  # a function device -> batch (random tokens, images: valid values for a real step too)
     if example is None:
         raise ConfigError("an nn.Module needs an example micro-batch: a dict of keyword arguments "
                           "(e.g. {'input_ids': x, 'labels': x}), a tuple of positional arguments or a tensor")
@@ -130,12 +161,16 @@ def extract_loss(output: Any, example: Any, loss_fn: Callable | None) -> torch.T
     return loss
 
 
-def example_step(example: Any, loss_fn: Callable | None) -> Step:
-    """One training step on (a fake copy of) the example, in its own frame as in a training loop."""
+def example_step(example: Any, loss_fn: Callable | None, real: bool = False) -> Step:
+    """One training step on (a fake copy of) the example, in its own frame as in a training loop.
+    `example` may be a function device -> batch, called each step; `real` copies the example's values."""
 
     def step(model: nn.Module, opt: Any) -> None:
         dev = next(iter(model.parameters())).device
-        batch = fake_like(example, dev)
+        if callable(example) and not isinstance(example, torch.Tensor):
+            batch = example(dev)
+        else:
+            batch = real_like(example, dev) if real else fake_like(example, dev)
         with opt.autocast():
             try:
                 out = call(model, batch)
@@ -160,7 +195,7 @@ class RunResult:
 
 def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimizer: str, checkpoint: Any,
               device: str, steps: int = 2, tracker: Callable[..., MemoryTracker] | None = None,
-              prepare: Callable[[nn.Module], None] | None = None) -> RunResult:
+              prepare: Callable[[nn.Module], None] | None = None, window: Any = None) -> RunResult:
     """Build the model, apply the policy and optimizer, run `steps` steps inside a tracker; the tracker's
     peak window is the last step. Call inside FakeTensorMode to predict, outside to measure."""
     from memfit.apply.checkpoint import checkpoint as apply_checkpoint
@@ -179,9 +214,12 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
     try:
         with tr:
             for i in range(steps):
-                if i == steps - 1:
-                    tr.reset_peak()
-                step(model, opt)
+                if i < steps - 1:
+                    step(model, opt)
+                    continue
+                tr.reset_peak()
+                with window if window is not None else contextlib.nullcontext():
+                    step(model, opt)
     finally:
         opt.close()
     return RunResult(tr, model)
@@ -191,7 +229,9 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
 def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from memfit.measure.hf_masks import unpadded_masks
+    from memfit.measure.moe import fake_experts
     from memfit.measure.trace import _unpacked_batches
 
-    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
+    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), unpadded_masks(), fake_experts():
         yield

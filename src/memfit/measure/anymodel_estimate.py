@@ -1,11 +1,13 @@
 """memfit.estimate(module_or_factory, example, ...): the Estimate of any nn.Module, nothing allocated."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
 from memfit.measure.anymodel import check_example, example_step, fake_mode, module_builder, run_steps
 from memfit.measure.formulas import model_state_bytes
+from memfit.measure.workspace import WorkspaceTracker
 
 
 def estimate_module(model: Any, example: Any, *, optimizer: str = "adamw", precision: str = "32-true",
@@ -16,16 +18,17 @@ def estimate_module(model: Any, example: Any, *, optimizer: str = "adamw", preci
     check_example(example)
     t0 = time.perf_counter()
     with fake_mode():
-        r = run_steps(module_builder(model), example_step(example, loss_fn), precision, optimizer, checkpoint, "cpu")
+        r = run_steps(module_builder(model), example_step(example, loss_fn), precision, optimizer, checkpoint, "cpu",
+                      tracker=WorkspaceTracker)
     tr = r.tracker
     b = tr.breakdown
     params = list(r.model.parameters())
     n = sum(p.numel() for p in params)
-    trainable = [p for p in params if p.requires_grad]
-    n_train = sum(p.numel() for p in trainable) or 1
-    single = model_state_bytes(n_train, precision=precision, optimizer=optimizer, n_tensors=len(trainable))
-    sharded = model_state_bytes(n_train, precision=precision, optimizer=optimizer, zero=zero, world=world,
-                                offload_optimizer=offload_optimizer, n_tensors=len(trainable))
+    shapes = [tuple(p.shape) for p in params if p.requires_grad]
+    states = dict(precision=precision, optimizer=optimizer, param_shapes=shapes,
+                  n_trainable=sum(math.prod(s) for s in shapes))
+    single = model_state_bytes(n, **states)
+    sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **states)
     per = {}
     for cat in ("params", "grads", "optimizer"):
         full, mine = getattr(single, cat), getattr(sharded, cat)
@@ -39,3 +42,25 @@ def estimate_module(model: Any, example: Any, *, optimizer: str = "adamw", preci
                 trace_seconds=time.perf_counter() - t0,
                 modules=dict(sorted(tr.module_peaks.items(), key=lambda kv: -kv[1])),
                 module_activations=dict(tr.module_activations))
+
+
+def measure_module(model: Any, example: Any, *, optimizer: str = "adamw", precision: str = "32-true",
+                   checkpoint: Any = "none", loss_fn: Callable | None = None, seed: int = 0) -> dict:
+    """The same two steps run for real on the CPU: the tracker's figures of the last step and, independently,
+    the allocator's peak replayed from profiler memory events (memfit.measure.allocator)."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+
+    from memfit.measure.allocator import AllocatorProfile
+
+    check_example(example)
+    build = (lambda: copy.deepcopy(model)) if isinstance(model, nn.Module) else module_builder(model)
+    torch.manual_seed(seed)
+    prof = AllocatorProfile("cpu")
+    with prof:  # the model is built inside the profile, so every block freed in the window is known
+        r = run_steps(build, example_step(example, loss_fn, real=True), precision, optimizer, checkpoint, "cpu",
+                      window=prof.window("step"))
+    return dict(peak=r.tracker.peak_bytes, breakdown=dict(r.tracker.breakdown), allocator=prof.peak("step"),
+                modules=dict(r.tracker.module_peaks))

@@ -146,8 +146,13 @@ def chain_profile(src: ChainSource, precision: str, optimizer: str, device: str 
     if prof is None:
         if src.n_blocks < 1:
             raise NotAChain("no identical repeated blocks")
-        prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases, with_segments,
-                             src.plain_differs, ends)
+        from memfit.measure import chain_cache
+
+        prof = chain_cache.load(key)
+        if prof is None:
+            prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases,
+                                 with_segments, src.plain_differs, ends)
+            chain_cache.store(key, prof)
         _CACHE[key] = prof
     return prof
 
@@ -177,8 +182,8 @@ def composed_step(spec: Any, batch: int, seq: int, precision: str = "32-true", o
         if src.n_blocks < min_blocks:
             return None
         actions = resolve_policy(checkpoint, src.n_blocks)
-        if any(a.offload or a.compress for a in actions):
-            return None  # offload/compression traces are not checked against the composition yet
+        if any(a.offload == "disk" for a in actions):
+            return None  # disk read-ahead brings the previous offloaded block back early: not additive
         bases, multi = bases_of(actions)
         regions = segments(actions)
         ends = ([actions[i] for i in regions[0][:2]], [actions[i] for i in regions[-1][-2:]])

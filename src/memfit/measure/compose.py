@@ -113,43 +113,65 @@ class ChainProfile:
         f, b = self.last[kinds[-1]]
         fwd[-1], bwd[-1] = fwd[-1] + f, bwd[-1] + b
         extra = n - self.traced_blocks
-        cur = vadd(self.start, vscale(self.start_per_block, extra))
-        pb = self.per_block
-
-        def part(name: str) -> Stretch:
-            s = getattr(self, name) + pb[name].scaled(extra)
-            d = self.deferred.get(name)
-            if d:
-                freed = ZERO
-                for k in kinds:
-                    if k in d:
-                        freed = vadd(freed, d[k])
-                s = Stretch(s.peak, vsub(s.net, freed))
-            return s
-
-        order: list[tuple[str, Stretch]] = [("before the blocks", part("pre_fwd"))]
-        order += [(f"block {i} forward", s) for i, s in enumerate(fwd)]
-        order += [("head and loss", part("post_fwd")), ("head backward", part("post_bwd"))]
-        order += [(f"block {i} backward", bwd[i]) for i in range(n - 1, -1, -1)]
-        order += [("backward before the blocks", part("pre_bwd")), ("optimizer step", part("opt"))]
-        total = sum(cur)
-        best, at, where = total, cur, "step start"
+        start = vadd(self.start, vscale(self.start_per_block, extra))
+        counts: dict[str, int] = {}
+        for k in kinds:
+            counts[k] = counts.get(k, 0) + 1
+        seq = [self._part("pre_fwd", extra, counts), *fwd, self._part("post_fwd", extra, counts),
+               self._part("post_bwd", extra, counts), *bwd[::-1], self._part("pre_bwd", extra, counts),
+               self._part("opt", extra, counts)]
+        # The walk on totals only (the hot loop of the planner); categories are rebuilt for the peak.
+        total = sum(start)
+        best, best_j = total, -1
         block_peaks = [0] * n
-        for name, s in order:
-            cand = total + s.peak_bytes
+        for j, st in enumerate(seq):
+            cand = total + st.peak_bytes
             if cand > best:
-                best, at, where = cand, vadd(cur, s.peak), name
-            if name.startswith("block "):
-                i = int(name.split()[1])
-                block_peaks[i] = max(block_peaks[i], cand)
-            cur = vadd(cur, s.net)
-            total += s.net_bytes
-            if name == "head and loss":  # backward starts: the tracker relabels (see timeline.StepStretches)
+                best, best_j = cand, j
+            if 0 < j <= n:
+                block_peaks[j - 1] = cand
+            elif n + 2 < j < 2 * n + 3:
+                i = 2 * n + 2 - j
+                if cand > block_peaks[i]:
+                    block_peaks[i] = cand
+            total += st.net_bytes
+        return Composed(best, self._at(start, seq, best_j, n), block_peaks, _where(best_j, n))
+
+    def _part(self, name: str, extra: int, counts: dict[str, int]) -> Stretch:
+        """A stretch around the blocks for this chain length, less the deferred frees of its blocks' kinds."""
+        s = getattr(self, name) + self.per_block[name].scaled(extra)
+        d = self.deferred.get(name)
+        if d:
+            freed = ZERO
+            for k, c in counts.items():
+                if k in d:
+                    freed = vadd(freed, vscale(d[k], c))
+            s = Stretch(s.peak, vsub(s.net, freed))
+        return s
+
+    def _at(self, start: Vec, seq: list[Stretch], upto: int, n: int) -> Vec:
+        """Bytes per category at the peak inside stretch `upto` (-1: the step's start)."""
+        cur = start
+        for j in range(upto):
+            cur = vadd(cur, seq[j].net)
+            if j == n + 1:  # backward starts: the tracker relabels (see timeline.StepStretches)
                 cur = cur[:3] + (cur[3] + cur[4] - self.bw_temps, self.bw_temps)
-        return Composed(best, at, block_peaks, where)
+        return cur if upto < 0 else vadd(cur, seq[upto].peak)
 
     def peak_of(self, actions: Sequence[BlockAction]) -> int:
         return self.compose(actions).peak
+
+
+def _where(j: int, n: int) -> str:
+    """The name of stretch j of the walk in ChainProfile.compose."""
+    if j < 0:
+        return "step start"
+    if 0 < j <= n:
+        return f"block {j - 1} forward"
+    if n + 2 < j < 2 * n + 3:
+        return f"block {2 * n + 2 - j} backward"
+    return {0: "before the blocks", n + 1: "head and loss", n + 2: "head backward",
+            2 * n + 3: "backward before the blocks", 2 * n + 4: "optimizer step"}[j]
 
 
 def fwd_kinds(actions: Sequence[BlockAction]) -> list[str]:

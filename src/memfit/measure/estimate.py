@@ -10,6 +10,7 @@ figures add up to it and no module's figure exceeds it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -87,6 +88,8 @@ def estimate(
     offload_optimizer: str | None = None,
     device_memory: int | str | None = None,
     loss_fn: Any = None,
+    lora: Any = None,
+    routing: str = "balanced",
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -94,7 +97,20 @@ def estimate(
     `model` may also be any nn.Module (real or meta weights) or a zero-argument factory, with `example`
     one micro-batch (dict of keyword arguments, tuple of positional arguments or a tensor) and
     optionally `loss_fn(output, example)` (memfit.measure.anymodel).
+    `lora` ("r=8,targets=q_proj,v_proj" or a LoraConfig) freezes the named model and adds LoRA adapters.
+    `routing` (mixture-of-experts layers): "balanced" or "worst" (memfit.measure.moe).
     """
+    from memfit.measure.moe import routing as moe_routing
+
+    with moe_routing(routing):
+        return _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
+                         zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
+                         device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst")
+
+
+def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: int | None, precision: str,
+              optimizer: str, zero: int, world: int, checkpoint: str, offload_optimizer: str | None,
+              device_memory: int | str | None, loss_fn: Any, lora: Any, worst: bool) -> Estimate:
     check_precision(precision)
     optimizer_states(optimizer)
     _positive("batch", batch)
@@ -104,37 +120,32 @@ def estimate(
         offload_optimizer = None
     budget = parse_bytes(device_memory) if device_memory is not None else None
     if model is not None and not isinstance(model, (str, ModelSpec)):  # any nn.Module or factory + example
+        if lora is not None:
+            raise ConfigError("lora= applies to a named model or config; add the adapters to your module "
+                              "(e.g. peft.get_peft_model) and pass it")
         from memfit.measure.anymodel_estimate import estimate_module
 
         return Estimate(**estimate_module(model, example, optimizer=optimizer, precision=precision, checkpoint=checkpoint,
                                loss_fn=loss_fn, zero=zero, world=world, offload_optimizer=offload_optimizer,
                                device_memory=budget))
-    common = dict(precision=precision, optimizer=optimizer)
     if model is None:
-        if params is None:
-            raise ConfigError("give a model (name, spec or config.json) or --params N")
-        ms = model_state_bytes(params, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
-        per = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "activations": 0, "temporaries": 0}
-        per["total"] = sum(per.values())
-        return Estimate(f"{params:,} parameters", params, None, None, precision, optimizer, zero, world, "none",
-                        offload_optimizer, per, ms.offloaded, budget)
-
-    spec = parse_model(model) if isinstance(model, str) else model
+        return _states_only(params, precision, optimizer, zero, world, offload_optimizer, budget)
+    spec = _spec_of(model, lora)
     n, n_tensors = spec.counts()
     if params is not None and params != n:
         raise ConfigError(f"--params {params} contradicts {spec.name}, which has {n} parameters; give one of them")
     # Default: the model's context length, capped at 4096 (long-context models train mostly shorter).
     seq = seq or min(spec.seq or 1024, 4096)
-    common["n_tensors"] = n_tensors
-    if needs_shapes(optimizer):  # Adafactor, 8-/4-bit: state bytes per tensor shape
-        common["param_shapes"] = param_shapes(spec)
+    if spec.task not in (None, "causal-lm"):  # seq2seq, masked LM, image classifier: their own batches
+        return _family(spec, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer, budget)
+    common = dict(precision=precision, optimizer=optimizer, **_trainable(spec, optimizer, n_tensors))
     sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
     single = model_state_bytes(n, offload_optimizer=offload_optimizer, **common)
 
     from memfit.measure.trace import trace_step  # heavy import (FakeTensorMode) only when tracing
 
     tr = None
-    if offload_optimizer in (None, "none"):  # long chains of identical blocks: composed, exact, fast
+    if offload_optimizer in (None, "none") and spec.lora is None and not worst:  # identical blocks: composed, exact
         from memfit.measure.blocks import composed_step
 
         tr = composed_step(spec, batch, seq, precision, optimizer, checkpoint)
@@ -145,6 +156,53 @@ def estimate(
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
                     module_activations=dict(tr.module_activations))
+
+
+def _states_only(params: int | None, precision: str, optimizer: str, zero: int, world: int,
+                 offload_optimizer: str | None, budget: int | None) -> Estimate:
+    """No model, a parameter count: model states only."""
+    if params is None:
+        raise ConfigError("give a model (name, spec or config.json) or --params N")
+    ms = model_state_bytes(params, precision=precision, optimizer=optimizer, zero=zero, world=world,
+                           offload_optimizer=offload_optimizer)
+    per = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "activations": 0, "temporaries": 0}
+    per["total"] = sum(per.values())
+    return Estimate(f"{params:,} parameters", params, None, None, precision, optimizer, zero, world, "none",
+                    offload_optimizer, per, ms.offloaded, budget)
+
+
+def _family(spec: ModelSpec, batch: int, seq: int | None, precision: str, optimizer: str, zero: int, world: int,
+            checkpoint: str, offload_optimizer: str | None, budget: int | None) -> Estimate:
+    """A config family other than causal LMs, traced as any module on the family's own micro-batch."""
+    from memfit.measure.anymodel_estimate import estimate_module
+
+    seq = None if spec.task == "image-classification" else seq  # image models have no sequence
+    fields = estimate_module(lambda: spec.build(seq=seq), spec.example(batch, seq), optimizer=optimizer,
+                             precision=precision, checkpoint=checkpoint, zero=zero, world=world,
+                             offload_optimizer=offload_optimizer, device_memory=budget)
+    fields.update(model=f"{spec.name} ({spec.task})", batch=batch, seq=seq)
+    return Estimate(**fields)
+
+
+def _spec_of(model: Any, lora: Any) -> ModelSpec:
+    spec = parse_model(model, families=True) if isinstance(model, str) else model
+    if lora is not None:
+        from dataclasses import replace
+
+        from memfit.models.lora import parse_lora
+
+        spec = replace(spec, lora=parse_lora(lora) if isinstance(lora, str) else lora)
+    return spec
+
+
+def _trainable(spec: ModelSpec, optimizer: str, n_tensors: int) -> dict[str, Any]:
+    """model_state_bytes' arguments that describe what trains: every parameter, or a LoRA's adapters only."""
+    if spec.lora is not None:  # a frozen base: only the adapters hold gradients and optimizer state
+        shapes = spec.trainable_shapes()
+        return dict(param_shapes=shapes, n_trainable=sum(math.prod(s) for s in shapes))
+    if needs_shapes(optimizer):  # Adafactor, 8-/4-bit: state bytes per tensor shape
+        return dict(param_shapes=param_shapes(spec))
+    return dict(n_tensors=n_tensors)
 
 
 def _per_device(tr: Any, ratios: dict[str, tuple[int, int]]) -> tuple[dict[str, int], dict[str, int]]:

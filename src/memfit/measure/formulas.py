@@ -109,6 +109,7 @@ def model_state_bytes(
     offload_optimizer: str | None = None,
     n_tensors: int = 0,
     param_shapes: Sequence[Sequence[int]] | None = None,
+    n_trainable: int | None = None,
 ) -> ModelStateBytes:
     """Parameter, gradient and optimizer bytes held on one device.
 
@@ -118,6 +119,9 @@ def model_state_bytes(
     `param_shapes` (the trainable parameters' shapes) makes the optimizer figure exact for every
     optimizer and sets n_tensors; Adafactor needs it. Without it the 8-/4-bit formats are counted as
     one tensor of n_params elements. ZeRO shards shape-dependent state in proportion to the elements.
+    `n_trainable` (default: all n_params) counts the parameters with requires_grad: frozen ones (a LoRA
+    base) hold weights only, no gradient and no optimizer state; `n_tensors` and `param_shapes` then
+    describe the trainable tensors.
     """
     if not isinstance(n_params, int) or n_params <= 0:
         raise ConfigError(f"number of parameters must be a positive integer, got {n_params!r}")
@@ -127,26 +131,29 @@ def model_state_bytes(
         raise ConfigError(f"world size must be a positive integer, got {world!r}")
     if offload_optimizer not in OFFLOAD_TARGETS:
         raise ConfigError(f"unknown optimizer offload target {offload_optimizer!r}; accepted: none, cpu, disk")
+    trainable = n_params if n_trainable is None else n_trainable
+    if not isinstance(trainable, int) or not 0 <= trainable <= n_params:
+        raise ConfigError(f"n_trainable must be an integer in [0, n_params={n_params}], got {n_trainable!r}")
     b = bytes_per_param(precision, optimizer)
     spec = optimizers.info(optimizer)
     if param_shapes is not None:
         param_shapes = [tuple(s) for s in param_shapes]
-        if sum(math.prod(s) for s in param_shapes) != n_params:
+        if sum(math.prod(s) for s in param_shapes) != trainable:
             raise ConfigError(f"param_shapes hold {sum(math.prod(s) for s in param_shapes)} elements, "
-                              f"not n_params={n_params}")
+                              f"not the {trainable} trainable parameters")
         n_tensors = len(param_shapes)
     elif spec.name == "adafactor":
         raise ConfigError("adafactor's state depends on the parameter shapes (factored per matrix): give a "
                           "model (or param_shapes), not a parameter count alone")
-    shard = math.ceil(n_params / world)
+    shard, tshard = math.ceil(n_params / world), math.ceil(trainable / world)
     params = b.weights * (shard if zero >= 3 else n_params)
-    grads = b.grads * (shard if zero >= 2 else n_params)
-    opt = b.optimizer * (shard if zero >= 1 else n_params)
-    steps = STEP_BYTES * n_tensors if spec.step_counter else 0
-    if optimizers.needs_shapes(optimizer):  # the state is not a whole number of bytes per element
-        shapes = param_shapes if param_shapes is not None else [(n_params,)]
+    grads = b.grads * (tshard if zero >= 2 else trainable)
+    opt = b.optimizer * (tshard if zero >= 1 else trainable)
+    steps = STEP_BYTES * n_tensors if spec.step_counter and trainable else 0
+    if optimizers.needs_shapes(optimizer) and trainable:  # the state is not a whole number of bytes per element
+        shapes = param_shapes if param_shapes is not None else [(trainable,)]
         state = optimizer_state_bytes(optimizer, shapes, precision) - STEP_BYTES * len(shapes) * spec.step_counter
-        opt += state if zero < 1 else math.ceil(state * shard / n_params)
+        opt += state if zero < 1 else math.ceil(state * tshard / trainable)
     opt += steps
     if offload_optimizer in ("cpu", "disk"):
         return ModelStateBytes(params, 0, 0, offloaded=grads + opt)

@@ -14,10 +14,14 @@ whole step's peak from one traced block per action.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from memfit.core.tracker import CATEGORIES, MemoryTracker
+
+_DEVICE = torch.ops.prim.device.default
 
 N_CAT = len(CATEGORIES)
 Vec = tuple  # bytes per category, CATEGORIES order
@@ -45,13 +49,13 @@ class Stretch:
     peak: Vec
     net: Vec
 
-    @property
-    def peak_bytes(self) -> int:
-        return sum(self.peak)
+    def __post_init__(self) -> None:
+        # Totals are read in every composition walk: computed once.
+        object.__setattr__(self, "peak_bytes", sum(self.peak))
+        object.__setattr__(self, "net_bytes", sum(self.net))
 
-    @property
-    def net_bytes(self) -> int:
-        return sum(self.net)
+    peak_bytes: int = field(init=False, repr=False, compare=False)
+    net_bytes: int = field(init=False, repr=False, compare=False)
 
     def __add__(self, other: "Stretch") -> "Stretch":
         return Stretch(vadd(self.peak, other.peak), vadd(self.net, other.net))
@@ -80,6 +84,7 @@ class TimelineTracker(MemoryTracker):
         self.frees: list[tuple[int, int, int, int]] = []
         """(record index, creating block, bytes, category) of storages made in a block's forward."""
         self._fwd_phase = -1
+        self._recording = False  # only the measured step (from reset_peak on) is recorded
 
     def _tag(self) -> int | None:
         names = self.block_names
@@ -90,7 +95,8 @@ class TimelineTracker(MemoryTracker):
         return None
 
     def _note(self) -> None:
-        self.record.append((self.current_bytes, tuple(self._cur), self._in_bw, self._tag()))
+        if self._recording:
+            self.record.append((self.current_bytes, tuple(self._cur), self._in_bw, self._tag()))
 
     def _check_peak(self) -> None:
         super()._check_peak()
@@ -104,6 +110,8 @@ class TimelineTracker(MemoryTracker):
             self.record[-1] = (total, tuple(self._cur), bw, tag)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # no memory changes; most dispatches of a fake step are this one
+            return func(*args, **(kwargs or {}))
         self._note()
         out = super().__torch_dispatch__(func, types, args, kwargs)
         self._note()
@@ -114,6 +122,7 @@ class TimelineTracker(MemoryTracker):
         self.record.clear()
         self.frees.clear()
         self._fwd_phase = self._phase
+        self._recording = True
         self._note()
 
     def _on_free(self, key: int) -> None:

@@ -77,7 +77,10 @@ def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true"
     resolve_device(device)  # ConfigError for a device memfit cannot trace on (fake CUDA tensors need CUDA)
     t0 = time.perf_counter()
     # allow_non_fake_inputs: libraries keep a few real constants at module level (e.g. HF masks).
-    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
+    from memfit.measure.hf_masks import unpadded_masks
+    from memfit.measure.moe import fake_experts
+
+    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), unpadded_masks(), fake_experts():
         result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps, window=None,
                       offload=offload_optimizer)
     result.seconds = time.perf_counter() - t0

@@ -7,6 +7,7 @@ FFN width cover Llama-style shapes with the same code.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).reshape(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # local heads under tensor parallelism
         return self.resid_drop(self.proj(y))
 
 
@@ -134,6 +135,15 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _holds_no_data(t: torch.Tensor) -> bool:
+    if t.device.type == "meta":
+        return True
+    # No fake tensor exists before FakeTensorMode's module is loaded; importing it here would pull in
+    # torch._dynamo (seconds) for every build.
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and fake.is_fake(t)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -146,6 +156,12 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tied_embeddings:
             self.head.weight = self.tok.weight
+        # With targets: a replacement for head + summed cross-entropy, called as head_loss(hidden, weight,
+        # bias, targets, ignore_index, reduction). memfit.apply.head_swap sets a chunked one that never
+        # holds all the logits; the forward then returns logits=None.
+        self.head_loss = None
+        if _holds_no_data(self.head.weight):
+            return  # meta or fake weights (estimates, plans): initial values are never read
         self.apply(self._init)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
         for name, p in self.named_parameters():
@@ -160,7 +176,8 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits for `idx` (B, T); with `targets`, returns (logits, summed cross-entropy, n tokens).
+        """Logits for `idx` (B, T); with `targets`, returns (logits, summed cross-entropy, n tokens)
+        (logits None when a chunked head is installed: see `head_loss`).
 
         The loss is a *sum* so that gradient accumulation can divide by the token count of the
         whole accumulated batch (see memfit.train.loop); `ignore_index=-1` marks padding.
@@ -174,7 +191,11 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        h = self.ln_f(x)
+        if targets is not None and self.head_loss is not None:
+            loss = self.head_loss(h, self.head.weight, self.head.bias, targets, -1, "sum")
+            return None, loss, (targets != -1).sum()
+        logits = self.head(h)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction="sum")

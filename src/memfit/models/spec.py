@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, fields, replace
@@ -18,6 +19,7 @@ import torch.nn as nn
 
 from memfit.core.errors import ConfigError
 from memfit.models.gpt import GPT, GPTConfig
+from memfit.models.lora import LoraConfig, apply_lora
 
 _GPT2 = dict(vocab=50257, seq=1024, arch="gpt2")
 _LLAMA = dict(arch="llama", bias=False, tied_embeddings=False)
@@ -65,6 +67,13 @@ class ModelSpec:
     name: str
     config: GPTConfig | None = None
     hf_config: Path | None = None
+    lora: LoraConfig | None = None
+    """LoRA adapters on a frozen base (memfit.models.lora), applied by every build."""
+    task: str | None = None
+    """A config.json's family (memfit.models.hf_families: causal-lm, seq2seq, masked-lm, image-classification);
+    None: a causal LM, refused otherwise (what `track` and `train` take)."""
+    image_size: int | None = None
+    """Image models: the side of the square input (default: the config's image_size)."""
 
     def build(self, seq: int | None = None) -> nn.Module:
         """Instantiate in the current device/fake-tensor context (e.g. under FakeTensorMode)."""
@@ -74,15 +83,22 @@ class ModelSpec:
                 raise ConfigError(f"seq={seq} exceeds {self.name}'s position table ({cfg.seq})")
             if seq is not None and seq > cfg.seq:
                 cfg = replace(cfg, seq=seq)  # rotary models have no position table to outgrow
-            return GPT(cfg)
-        return build_hf(self.hf_config)
+            model = GPT(cfg)
+        elif self.task is not None:
+            from memfit.models.hf_families import build_family
+
+            model = build_family(read_hf_config(self.hf_config, families=True), self.task, self.image_size,
+                                 self.hf_config)
+        else:
+            model = build_hf(self.hf_config)
+        return apply_lora(model, self.lora) if self.lora is not None else model
 
     def num_params(self) -> int:
         return self.counts()[0]
 
     def on_meta(self, seq: int | None = None) -> nn.Module:
         """The model built on the meta device: shapes and dtypes only, nothing allocated."""
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init():
             return self.build(seq)
 
     def counts(self) -> tuple[int, int]:
@@ -92,12 +108,26 @@ class ModelSpec:
         params = list(self.on_meta().parameters())
         return sum(p.numel() for p in params), len(params)
 
+    def trainable_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the parameters that train (all of them, or a LoRA's adapters on a frozen base)."""
+        return [tuple(p.shape) for p in self.on_meta().parameters() if p.requires_grad]
+
     @property
     def seq(self) -> int | None:
         """The model's context length: its position table (memfit's GPT) or its config's positions (HF)."""
         if self.config is not None:
             return self.config.seq
-        return _hf_positions(read_hf_config(self.hf_config)) if self.hf_config is not None else None
+        if self.hf_config is None or self.task == "image-classification":
+            return None
+        return _hf_positions(read_hf_config(self.hf_config, families=self.task is not None))
+
+    def example(self, batch: int, seq: int | None):
+        """A config family's micro-batch: a function device -> dict of inputs with valid values."""
+        from memfit.models.hf_families import family_batch, hf_config
+
+        data = read_hf_config(self.hf_config, families=True)
+        return family_batch(self.task or "causal-lm", hf_config(data, self.image_size, self.hf_config), batch, seq,
+                            self.image_size)
 
     def check_shape(self, batch: int, seq: int | None) -> None:
         """Refuse a (batch, seq) the model cannot take or torch cannot size, before anything is built.
@@ -118,7 +148,25 @@ class ModelSpec:
         if self.config is not None:
             c = self.config
             return c.hidden, max(c.ffn or 0, c.vocab, (c.heads + 2 * (c.kv_heads or c.heads)) * c.head_dim), c.heads
-        return _hf_widths(read_hf_config(self.hf_config))
+        return _hf_widths(read_hf_config(self.hf_config, families=self.task is not None))
+
+
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def _no_init():
+    """torch's weight init functions as no-ops: meta weights hold no values, and `normal_` on the meta
+    device goes through torch._refs, whose first call imports torch._dynamo (seconds)."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda t, *args, **kwargs: t)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def _parse_bool(key: str, value: str) -> bool:
@@ -182,9 +230,19 @@ def _check_sizes(text: str, cfg: GPTConfig) -> None:
                           "use smaller hidden, ffn, vocab or seq")
 
 
-def parse_model(text: str) -> ModelSpec:
-    """Resolve a model name, custom spec or config.json path to a ModelSpec."""
+def parse_model(text: str, task: str | None = None, image_size: int | None = None,
+                families: bool = False) -> ModelSpec:
+    """Resolve a model name, custom spec or config.json path to a ModelSpec.
+
+    `families` (what `estimate` takes): a config.json may be any family memfit.models.hf_families builds,
+    picked from its `architectures` or by `task`; without it only causal LMs (what `train` runs)."""
     text = text.strip()
+    if task is not None or image_size is not None:
+        families = True
+        path = Path(text)
+        if not (path.suffix == ".json" or path.is_dir()):
+            raise ConfigError(f"{'--task' if task is not None else '--image-size'} applies to a Hugging Face "
+                              f"config.json, not to {text!r}")
     if text.lower() in ARCHITECTURES:
         return ModelSpec(text.lower(), config=ARCHITECTURES[text.lower()])
     if text.split(":", 1)[0] in ("gpt", "llama") and ":" in text:
@@ -195,16 +253,25 @@ def parse_model(text: str) -> ModelSpec:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no Hugging Face config file at {path}")
-        read_hf_config(path)
-        return ModelSpec(path.parent.name or path.stem, hf_config=path)
+        data = read_hf_config(path, families=families)
+        name = path.parent.name or path.stem
+        if not families:
+            return ModelSpec(name, hf_config=path)
+        from memfit.models.hf_families import task_of
+
+        found = task_of(data, task, path)
+        if image_size is not None and found != "image-classification":
+            raise ConfigError(f"--image-size applies to image models; {path} is a {found} model")
+        return ModelSpec(name, hf_config=path, task=found, image_size=image_size)
     raise ConfigError(
         f"unknown model {text!r}; accepted: one of {', '.join(ARCHITECTURES)}, a custom spec like "
         "gpt:layers=12,hidden=768,heads=12,vocab=50257, or a Hugging Face config.json path"
     )
 
 
-def read_hf_config(path: Path | None) -> dict:
-    """The config.json as a dict, refused with one line if memfit cannot build a causal LM from it."""
+def read_hf_config(path: Path | None, families: bool = False) -> dict:
+    """The config.json as a dict, refused with one line if memfit cannot build a causal LM from it
+    (`families`: or a model of another family memfit.models.hf_families builds)."""
     try:
         data = json.loads(Path(path).read_text())  # type: ignore[arg-type]
     except (OSError, ValueError, TypeError) as exc:
@@ -214,7 +281,7 @@ def read_hf_config(path: Path | None) -> dict:
     kind = data.get("model_type")
     if not isinstance(kind, str) or not kind:
         raise ConfigError(f"Hugging Face config {path} has no model_type; {SUPPORTED}")
-    if data.get("is_encoder_decoder"):
+    if data.get("is_encoder_decoder") and not families:
         raise ConfigError(f"Hugging Face config {path} is an encoder-decoder ({kind}); {SUPPORTED}")
     return data
 

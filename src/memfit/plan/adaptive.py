@@ -39,12 +39,10 @@ class AdaptivePlan:
         return self.plans[k]
 
     def apply(self, model: nn.Module, batch: int, seq: int) -> Plan:
-        """Switch `model`'s checkpoint policy to this shape's plan (no-op when it is already applied)."""
-        from memfit.apply.checkpoint import checkpoint
-
+        """Switch `model`'s checkpoint policy (and head chunks) to this shape's plan (no-op when applied)."""
         plan = self.for_shape(batch, seq)
         k = self.key(batch, seq)
         if self._applied.get(id(model)) != k:
-            checkpoint(model, plan.actions)
+            plan.install(model)
             self._applied[id(model)] = k
         return plan

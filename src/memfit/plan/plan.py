@@ -39,6 +39,8 @@ class Candidate:
     time: float
     actions: str
     feasible: bool
+    head_chunks: int | None = None
+    """The LM head and loss in this many chunks (memfit.apply.chunked_head); None = the plain head."""
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Plan:
     """Predicted seconds of extra work per optimizer step over keeping every activation."""
     n_blocks: int
     head_chunks: int | None = None
+    """The LM head and loss computed in this many chunks (memfit.apply.chunked_head); None = plain."""
     ranked: list[Candidate] = field(default_factory=list)
     where: str = ""
     measured_peak: int | None = None
@@ -100,12 +103,21 @@ class Plan:
             raise ConfigError(f"this plan is for a model with {self.n_blocks} blocks ({self.model}); "
                               f"the model has {n}: plan it again for this model")
 
-    def apply(self, model: nn.Module, lr: float = 3e-4, spill_dir: str | None = None, **optimizer_kwargs: Any):
-        """Apply the per-block actions in place and return the TrainingOptimizer this plan was made for."""
+    def install(self, model: nn.Module, spill_dir: str | None = None) -> nn.Module:
+        """Apply the per-block actions and the head chunks to `model` in place (no optimizer)."""
         from memfit.apply.checkpoint import checkpoint
-        from memfit.apply.optimizer import TrainingOptimizer
+        from memfit.apply.head_swap import chunk_head
 
         self.check_model(model)
         checkpoint(model, self.actions, spill_dir=spill_dir)
+        if self.head_chunks or getattr(model, "_memfit_head_chunks", None):
+            chunk_head(model, self.head_chunks)
+        return model
+
+    def apply(self, model: nn.Module, lr: float = 3e-4, spill_dir: str | None = None, **optimizer_kwargs: Any):
+        """Apply the per-block actions and head chunks in place; return the TrainingOptimizer planned for."""
+        from memfit.apply.optimizer import TrainingOptimizer
+
+        self.install(model, spill_dir)
         return TrainingOptimizer(model, self.optimizer, lr=lr, precision=self.precision,
                                  offload=self.offload_optimizer, **optimizer_kwargs)

@@ -6,6 +6,7 @@ from typing import Any
 from memfit.core.units import format_bytes
 from memfit.measure.blocks import chain_profile
 from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost
+from memfit.plan.head import head_counts, head_profile, head_seconds
 from memfit.plan.plan import Candidate, Plan
 from memfit.plan.solve import solve
 from memfit.apply.policy import to_string
@@ -43,23 +44,7 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
             break
         src = problem.source(micro)
         prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
-        n = src.n_blocks
-        t_fwd, t_sel = _block_seconds(prof, problem.tokens(micro)), None
-        costs = getattr(problem, "costs", None)
-        if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
-            scale = micro / problem.batch
-            t_fwd, t_sel = costs.recompute_s * scale, costs.selective_s * scale
-        relief = _opt_bytes(prof, n) if off else 0
-        choice = solve(prof, limit + relief, bases, _cost(t_fwd, t_sel), n_blocks=n, max_segment=min(n, 16))
-        accum = problem.batch // micro
-        base = 3 * n * t_fwd
-        transfer = 2 * relief / HOST_BW
-        if choice is None:
-            rows.append((Candidate(micro, accum, off, prec, 0, 0.0, "", False), None, prof, n))
-            continue
-        cand = Candidate(micro, accum, off, prec, choice.peak - relief, accum * (base + choice.time) + transfer,
-                         to_string(choice.actions), True)
-        rows.append((cand, choice, prof, n))
+        rows += _config_rows(problem, src, prof, (prec, micro, off), limit, bases, optimizer, allowed)
     feasible = sorted((r for r in rows if r[0].feasible), key=lambda r: r[0].time)
     if not feasible:
         raise PlanError(_impossible(rows, limit, bases, allowed))
@@ -68,26 +53,77 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
     plan = Plan(model=problem.name, budget=limit, actions=list(choice.actions), micro_batch=cand.micro_batch,
                 accumulation=cand.accumulation, optimizer=optimizer, precision=cand.precision,
                 offload_optimizer=cand.offload_optimizer, predicted_peak=cand.peak, predicted_time=cand.time,
-                n_blocks=n, ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
+                n_blocks=n, head_chunks=cand.head_chunks,
+                ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
                 where=composed.where)
     if verify and cand.offload_optimizer is None:
-        _verify(problem, plan, prof, bases, _cost(_block_seconds(prof, problem.tokens(cand.micro_batch))))
+        _verify(problem, plan, prof, bases, _cost(_block_seconds(prof, problem.tokens(cand.micro_batch)), None, prof))
     elif cand.offload_optimizer:
         plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
     return plan
 
 
+def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, allowed) -> list[tuple]:
+    """One configuration solved with the plain head and, where allowed, with the head in chunks:
+    fewest chunks first, while more chunks still make the plan faster (or make it fit at all)."""
+    prec, micro, off = config
+    n = src.n_blocks
+    tokens = problem.tokens(micro)
+    t_fwd, t_sel = _block_seconds(prof, tokens), None
+    speed = 1.0
+    costs = getattr(problem, "costs", None)
+    if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
+        scale = micro / problem.batch
+        speed = costs.recompute_s * scale / max(t_fwd, 1e-12)
+        t_fwd, t_sel = costs.recompute_s * scale, costs.selective_s * scale
+    relief = _opt_bytes(prof, n) if off else 0
+    bw = getattr(costs, "bandwidth", None)
+    accum = problem.batch // micro
+
+    def row(chunks: int | None, p) -> tuple:
+        choice = solve(p, limit + relief, bases, _cost(t_fwd, t_sel, p, bw), n_blocks=n, max_segment=min(n, 16))
+        if choice is None:
+            return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
+        head = head_seconds(src, tokens, chunks, speed) if chunks else 0.0
+        time = accum * (3 * n * t_fwd + choice.time + head) + 2 * relief / HOST_BW
+        return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
+                         chunks), choice, p, n
+
+    out = [row(None, prof)]
+    counts = head_counts(src) if "chunked-head" in allowed else []
+    if not counts or (out[0][1] is not None and out[0][1].time == 0):
+        return out  # (a plan that keeps everything cannot get faster with the head in chunks)
+    best = out[0][0].time if out[0][0].feasible else float("inf")
+    if not out[0][0].feasible:  # if the most chunks do not fit, fewer will not: trace no others
+        most = row(counts[-1], head_profile(src, prof, counts[-1], prec, optimizer))
+        if not most[0].feasible:
+            return out + [most]
+    for k in counts:  # (profiles are cached: the most chunks' is not traced twice)
+        r = row(k, head_profile(src, prof, k, prec, optimizer))
+        out.append(r)
+        if r[0].feasible:
+            if r[0].time >= best:
+                return out
+            best = r[0].time
+    return out
+
+
 def _trace_peak(problem, plan: Plan) -> int:
     from memfit.measure.trace import trace_step
 
+    from memfit.apply.head_swap import chunk_head
+
     if problem.spec is not None:
-        return trace_step(problem.spec, batch=plan.micro_batch, seq=problem.seq, precision=plan.precision,
+        spec, seq, chunks = problem.spec, problem.seq, plan.head_chunks
+        model = (lambda: chunk_head(spec.build(seq=seq), chunks)) if chunks else spec
+        return trace_step(model, batch=plan.micro_batch, seq=seq, precision=plan.precision,
                           optimizer=plan.optimizer, checkpoint=plan.actions).peak
     from memfit.measure.anymodel import example_step, fake_mode, module_builder, run_steps
 
     with fake_mode():
         r = run_steps(module_builder(problem.model), example_step(problem.example_for(plan.micro_batch),
-                      problem.loss_fn), plan.precision, plan.optimizer, plan.actions, "cpu")
+                      problem.loss_fn), plan.precision, plan.optimizer, plan.actions, "cpu",
+                      prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None)
     return r.tracker.peak_bytes
 
 
@@ -128,10 +164,11 @@ def _impossible(rows, limit: int, bases, allowed) -> str:
         need = hi - relief
         fixed = _fixed(prof, n) - relief
         if best is None or need < best[0]:
-            best = (need, fixed)
+            at = solve(prof, hi, bases, cost, n_blocks=n)
+            best = (need, fixed, prof.compose(at.actions).where if at is not None else "")
     if best is None:
         return f"no configuration fits {format_bytes(limit)}"
-    need, fixed = best
+    need, fixed, where = best
     if fixed * 2 >= need:
         hint = []
         if "optimizer-offload" not in allowed:
@@ -139,5 +176,8 @@ def _impossible(rows, limit: int, bases, allowed) -> str:
         hint.append("a 16-bit master mode (--precision bf16-master)")
         return (f"budget {format_bytes(limit)} is too small: the smallest plan needs {format_bytes(need)}; "
                 f"parameters and optimizer alone need {format_bytes(fixed)}; {' or '.join(hint)}")
+    if where.startswith("head") and "chunked-head" not in allowed:
+        return (f"budget {format_bytes(limit)} is too small: the smallest plan needs {format_bytes(need)} "
+                f"(the LM head's logits dominate, at {where}: allow chunked-head, or a smaller --batch)")
     return (f"budget {format_bytes(limit)} is too small: the smallest plan needs {format_bytes(need)} "
             f"(activations dominate: allow recompute, or a smaller --batch)")

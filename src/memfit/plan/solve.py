@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
+import numpy as np
+
 from memfit.apply.policy import BlockAction
 from memfit.measure.compose import ChainProfile, base_of
 from memfit.measure.timeline import Stretch
@@ -79,16 +81,21 @@ def _dp(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: Cos
         elif str(b) in prof.fwd:
             options.append((b, 1))
     # Every decision (an action, or a segment of k blocks) at block i is feasible iff F <= its
-    # threshold, and moves F by its forward nets: the DP only compares integers.
+    # threshold, and moves F by its forward nets: the DP only compares integers. Each front is a
+    # Pareto set (F ascending, time strictly descending) held in numpy arrays, with back-pointers.
     head_net = post_f.net_bytes + post_b.net_bytes
-    front: list[dict[int, tuple[float, tuple]]] = [dict() for _ in range(n + 1)]
-    front[0][0] = (0.0, None)
+    pending: list[list[tuple]] = [[] for _ in range(n + 1)]
+    fronts: list[tuple | None] = [None] * (n + 1)
+    zero = np.zeros(1, np.int64)
+    fronts[0] = (zero, np.zeros(1), zero, zero, zero)
     shapes: dict[tuple, tuple[int, int, int, int]] = {}
     for i in range(n):
-        if not front[i]:
+        if i > 0:
+            fronts[i], pending[i] = _reduce(pending[i]), []
+        if fronts[i] is None:
             continue
-        items = _pareto(front[i])
-        for b, k in options:
+        F, T = fronts[i][0], fronts[i][1]
+        for o, (b, k) in enumerate(options):
             if i + k > n:
                 continue
             ckey = (b, k, i == 0, i + k == n)
@@ -96,45 +103,44 @@ def _dp(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: Cos
             if got is None:  # a decision's stretches depend on its position only at the chain's ends
                 got = shapes[ckey] = _shape(*_stretches(prof, _macro(prof, b, k, 0), i, n))
             limit, delta = _threshold_fast(got, c0, i, k, n, g, budget, head_net)
-            t_add = cost(b, k) * k
-            target = front[i + k]
-            for F, (t, _) in items:
-                if F > limit:
-                    break
-                F2, t2 = F + delta, t + t_add
-                cur = target.get(F2)
-                if cur is None or t2 < cur[0]:
-                    target[F2] = (t2, (i, F, b, k))  # back-pointer
-    if not front[n]:
+            m = int(np.searchsorted(F, limit, side="right"))
+            if m:
+                pending[i + k].append((F[:m] + delta, T[:m] + cost(b, k) * k, np.full(m, i, np.int64),
+                                       np.arange(m, dtype=np.int64), np.full(m, o, np.int64)))
+    fronts[n] = _reduce(pending[n])
+    if fronts[n] is None:
         return None
-    best = None
-    for F, (t, _) in front[n].items():
-        head_base = c0 + F
-        head_ok = head_base + post_f.peak_bytes <= budget and \
-            head_base + post_f.net_bytes + post_b.peak_bytes <= budget
-        if head_ok and (best is None or t < best[0]):
-            best = (t, F)
-    if best is None:
+    F, T = fronts[n][0], fronts[n][1]
+    head_base = c0 + F
+    ok = (head_base + post_f.peak_bytes <= budget) & (head_base + post_f.net_bytes + post_b.peak_bytes <= budget)
+    if not ok.any():
         return None
-    decisions, j, F = [], n, best[1]
-    while j > 0:
-        _, (i, F_prev, b, k) = front[j][F]
-        decisions.append((b, k))
-        j, F = i, F_prev
+    j = int(np.flatnonzero(ok)[np.argmin(T[ok])])
+    best_t = float(T[j])
+    decisions, at = [], n
+    while at > 0:
+        _, _, src_i, src_idx, opt_idx = fronts[at]
+        decisions.append(options[int(opt_idx[j])])
+        at, j = int(src_i[j]), int(src_idx[j])
     acts: list[BlockAction] = []
     for seg_id, (b, k) in enumerate(reversed(decisions)):
         acts += _macro(prof, b, k, seg_id)
-    return Choice(tuple(acts), 0, best[0])
+    return Choice(tuple(acts), 0, best_t)
 
 
-def _pareto(states: dict[int, tuple[float, tuple]]) -> list[tuple[int, tuple[float, tuple]]]:
-    out, best_t = [], float("inf")
-    for F in sorted(states):
-        t = states[F][0]
-        if t < best_t:
-            out.append((F, states[F]))
-            best_t = t
-    return out
+def _reduce(parts: list[tuple]) -> tuple | None:
+    """Merge candidate states into a Pareto front: F ascending, each state strictly faster than every
+    state with less F (of equal F, the fastest)."""
+    if not parts:
+        return None
+    F, T, si, sx, op = (np.concatenate(c) for c in zip(*parts))
+    order = np.lexsort((T, F))
+    F, T = F[order], T[order]
+    keep = np.empty(len(F), bool)
+    keep[0] = True
+    keep[1:] = T[1:] < np.minimum.accumulate(T)[:-1]
+    order = order[keep]
+    return F[keep], T[keep], si[order], sx[order], op[order]
 
 
 def _stretches(prof: ChainProfile, acts: list[BlockAction], i: int, n: int) -> tuple[list[Stretch], list[Stretch]]:

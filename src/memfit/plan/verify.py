@@ -31,7 +31,6 @@ def measure(model: nn.Module, opt, step: Callable[[], None], steps: int = 2) -> 
 
 def check(plan: Plan, model: nn.Module, opt, step: Callable[[], None], steps: int = 2) -> Plan:
     """`plan`, or a new plan applied in place when the measured peak exceeds the budget."""
-    from memfit.apply.checkpoint import checkpoint
     from memfit.plan.fit import fit
 
     peak = measure(model, opt, step, steps)
@@ -44,7 +43,7 @@ def check(plan: Plan, model: nn.Module, opt, step: Callable[[], None], steps: in
     new.budget = plan.budget
     new.notes.append(f"the first real steps peaked at {format_bytes(peak)}, {format_bytes(over)} over the budget: "
                      f"planned again for {format_bytes(plan.budget - over)}")
-    checkpoint(model, new.actions)
+    new.install(model)
     new.measured_peak = measure(model, opt, step, 1)
     new.fit_args = args
     return new

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from memfit.profile import cache
+from memfit.core import cache
 
 
 @dataclass
@@ -34,6 +34,9 @@ class BlockCosts:
     input_bytes: int
     saved: dict[str, int] = field(default_factory=dict)
     """Bytes a block keeps for backward, per action (keep, selective, recompute)."""
+    bandwidth: dict[str, float] = field(default_factory=dict)
+    """Rates for the planner's offload and compression costs: "cpu" and "disk" bytes/s moved, "int8" and
+    "fp8" device bytes freed per second of encoding and decoding (memfit.plan.costs)."""
 
 
 @dataclass
@@ -94,7 +97,23 @@ def bandwidth(nbytes: int = 32 << 20) -> dict[str, float]:
         back = torch.from_file(path, size=src.numel(), dtype=torch.float32)
         back.sum()
         disk = 2 * nbytes / max(time.perf_counter() - t0, 1e-9)
-    return {"cpu": cpu, "disk": disk}
+    return {"cpu": cpu, "disk": disk, **codec_rates(src)}
+
+
+def codec_rates(src: torch.Tensor) -> dict[str, float]:
+    """Per codec: bytes a compressed copy saves over `src`, per second of encoding plus decoding it."""
+    from memfit.apply import compress as codecs
+
+    out = {}
+    for codec in ("int8", "fp8"):
+        t0 = time.perf_counter()
+        enc = codecs.encode(src, codec)
+        if isinstance(enc, torch.Tensor):  # the codec does not apply here (e.g. no float8 in this torch)
+            continue
+        codecs.decode(enc)
+        packed = sum(t.numel() * t.element_size() for t in enc.tensors)
+        out[codec] = max(src.numel() * src.element_size() - packed, 0) / max(time.perf_counter() - t0, 1e-9)
+    return out
 
 
 def profile(model: str, batch: int = 1, seq: int | None = None, precision: str = "32-true", rounds: int = 3,
@@ -123,6 +142,7 @@ def profile(model: str, batch: int = 1, seq: int | None = None, precision: str =
     blocks = BlockCosts(fwd_s=rec, bwd_s=max(steps["none"] / n - rec, 0.0), recompute_s=rec, selective_s=sel,
                         input_bytes=saved["recompute"], saved=saved)
     bw = bandwidth()
+    blocks.bandwidth = bw
     offload = {t: 2 * saved["keep"] / bw[t] for t in bw}
     prof = Profile(key, blocks, steps, bw, offload)
     if use_cache:

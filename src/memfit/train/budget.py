@@ -23,7 +23,7 @@ def load_plan(path: str) -> Plan:
 
 
 def plan_config(cfg: Any, budget: str | None = None, plan_file: str | None = None, allow: str | None = None):
-    """The run's TrainConfig with the plan's actions, micro-batch x accumulation, precision and offload."""
+    """The run's TrainConfig with the plan's actions, micro-batch x accumulation, precision, offload and head chunks."""
     from memfit.models.spec import parse_model
 
     if budget is not None and plan_file is not None:
@@ -41,7 +41,7 @@ def plan_config(cfg: Any, budget: str | None = None, plan_file: str | None = Non
                    batch=cfg.batch * cfg.accum, seq=cfg.seq)
     cfg = dataclasses.replace(cfg, checkpoint=to_string(plan.actions), batch=plan.micro_batch,
                               accum=plan.accumulation, precision=plan.precision,
-                              offload_optimizer=plan.offload_optimizer or "none")
+                              offload_optimizer=plan.offload_optimizer or "none", head_chunks=plan.head_chunks)
     return cfg, plan
 
 

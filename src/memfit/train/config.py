@@ -51,6 +51,8 @@ class TrainConfig:
     checkpoint: str = "none"
     """Activation checkpoint policy, passed to memfit.checkpoint unchanged."""
     offload_optimizer: str = "none"
+    head_chunks: int | None = None
+    """LM head + cross-entropy in this many chunks (memfit.apply.head_swap; set by a plan); None = plain."""
     spill_dir: str | None = None
     """Folder for every disk offload of the run: activations (+offload:disk) and optimizer state."""
     clip: float | None = 1.0
@@ -70,7 +72,16 @@ class TrainConfig:
     track: bool = True
     """Measure one step's memory breakdown with memfit's tracker (params, grads, optimizer, activations)."""
     strategy: str = "none"
-    """Data-parallel strategy over the processes torchrun started: none, ddp, ps, zero1, zero2, zero3."""
+    """Strategy over the processes torchrun started: none, ddp, ps, zero1, zero2, zero3, pipeline, tensor."""
+    microbatches: int | None = None
+    """--strategy pipeline: micro-batches the global batch is split into per schedule step (default: world)."""
+    schedule: str = "1f1b"
+    """--strategy pipeline: gpipe (all forwards, then all backwards) or 1f1b (fewer micro-batches in flight)."""
+    tp: int | None = None
+    """--strategy tensor: tensor-parallel degree (default: world, so dp = world / tp = 1)."""
+    compress: str = "none"
+    """Gradient compression on the wire (ddp, zero1, zero2): topk:0.01, int8, sign, bf16, powersgd:4, ...
+    (memfit.distributed.compression; docs/compression.md)."""
 
     def validate(self) -> None:
         """Raise ConfigError for the first option that cannot work, naming it as the command line does."""
@@ -89,8 +100,14 @@ class TrainConfig:
             _check_float("clip", self.clip, "positive (0 on the command line turns clipping off)", lambda v: v > 0)
         if self.dropout is not None:
             _check_float("dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
+        if self.head_chunks is not None:
+            _check_int("head_chunks", self.head_chunks, 1, MAX_COUNT)
         if self.offload_optimizer not in ("none", "cpu", "disk"):
             raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r}; accepted: none, cpu, disk")
+        if self.compress not in (None, "none"):
+            from memfit.distributed.compression.spec import check_compression_strategy
+
+            check_compression_strategy(self.strategy, self.compress)  # a bad spec or strategy: one line
         if not isinstance(self.data, (list, tuple)) or not all(isinstance(d, str) for d in self.data):
             raise ConfigError(f"data must be a list of paths, got {self.data!r}")
 

@@ -34,12 +34,17 @@ class DistContext:
         return self.rank == 0
 
 
-def precheck(cfg: Any, resuming: bool = False) -> None:
+def precheck(cfg: Any, resuming: bool = False, world: int | None = None) -> None:
     """The checks a --strategy run needs no process group for: made before anything starts (and
     again on every rank), so an impossible config fails at once with one message, never a hang."""
     from memfit.distributed.strategy import check_strategy
 
     strategy = check_strategy(cfg.strategy)
+    world = world or int(os.environ.get("WORLD_SIZE", 0)) or None
+    if strategy in ("pipeline", "tensor"):
+        from memfit.train.model_parallel import precheck_model_parallel
+
+        precheck_model_parallel(cfg, world, resuming)
     if strategy in ("ddp", "ps") and cfg.offload_optimizer != "none":
         raise ConfigError(f"--offload-optimizer with --strategy {strategy} is not supported: the offload takes "
                           "gradients before they are reduced; use --strategy zero1, zero2 or zero3")
@@ -103,10 +108,32 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
     from memfit.distributed.strategy import distribute
     from memfit.train.config import optimizer_extra
 
-    return distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                      precision=precision, clip=cfg.clip,
-                      offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer,
-                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg))
+    from memfit.train import compression
+
+    opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                     precision=precision, clip=cfg.clip,
+                     offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer,
+                     spill_dir=cfg.spill_dir, **optimizer_extra(cfg), **strategy_options(cfg))
+    opt.compression = compression.attach(opt, getattr(cfg, "compress", "none"))  # --compress
+    return opt
+
+
+def strategy_options(cfg: Any) -> dict:
+    if cfg.strategy == "pipeline":
+        return {"microbatches": cfg.microbatches, "schedule": cfg.schedule}
+    return {"tp": cfg.tp} if cfg.strategy == "tensor" else {}
+
+
+def rank_sampler(ctx: DistContext, data: torch.Tensor, cfg: Any) -> "RankSampler":
+    """This rank's sampler: its rows for the data-parallel strategies; the whole global batch on
+    every pipeline stage; its replica's rows for tensor (all TP ranks of a replica read the same)."""
+    batch, rank, world = cfg.batch, ctx.rank, ctx.world
+    if ctx.strategy == "pipeline":
+        batch, rank, world = cfg.batch * ctx.world, 0, 1
+    elif ctx.strategy == "tensor":
+        tp = cfg.tp or ctx.world
+        batch, rank, world = cfg.batch * tp, ctx.rank // tp, ctx.world // tp
+    return RankSampler(data, batch, cfg.seq, cfg.seed, rank, world)
 
 
 class RankSampler:
@@ -132,6 +159,8 @@ def accumulate_step(opt, micro_batches: Iterable[tuple[torch.Tensor, torch.Tenso
     DDP's no_sync on all but the last micro-batch; returns (global mean loss, global tokens, result)."""
     from memfit.distributed.comm import control_sum
 
+    if hasattr(opt, "accumulate_step"):  # pipeline, tensor: their own data layout (memfit.distributed)
+        return opt.accumulate_step(micro_batches, loss_sum)
     micro = list(micro_batches)
     local = float(sum((y != -1).sum() for _, y in micro))
     total = max(control_sum([local])[0], 1.0)
@@ -205,6 +234,8 @@ def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
 
 def model_state(opt, model: nn.Module) -> dict[str, torch.Tensor]:
     """The full model state dict on every rank (ZeRO-3 gathers its released weights for it)."""
+    if hasattr(opt, "full_model_state"):  # pipeline: the stages' union; tensor: full tensors
+        return opt.full_model_state()
     engine = getattr(opt, "engine", None)
     if engine is None or engine.stage < 3:
         return model.state_dict()

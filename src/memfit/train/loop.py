@@ -186,7 +186,8 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
 def _evaluate(run: Run, clock: Clock) -> None:
     t0 = time.perf_counter()
     with memory_errors(lambda: f"evaluating at step {run.step}"):
-        loss = evaluate(run.model, run.opt, run.val_batches, run.device)
+        loss = (run.opt.evaluate(run.val_batches) if hasattr(run.opt, "evaluate")  # pipeline: stage to stage
+                else evaluate(run.model, run.opt, run.val_batches, run.device))
     run.history["val"]["step"].append(run.step)
     run.history["val"]["loss"].append(loss)
     clock.eval_seconds.append(time.perf_counter() - t0)
@@ -194,9 +195,12 @@ def _evaluate(run: Run, clock: Clock) -> None:
 
 def _save(run: Run, seconds: float, *, last: bool) -> dict[str, Any]:
     """Checkpoint and metrics.json (see Saver for a disk that refuses); returns the metrics."""
+    from memfit.train import compression
+
     run.history["seconds"] = seconds
-    metrics = report.metrics_payload(run.cfg.to_dict(), {**run.info, "horizon": run.horizon}, run.history,
-                                     run.breakdown)
+    comp = compression.summary(getattr(run.opt, "compression", None), run.history["steps"]["seconds"])
+    metrics = report.metrics_payload(run.cfg.to_dict(), {**run.info, "horizon": run.horizon, "compression": comp},
+                                     run.history, run.breakdown)
     ctx = run.ctx
     model_state = dist_train.save_states(run.opt, run.model, run.run_dir, run.step) if ctx else run.model.state_dict()
     if ctx is not None and not ctx.main:  # rank 0 writes checkpoint.pt and metrics.json

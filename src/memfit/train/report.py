@@ -161,6 +161,10 @@ def format_summary(metrics: dict[str, Any], run_dir: Path, stopped: str) -> str:
         lines.append(f"  memory   step peak {format_bytes(bd['peak_bytes'])} ({parts}); {peak}")
     else:
         lines.append(f"  memory   {peak}")
+    if metrics["run"].get("compression"):
+        from memfit.train.compression import summary_line
+
+        lines.append(summary_line(metrics["run"]["compression"]))
     lines.append(f"  run      {run_dir}/  ({METRICS}, {PLOT}, checkpoint.pt)")
     if s["steps"] < (metrics["run"].get("horizon") or 0):
         lines.append(f"  resume   memfit train --resume {run_dir}")

@@ -161,8 +161,12 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
     with memory_errors(lambda: "while building the model"):
         model = build_model(cfg).to(device)
     apply_checkpoint(model, cfg.checkpoint, spill_dir=cfg.spill_dir)
+    if cfg.head_chunks:
+        from memfit.apply.head_swap import chunk_head
+
+        chunk_head(model, cfg.head_chunks)
     cleanup.callback(remove, model)  # removes an activation spill folder with the hooks
-    sampler = (dist_train.RankSampler(corpus.train, cfg.batch, cfg.seq, cfg.seed, ctx.rank, ctx.world) if ctx
+    sampler = (dist_train.rank_sampler(ctx, corpus.train, cfg) if ctx
                else data_mod.WindowSampler(corpus.train, cfg.batch, cfg.seq, cfg.seed))
     val_batches = data_mod.fixed_windows(corpus.val, cfg.eval_batches, cfg.batch, cfg.seq, (cfg.seed + 1) % 2**64)
     opt = cleanup.enter_context(dist_train.make_optimizer(ctx, model, cfg, precision) if ctx

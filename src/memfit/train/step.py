@@ -23,6 +23,10 @@ def loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.
     if isinstance(model, GPT):
         _, loss, n = model(x, y)
         return loss, n
+    if getattr(model, "_memfit_head_chunks", None):  # chunked head (memfit.apply.head_swap): no logits
+        from memfit.apply.head_swap import head_cross_entropy, hidden_states
+
+        return head_cross_entropy(model, hidden_states(model, input_ids=x)[0], y, -1, "sum"), (y != -1).sum()
     logits = model(input_ids=x).logits
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), ignore_index=-1, reduction="sum")
     return loss, (y != -1).sum()

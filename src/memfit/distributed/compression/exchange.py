@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from memfit.distributed import comm
+
 
 @dataclass
 class Traffic:
@@ -28,6 +30,7 @@ class Traffic:
         self.sent += nbytes
         self.calls += 1
         self.by_collective[collective] = self.by_collective.get(collective, 0) + nbytes
+        comm.TRAFFIC.add(f"compressed_{collective}", nbytes)  # the process-wide per-step count too
 
     @property
     def ratio(self) -> float:

@@ -6,7 +6,8 @@ Per buffer (a DDP bucket, or a ZeRO flat gradient), keyed by the caller:
     x = grad + residual                         (momentum off)
     u = m * u + grad; x = u + residual          (DGC momentum correction, m > 0)
     sent = decode(encode(x)); residual = x - sent
-    u[sent != 0] = 0                            (DGC momentum factor masking)
+    u[sent != 0] = 0                            (DGC momentum factor masking; top-k only:
+                                                 sign sends every element, so it keeps u)
 
 so sent + residual == x: the invariant the tests check. residual is computed as one fp32
 subtraction, so the identity is bitwise whenever x - sent is exact (top-k: sent is x or 0 at each
@@ -19,8 +20,8 @@ import torch
 
 
 class ErrorFeedback:
-    def __init__(self, momentum: float = 0.0) -> None:
-        self.momentum = momentum
+    def __init__(self, momentum: float = 0.0, mask: bool = True) -> None:
+        self.momentum, self.mask = momentum, mask
         self.residual: dict = {}
         self.velocity: dict = {}
 
@@ -42,7 +43,7 @@ class ErrorFeedback:
         """Keep corrected - sent for the next step; returns the new residual."""
         residual = corrected - sent
         self.residual[key] = residual
-        if self.momentum:
+        if self.momentum and self.mask:
             self.velocity[key].masked_fill_(sent != 0, 0.0)
         return residual
 

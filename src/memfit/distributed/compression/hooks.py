@@ -7,6 +7,7 @@
 The hooks finish their collectives before returning (an already-completed Future), which keeps
 encode and decode times measurable and the order of collectives identical on every rank.
 """
+import functools
 import time
 
 import torch
@@ -15,7 +16,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _torch_
 
 from memfit.distributed.compression.exchange import Traffic, allreduce_bytes
 from memfit.distributed.compression.powersgd import torch_powersgd_bytes, torch_powersgd_state
-from memfit.distributed.compression.spec import CompressionSpec, parse_compression
+from memfit.core.errors import ConfigError
+from memfit.distributed.compression.spec import CompressionSpec, check_compression_strategy, parse_compression
 from memfit.distributed.compression.state import CompressionState
 
 
@@ -39,9 +41,9 @@ def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[to
 class TorchPowerSGDState:
     """torch's PowerSGDState plus the same counters as CompressionState."""
 
-    def __init__(self, spec: CompressionSpec, group=None) -> None:
-        self.spec, self.group = spec, group
-        self.psgd = torch_powersgd_state(spec.rank, spec.start, group)
+    def __init__(self, spec: CompressionSpec, group=None, average: bool = True) -> None:
+        self.spec, self.group, self.average = spec, group, average
+        self.psgd = torch_powersgd_state(spec.rank, spec.dense_steps, group)
         self.traffic = Traffic()
         self.encode_s = self.decode_s = 0.0
         self.steps = 0
@@ -61,23 +63,52 @@ def torch_powersgd_hook(state: TorchPowerSGDState, bucket) -> torch.futures.Futu
         state.steps += 1
     t0 = time.perf_counter()
     fut = _torch_psgd.powerSGD_hook(state.psgd, bucket)
-    fut.wait()  # keep the timing honest and the hook synchronous like the others
+    out = fut.wait()  # keep the timing honest and the hook synchronous like the others
     state.encode_s += time.perf_counter() - t0  # includes torch's collectives: compression not separable
-    return fut
+    if state.average:
+        return fut
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(out.mul_(world))  # torch's hook averages; memfit's strategies sum
+    return done
 
 
-def register_compression(ddp_model: torch.nn.parallel.DistributedDataParallel,
-                         spec: str | CompressionSpec | None, group=None):
-    """Compress `ddp_model`'s gradient all-reduce; returns the state holding the byte counters.
+def register_compression(target, spec: str | CompressionSpec | None, group=None):
+    """Compress the gradient reduction of `target`; returns the state holding the byte counters.
 
+    target: a torch DistributedDataParallel model (gradients averaged, DDP's convention), or what
+    memfit.distributed.distribute returned for ddp, zero1 or zero2 (gradients summed, memfit's).
     spec: "topk:0.01" | "int8" | "sign" | "bf16" | "fp16" | "powersgd:4" | "powersgd:4,batched" |
-    "none" (memfit's fp32 all-reduce hook: bitwise the same result as DDP's default). Raises
-    ConfigError for a bad spec. group: the process group DDP uses (None = the default group)."""
-    parsed = parse_compression(spec)
-    if parsed.name == "powersgd" and not parsed.batched:
-        state = TorchPowerSGDState(parsed, group)
-        ddp_model.register_comm_hook(state, torch_powersgd_hook)
+    "none" (an fp32 all-reduce through the same path: bitwise the uncompressed result). Raises
+    ConfigError (one line) for a bad spec or a target whose reduction cannot carry it.
+    group: the process group of a torch DDP model (None = the default group)."""
+    engine = getattr(target, "engine", target)
+    if hasattr(engine, "stage") and hasattr(engine, "compression"):  # memfit's ZeRO: ShardedOptimizer, ZeroEngine
+        strategy = f"zero{engine.stage}"
+        state = CompressionState(check_compression_strategy(strategy, spec), engine.group, average=False)
+        state.per_call_steps = False  # the engine reports optimizer steps; micro-batches are not steps
+        if engine.stage < 3:  # zero3 passes the check only uncompressed ("none"): nothing to attach
+            engine.compression = state
         return state
-    state = CompressionState(parsed, group)
-    ddp_model.register_comm_hook(state, compression_hook)
+    memfit_ddp = getattr(target, "comm_hook", None)
+    if memfit_ddp is not None:  # memfit's DDPOptimizer: its one hook dispatches to ours
+        state, hook = _state_and_hook(check_compression_strategy("ddp", spec), memfit_ddp.group, average=False)
+        memfit_ddp.compression = functools.partial(hook, state)
+        target.compression = state
+        return state
+    if not isinstance(target, torch.nn.parallel.DistributedDataParallel):
+        raise ConfigError(f"register_compression takes a DistributedDataParallel model or what memfit's "
+                          f"distribute() returned for ddp, zero1 or zero2, not {type(target).__name__}; "
+                          "the parameter server and zero3 do not carry compression")
+    state, hook = _state_and_hook(parse_compression(spec), group, average=True)
+    try:
+        target.register_comm_hook(state, hook)
+    except RuntimeError as exc:  # DDP takes one comm hook, once
+        raise ConfigError(f"register_compression: this DDP model already has a comm hook ({exc}); "
+                          "register compression on a fresh DistributedDataParallel") from None
     return state
+
+
+def _state_and_hook(parsed: CompressionSpec, group, average: bool):
+    if parsed.name == "powersgd" and not parsed.batched:
+        return TorchPowerSGDState(parsed, group, average), torch_powersgd_hook
+    return CompressionState(parsed, group, average), compression_hook

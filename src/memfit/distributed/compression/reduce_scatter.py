@@ -8,8 +8,9 @@
 Every rank passes its full flat gradient buffer (same length on every rank, divisible by the
 world size: an even flat split, as ZeRO's flat partition pads to). The compressed payload of the
 whole buffer is exchanged (all_gather for top-k / int8 / sign, all_reduce for casts and PowerSGD),
-decoded, averaged, and the rank's contiguous 1/N shard is returned: the mean over ranks, so the
-caller must not divide by the world size again. Error feedback is kept per `key` over the full
+decoded, averaged, and the rank's contiguous 1/N shard is returned: the mean over ranks (the sum
+for a state made with average=False, as memfit's ZeRO uses), so the caller must not divide by
+the world size again. Error feedback is kept per `key` over the full
 buffer, exactly as in the DDP hooks: the elements of other ranks' shards that this rank did not
 send stay in its residual too. Use a distinct `key` per bucket when a step reduces several.
 
@@ -28,7 +29,8 @@ from memfit.distributed.compression.state import CompressionState
 
 def compressed_reduce_scatter(flat_grad: torch.Tensor, group, state: CompressionState, key=0,
                               sizes: list[int] | None = None) -> torch.Tensor:
-    """This rank's shard (numel / N elements, flat_grad's dtype) of the mean of all ranks' flat_grad.
+    """This rank's shard (numel / N elements, flat_grad's dtype) of the mean (or, average=False, the
+    sum) of all ranks' flat_grad.
 
     sizes: the lengths of the parameters laid out in flat_grad (padding may be its own entry), so
     top-k budgets and int8/sign scales stay within one tensor; None treats the buffer as one."""

@@ -33,7 +33,8 @@ class CompressionSpec:
     stochastic: bool = False
     """int8: stochastic rounding (unbiased) instead of round-to-nearest."""
     momentum: float = 0.0
-    """top-k: DGC momentum correction factor (0 = off). Pair it with plain SGD (no momentum)."""
+    """top-k, sign: momentum correction factor (0 = off): the momentum is kept before compression
+    (DGC). Pair it with plain SGD (no momentum)."""
     warmup: int = 0
     """top-k: steps over which the ratio decays from 25% to `ratio` (DGC warm-up)."""
     ef: bool | None = None
@@ -43,8 +44,13 @@ class CompressionSpec:
     batched: bool = False
     """PowerSGD: memfit's batched variant instead of torch's per-matrix powerSGD_hook."""
     seed: int = 0
-    start: int = 2
-    """PowerSGD: plain all-reduce for the first `start` steps (lets DDP rebuild its buckets)."""
+    start: int | None = None
+    """Plain fp32 all-reduce for the first `start` steps (an uncompressed warm-up, as 1-bit Adam
+    and PowerSGD use); None = 2 for PowerSGD (lets DDP rebuild its buckets), else 0."""
+
+    @property
+    def dense_steps(self) -> int:
+        return self.start if self.start is not None else (2 if self.name == "powersgd" else 0)
 
     @property
     def error_feedback(self) -> bool:
@@ -107,16 +113,18 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
         raise ConfigError(f"compression {spec!r}: chunk={s.chunk} must be at least 1 element")
     if not 0 <= s.momentum < 1:
         raise ConfigError(f"compression {spec!r}: momentum={s.momentum:g} must be in [0, 1)")
-    if s.warmup < 0 or s.start < 0:
+    if s.warmup < 0 or s.dense_steps < 0:
         raise ConfigError(f"compression {spec!r}: warmup and start must be >= 0 steps")
     if s.values not in ("bf16", "fp32"):
         raise ConfigError(f"compression {spec!r}: values={s.values!r}; accepted: bf16, fp32")
-    if s.momentum and s.name != "topk":
-        raise ConfigError(f"compression {spec!r}: momentum correction applies to topk only")
+    if s.momentum and (s.name not in ("topk", "sign") or not s.error_feedback):
+        raise ConfigError(f"compression {spec!r}: momentum correction applies to topk and sign with error feedback")
     return s
 
 
 _WHY_NOT = {
+    "none": "one process has no gradient exchange to compress; add --strategy ddp, zero1 or zero2 "
+            "(and --nproc N)",
     "zero3": "zero3 reduce-scatters each block's gradients inside its gather/free pipeline as "
              "backward produces them and frees the full gradient at once; error feedback needs a "
              "full-size residual per rank (the memory zero3 exists to remove) and that pipeline has "

@@ -25,20 +25,26 @@ from memfit.distributed.compression.spec import CompressionSpec, parse_compressi
 
 
 class CompressionState:
-    def __init__(self, spec: str | CompressionSpec | None, group=None) -> None:
+    def __init__(self, spec: str | CompressionSpec | None, group=None, average: bool = True) -> None:
         self.spec = parse_compression(spec)
         self.group = group
+        self.average = average
+        """True: exchange() returns the mean over ranks (torch DDP's convention); False: the sum
+        (memfit's strategies, whose ranks divide their losses by the global token count)."""
         self.traffic = Traffic()
         self.encode_s = self.decode_s = 0.0
         self.steps = 0
         self.calls: dict = defaultdict(int)
+        self.per_call_steps = True
+        """Count a buffer's calls as steps (DDP); ZeRO turns this off: with gradient accumulation
+        it reduces each micro-batch, and its end_step() counts the optimizer steps."""
         self.powersgd = self.codec = self.feedback = None
         if self.spec.name == "powersgd":
-            self.powersgd = BatchedPowerSGD(self.spec.rank, self.spec.start, self.spec.seed)
+            self.powersgd = BatchedPowerSGD(self.spec.rank, self.spec.dense_steps, self.spec.seed)
         else:
             self.codec = make_codec(self.spec, dist.get_rank(group) if dist.is_initialized() else 0)
             if self.spec.error_feedback:
-                self.feedback = ErrorFeedback(self.spec.momentum)
+                self.feedback = ErrorFeedback(self.spec.momentum, mask=self.spec.name == "topk")
 
     @property
     def world(self) -> int:
@@ -57,13 +63,16 @@ class CompressionState:
         self.traffic.uncompressed += allreduce_bytes(n * flat.element_size(), world)
         # Steps seen by this buffer, or completed steps when the caller reports them (DDP renames its
         # buckets once, when it rebuilds them after step 1, which restarts a per-buffer count).
-        step = max(self.calls[key], self.steps)
+        step = max(self.calls[key], self.steps) if self.per_call_steps else self.steps
         self.calls[key] += 1
         if self.powersgd is not None:
             t0 = time.perf_counter()
             out = self.powersgd.exchange(flat, key, step, self.group, self.traffic)
             self.encode_s += time.perf_counter() - t0  # includes its two all-reduces
-            return out.to(flat.dtype)
+            return (out if self.average else out * world).to(flat.dtype)
+        if step < self.spec.dense_steps:  # uncompressed warm-up: plain fp32, residuals untouched
+            out = all_reduce_sum(flat.detach().float().clone(), self.group, self.traffic)
+            return (out / world if self.average else out).to(flat.dtype)
         if self.codec.exchange == "allreduce":
             return self._allreduce(flat, key, step, world)
         return self._gather(flat, key, step, world, sizes)
@@ -89,7 +98,7 @@ class CompressionState:
         total = self.codec.decode(gathered[0], flat.numel(), sizes).clone()
         for p in gathered[1:]:  # rank order, so every rank computes the same bits
             total += self.codec.decode(p, flat.numel(), sizes)
-        out = (total / world).to(flat.dtype)
+        out = (total / world if self.average else total).to(flat.dtype)
         self.encode_s += t1 - t0
         self.decode_s += time.perf_counter() - t2
         return out
@@ -97,7 +106,7 @@ class CompressionState:
     def _allreduce(self, flat: torch.Tensor, key, step: int, world: int) -> torch.Tensor:
         # Linear casts: divide first (as torch's fp16 hook does) and sum in the wire dtype.
         t0 = time.perf_counter()
-        parts = self._encode(self._corrected(flat, key), key, step, scale=world)
+        parts = self._encode(self._corrected(flat, key), key, step, scale=world if self.average else 1.0)
         t1 = time.perf_counter()
         wire = all_reduce_sum(parts[0], self.group, self.traffic)
         t2 = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Profiles cached as JSON in the platform's user cache folder (platformdirs if installed, else ~/.cache/memfit)."""
+"""Measured profiles and traced chain profiles cached as JSON in the platform's user cache folder
+(platformdirs if installed, else ~/.cache/memfit; MEMFIT_CACHE_DIR overrides)."""
 from __future__ import annotations
 
 import hashlib
@@ -20,13 +21,13 @@ def cache_dir() -> Path:
         return Path.home() / ".cache" / "memfit"
 
 
-def key_path(key: dict[str, Any]) -> Path:
+def key_path(key: dict[str, Any], kind: str = "profiles") -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / "profiles" / f"{digest}.json"
+    return cache_dir() / kind / f"{digest}.json"
 
 
-def load(key: dict[str, Any]) -> dict[str, Any] | None:
-    path = key_path(key)
+def load(key: dict[str, Any], kind: str = "profiles") -> dict[str, Any] | None:
+    path = key_path(key, kind)
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -34,10 +35,10 @@ def load(key: dict[str, Any]) -> dict[str, Any] | None:
     return data if data.get("key") == key else None
 
 
-def store(key: dict[str, Any], payload: dict[str, Any]) -> Path:
-    path = key_path(key)
+def store(key: dict[str, Any], payload: dict[str, Any], kind: str = "profiles") -> Path:
+    path = key_path(key, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent writers each replace atomically
     tmp.write_text(json.dumps({"key": key, **payload}, indent=1))
     tmp.replace(path)
     return path

@@ -1,0 +1,187 @@
+"""A chunked LM head with cross-entropy: batch x seq x vocab logits are never all held at once.
+
+    loss = chunked_cross_entropy(hidden, head.weight, targets, chunks=8)     # hidden (N, H), targets (N,)
+
+equals `F.cross_entropy(hidden @ weight.T (+ bias), targets)` and, in fp32 on CPU, so do its
+gradients, bit for bit (tests/test_apply_chunked_head.py checks with torch.equal). How:
+
+* Everything per token (logits, log-softmax, the loss picked at the target, the softmax backward)
+  is computed by the same aten kernels on a chunk of rows; those kernels work row by row, so a row's
+  figures do not depend on which rows share its call.
+* The GEMMs are sliced, never split along their reduction: logits and grad wrt hidden over token
+  rows (a row block of A @ B is the same dot products as the full product's rows), the weight
+  gradient over vocabulary columns (dW[v0:v1] sums over *all* tokens, as the unchunked GEMM does).
+  MKL may take another kernel for blocks under 12 rows or columns, with another summation order: every
+  chunk here has at least MIN_CHUNK rows/columns (or is the whole).
+* The weight gradient's vocabulary slice needs the softmax of every token on those columns. The
+  forward keeps per token the row max m and the log-sum-exp term l (2 floats per token): the kernel
+  computes log_softmax as (x - m) - l, so at the argmax it returns exactly -l, and any column's value
+  is rebuilt as (x - m) - l bit for bit.
+* The bias gradient is a column sum over tokens; its kernel groups columns in vectors counted from
+  the first, so vocabulary chunks start at multiples of VOCAB_ALIGN.
+* The loss sum runs through nll_loss on an (N, 1) tensor of the picked log-probabilities, so the
+  kernel's cascade summation adds the same numbers in the same order as on (N, vocab).
+
+Cost: the logits are computed three times (forward, then once per backward pass): two head GEMMs
+more than the unchunked head, and small chunks run the GEMMs less efficiently (bench/chunked_head.py).
+Memory: about 3 x (N / chunks) x vocab floats at once instead of several N x vocab. With autocast
+(bf16) the GEMMs run in the autocast dtype as an unchunked head's would; bitwise equality is then
+not claimed (oneDNN's bf16 kernels are not checked slice by slice).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MIN_CHUNK = 32
+"""Fewest rows (tokens) or columns (vocabulary) per chunk; MKL sends smaller GEMM blocks to kernels
+with another summation order (most blocks under 12 rows differ on this project's AVX2 machine)."""
+VOCAB_ALIGN = 64
+"""Vocabulary chunks start at multiples of this: the column-sum kernel (the bias gradient) handles
+columns in vector groups counted from the first, 4 x 8 floats on AVX2, 4 x 16 on AVX-512."""
+
+_REDUCTIONS = {"mean": 1, "sum": 2}
+
+
+def spans(n: int, chunks: int, min_size: int = MIN_CHUNK, align: int = 1) -> list[tuple[int, int]]:
+    """At most `chunks` [start, end) ranges covering n, each starting at a multiple of `align` and at
+    least `min_size` long (fewer ranges when n is too small for that)."""
+    k = max(1, min(chunks, n // max(min_size, 1)))
+    step = -(-n // k)
+    step = max(-(-step // align) * align, -(-min_size // align) * align)
+    starts = list(range(0, n, step))
+    if len(starts) > 1 and n - starts[-1] < min_size:
+        starts.pop()  # a short tail joins the range before it
+    return list(zip(starts, starts[1:] + [n]))
+
+
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return h.dtype
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """h @ w.T (+ b) in fp32, as F.linear computes an unchunked head's logits (addmm with a bias)."""
+    out = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+    return out.float()
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """cross_entropy(h @ w.T + b, y) in token chunks; backward in token chunks (grad wrt h) and in
+    vocabulary chunks (grad wrt w and b). See the module docstring for why it is bit-exact."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, y, ignore_index: int, reduction: str, chunks: int):
+        dt = _compute_dtype(h)
+        with torch.autocast(h.device.type, enabled=False):
+            hc, wc = h.to(dt), w.to(dt)
+            bc = None if b is None else b.to(dt)
+            n = h.shape[0]
+            m = torch.empty(n, dtype=torch.float32, device=h.device)
+            lse = torch.empty_like(m)
+            picked = torch.empty(n, 1, dtype=torch.float32, device=h.device)
+            safe = torch.where(y == ignore_index, 0, y)
+            for r0, r1 in spans(n, chunks):
+                x = _logits(hc[r0:r1], wc, bc)
+                m[r0:r1], top = x.max(dim=1)
+                logp = torch.log_softmax(x, dim=1)
+                del x
+                lse[r0:r1] = logp.gather(1, top[:, None]).squeeze(1).neg()  # logp at the argmax is exactly -l
+                picked[r0:r1] = logp.gather(1, safe[r0:r1, None])
+                del logp, top
+            one = torch.where(y == ignore_index, ignore_index, 0)
+            loss, total = torch.ops.aten.nll_loss_forward(picked, one, None, _REDUCTIONS[reduction], ignore_index)
+        ctx.save_for_backward(h, w, b, y, m, lse, total)
+        ctx.opts = (ignore_index, reduction, chunks, dt)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w, b, y, m, lse, total = ctx.saved_tensors
+        ignore_index, reduction, chunks, dt = ctx.opts
+        red = _REDUCTIONS[reduction]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        with torch.autocast(h.device.type, enabled=False):
+            hc, wc = h.to(dt), w.to(dt)
+            bc = None if b is None else b.to(dt)
+            dh = _grad_hidden(hc, wc, bc, y, grad, total, ignore_index, red, chunks) if need_h else None
+            dw = db = None
+            if need_w or (need_b and b is not None):
+                dw, db = _grad_weight(hc, wc, bc, y, m, lse, grad, total, ignore_index, red, chunks)
+        dh = None if dh is None else dh.to(h.dtype)
+        dw = None if dw is None or not need_w else dw.to(w.dtype)
+        db = None if db is None or not need_b else db.to(b.dtype)
+        return dh, dw, db, None, None, None, None
+
+
+def _grad_hidden(hc, wc, bc, y, grad, total, ignore_index: int, red: int, chunks: int) -> torch.Tensor:
+    """Pass 1, over token chunks: recompute the chunk's logits, the aten softmax backward, g @ w."""
+    dh = torch.empty_like(hc)
+    for r0, r1 in spans(hc.shape[0], chunks):
+        logp = torch.log_softmax(_logits(hc[r0:r1], wc, bc), dim=1)
+        g = torch.ops.aten.nll_loss_backward(grad, logp, y[r0:r1], None, red, ignore_index, total)
+        g = torch.ops.aten._log_softmax_backward_data(g, logp, 1, torch.float32)
+        del logp
+        dh[r0:r1] = torch.mm(g.to(dh.dtype), wc)
+        del g
+    return dh
+
+
+def _grad_weight(hc, wc, bc, y, m, lse, grad, total, ignore_index: int, red: int, chunks: int):
+    """Pass 2, over vocabulary chunks: every token's softmax on the chunk's columns, rebuilt from the
+    saved m and l, then dW[v0:v1] = g[:, v0:v1].T @ h over all tokens (and db = the column sums).
+
+    The aten backward kernels run on the chunk's columns plus one spare column: a token whose target
+    lies outside the chunk puts its -grad/N there, so each row sums to what the full row sums to and
+    every element is computed by the same formula as in the unchunked kernel."""
+    vocab = wc.shape[0]
+    dw = torch.empty(vocab, wc.shape[1], dtype=wc.dtype, device=wc.device)
+    db = None if bc is None else torch.empty(vocab, dtype=bc.dtype, device=bc.device)
+    ignored = y == ignore_index
+    mcol, lcol = m[:, None], lse[:, None]
+    ht = hc.t()
+    for v0, v1 in spans(vocab, chunks, align=VOCAB_ALIGN):
+        x = _logits(hc, wc[v0:v1], None if bc is None else bc[v0:v1])
+        logp = torch.cat([(x - mcol) - lcol, torch.zeros_like(mcol)], dim=1)
+        del x
+        inside = (y >= v0) & (y < v1)
+        local = torch.where(ignored, ignore_index, torch.where(inside, y - v0, v1 - v0))
+        g = torch.ops.aten.nll_loss_backward(grad, logp, local, None, red, ignore_index, total)
+        g = torch.ops.aten._log_softmax_backward_data(g, logp, 1, torch.float32)
+        del logp
+        g = g[:, : v1 - v0].to(wc.dtype)
+        dw[v0:v1] = torch.mm(ht, g).t()
+        if db is not None:
+            db[v0:v1] = g.sum(0)
+        del g
+    return dw, db
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                          bias: torch.Tensor | None = None, *, chunks: int = 8, ignore_index: int = -100,
+                          reduction: str = "mean") -> torch.Tensor:
+    """F.cross_entropy(hidden @ weight.T + bias, target, ...) computed in `chunks` chunks.
+
+    hidden: (..., H), flattened to (N, H); target: N class indices (`ignore_index` marks padding).
+    reduction: "mean" (over non-ignored tokens) or "sum"."""
+    from memfit.core.errors import ConfigError
+
+    if reduction not in _REDUCTIONS:
+        raise ConfigError(f"reduction={reduction!r}; accepted: mean, sum")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ConfigError(f"chunks must be a positive integer, got {chunks!r}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = target.reshape(-1)
+    if y.shape[0] != h.shape[0]:
+        raise ConfigError(f"{y.shape[0]} targets for {h.shape[0]} hidden states; they must match")
+    return ChunkedCrossEntropy.apply(h, weight, bias, y, ignore_index, reduction, chunks)
+
+
+def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                            bias: torch.Tensor | None = None, ignore_index: int = -100,
+                            reduction: str = "mean") -> torch.Tensor:
+    """The unchunked head the chunked one reproduces (for tests and comparisons)."""
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+    return F.cross_entropy(logits.float(), target.reshape(-1), ignore_index=ignore_index, reduction=reduction)

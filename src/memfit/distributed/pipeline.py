@@ -1,0 +1,215 @@
+"""`pipeline`: memfit's GPT cut into one stage per rank, run by torch.distributed.pipelining.
+
+    opt = distribute(gpt, "pipeline", "adamw", lr=3e-4, microbatches=4, schedule="1f1b", clip=1.0)
+    loss, tokens, result = opt.accumulate_step([(x, y), ...])   # every rank passes the whole batch
+
+Every rank draws the same global batch; the schedule (ScheduleGPipe or Schedule1F1B, from torch)
+splits it into `microbatches` pieces, runs forward and backward through the stages and computes
+the loss on the last one. The loss function returns each micro-batch's *summed* cross-entropy over
+the global token count and `scale_grads=False`, so the gradients are those of one process on the
+whole batch. Accumulation calls the schedule once per accumulated batch; the gradients add up.
+
+What must see every stage: clipping (the squared norms of the stages are summed in one all-reduce
+of scalars) and, with tied embeddings, the shared matrix's gradient (summed between the first and
+the last stage). Activations and their gradients cross stages by P2P sends, counted per rank in
+TRAFFIC["p2p_send"] where the stage builds them.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from memfit.apply.optimizer import StepResult, TrainingOptimizer
+from memfit.apply.precision import precision_mode
+from memfit.core.errors import ConfigError
+from memfit.distributed import comm
+from memfit.distributed.stages import cut_to_stage, mark_tied, stage_sizes, tied_weight
+from memfit.distributed.wrapped import WrapsTrainingOptimizer
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def check_pipeline(layers: int, stages: int, global_batch: int, microbatches: int, schedule: str) -> None:
+    """Everything a pipeline run needs that no process group is needed to check (fail fast, every rank)."""
+    stage_sizes(layers, stages)
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {schedule!r}; accepted: {', '.join(SCHEDULES)}")
+    if microbatches < 1 or global_batch % microbatches:
+        raise ConfigError(f"a global batch of {global_batch} sequences does not split into {microbatches} "
+                          f"micro-batches; use --microbatches dividing {global_batch} (or change --batch)")
+    if schedule == "1f1b" and microbatches < stages:
+        raise ConfigError(f"1F1B needs at least as many micro-batches as stages ({stages}), got {microbatches}; "
+                          f"use --microbatches {stages} or more, or --schedule gpipe")
+
+
+def _stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class CountingStage(PipelineStage):
+        """torch's PipelineStage; the P2P sends it builds are counted in TRAFFIC."""
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int):
+            return _counted(super().get_fwd_send_ops(fwd_chunk_id))
+
+        def get_bwd_send_ops(self, bwd_chunk_id: int):
+            return _counted(super().get_bwd_send_ops(bwd_chunk_id))
+
+    return CountingStage
+
+
+def _counted(ops: list) -> list:
+    for op in ops:
+        comm.TRAFFIC.add("p2p_send", op.tensor.numel() * op.tensor.element_size())
+    return ops
+
+
+class PipelineOptimizer(WrapsTrainingOptimizer):
+    def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
+                 precision: str = "32-true", clip: float | None = None, offload: str | None = None,
+                 spill_dir: str | None = None, *, microbatches: int | None = None, schedule: str = "1f1b",
+                 group=None, **kw: Any) -> None:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        from memfit.apply.checkpoint import applied, checkpoint as apply_checkpoint, remove
+
+        if offload not in (None, "none"):
+            raise ConfigError("optimizer offload with --strategy pipeline is not supported (the tied embedding's "
+                              "gradient is summed across stages at the step); use --strategy zero1-3")
+        if precision_mode(precision).loss_scaling:
+            raise ConfigError(f"--precision {precision} needs fp16 loss scaling, which --strategy pipeline does "
+                              "not coordinate across stages; use 32-true, bf16-true or bf16-master")
+        if clip is not None and not clip > 0:
+            raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
+        self.group, self.clip = group, clip
+        self.rank, self.stages = dist.get_rank(group), dist.get_world_size(group)
+        self.microbatches, self.schedule_name = microbatches or self.stages, schedule
+        check_pipeline(len(model.blocks), self.stages, self.microbatches, self.microbatches, schedule)
+        policy = applied(model)
+        actions = policy.actions if policy is not None else None
+        remove(model)  # a policy's segments must not cross a stage boundary: re-applied to the stage below
+        mark_tied(model)
+        self.stage_module = cut_to_stage(model, self.rank, self.stages)
+        own = [i for i, b in enumerate(model.blocks) if not isinstance(b, nn.Identity)]
+        if actions is not None:
+            apply_checkpoint(self.stage_module, [actions[i] for i in own], blocks=self.stage_module.blocks,
+                             spill_dir=spill_dir)
+        self.inner = TrainingOptimizer(self.stage_module, optimizer, lr=lr, weight_decay=weight_decay,
+                                       precision=precision, clip=None, **kw)
+        self.precision, self.mode, self.scaler = self.inner.precision, self.inner.mode, None
+        self.model, self.tracked_module = model, self.stage_module
+        self.tied = tied_weight(self.stage_module)
+        self.tied_group = None
+        if self.tied is not None or self.stages > 2:  # new_group is collective: every rank joins the call
+            ranks = [0, self.stages - 1]
+            self.tied_group = group if self.stages == 2 else dist.new_group(ranks)
+        device = next(self.stage_module.parameters()).device
+        self.stage = _stage_class()(self.stage_module, self.rank, self.stages, device, group=group)
+        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        self.schedule = kind(self.stage, self.microbatches, loss_fn=self._loss, scale_grads=False)
+        self._total = 1.0
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-1,
+                               reduction="sum")
+        return loss / self._total
+
+    # ------------------------------------------------------------------ the step
+    def run_batch(self, x: torch.Tensor, y: torch.Tensor, total: float) -> float:
+        """Forward and backward of one (accumulated) batch through the pipeline; the last stage
+        returns its summed loss (over `total`, times `total`), the others 0."""
+        if x.shape[0] % self.microbatches:
+            raise ConfigError(f"a batch of {x.shape[0]} sequences does not split into {self.microbatches} "
+                              "micro-batches")
+        self._total = total
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.rank == 0 else ()
+        target = y if self.rank == self.stages - 1 else None
+        with self.inner.autocast():
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        return float(sum(float(t.detach()) for t in losses)) * total
+
+    def accumulate_step(self, micro: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_sum: Any = None):
+        """The train loop's step: (global mean loss, global tokens, StepResult). Every rank holds the
+        whole global batch, so the token count needs no communication."""
+        micro = list(micro)
+        total = max(float(sum((y != -1).sum() for _, y in micro)), 1.0)
+        running = sum(self.run_batch(x, y, total) for x, y in micro)
+        result = self.step()
+        return comm.control_sum([running], group=self.group)[0] / total, int(total), result
+
+    def step(self) -> StepResult:
+        params = [p for p in self.stage_module.parameters() if p.grad is not None]
+        if self.tied is not None and self.tied.grad is not None:
+            comm.all_reduce(self.tied.grad, group=self.tied_group)
+        norm = None
+        if self.clip is not None:
+            # The tied matrix's gradient is on two stages after the sum; count it once (on the first).
+            own = [p for p in params if not (p is self.tied and self.rank != 0)]
+            sq = float(sum(float(p.grad.float().pow(2).sum()) for p in own))
+            norm = math.sqrt(comm.control_sum([sq], group=self.group)[0])
+            factor = min(1.0, self.clip / (norm + 1e-6))
+            if factor < 1.0:
+                torch._foreach_mul_([p.grad for p in params], factor)
+        self.inner.step()
+        return StepResult(stepped=True, grad_norm=norm)
+
+    # ------------------------------------------------------------------ evaluation and state
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | None = None) -> float:
+        """Mean loss per token over fixed batches: a plain forward passed stage to stage (no schedule,
+        so any batch size works); every rank returns the same figure."""
+        was = self.stage_module.training
+        self.stage_module.eval()
+        total = count = 0.0
+        try:
+            dev = next(self.stage_module.parameters()).device
+            for x, y in batches:
+                x, y = x.to(dev), y.to(dev)
+                h = x if self.rank == 0 else self._recv_like(x)
+                with self.inner.autocast():
+                    out = self.stage_module(h)
+                if self.rank < self.stages - 1:
+                    comm.TRAFFIC.add("p2p_send", out.numel() * out.element_size())
+                    dist.send(out.contiguous(), self.rank + 1, group=self.group)
+                else:
+                    total += float(self._loss_sum(out, y))
+                count += float((y != -1).sum())
+        finally:
+            self.stage_module.train(was)
+        return comm.control_sum([total], group=self.group)[0] / max(count, 1.0)
+
+    def _loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction="sum")
+
+    def _recv_like(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.model.cfg
+        dtype = torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
+        buf = torch.empty(x.shape[0], x.shape[1], cfg.hidden, dtype=dtype, device=x.device)
+        dist.recv(buf, self.rank - 1, group=self.group)
+        return buf
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole GPT's state dict on every rank: the union of the stages' (original names)."""
+        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        everyone: list[Any] = [None] * self.stages
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return {k: v for part in everyone for k, v in part.items()}
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, *, final: bool = False) -> None:
+        raise ConfigError("--strategy pipeline runs forward and backward together in its schedule: "
+                          "call accumulate_step / run_batch instead of model(x) + backward")
+
+    def close(self) -> None:
+        from memfit.apply.checkpoint import remove
+
+        remove(self.stage_module, self.stage_module.blocks)
+        self.inner.close()

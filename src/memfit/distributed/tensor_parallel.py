@@ -1,0 +1,206 @@
+"""`tensor`: Megatron-style tensor parallelism of memfit's GPT with DTensor, and DP x TP on a 2-D mesh.
+
+    opt = distribute(gpt, "tensor", "adamw", lr=3e-4, tp=2)      # world = dp x tp; dp = world / tp
+    loss, tokens, result = opt.accumulate_step([(x, y), ...])    # this data-parallel replica's rows
+
+In every block the attention's fused qkv projection and the MLP's up-projection are split by
+output columns (ColwiseParallel: each TP rank owns whole heads and a slice of the FFN), the two
+output projections by input rows (RowwiseParallel: partial sums all-reduced in forward). The
+embeddings, norms and head stay replicated: their gradients are equal on the TP ranks because
+the block inputs' gradients are all-reduced (ColwiseParallel's backward). torch does the
+sharding (torch.distributed.tensor.parallel.parallelize_module on the "tp" mesh dimension); memfit
+only reorders the fused matrices so that each rank's contiguous slice holds its own heads
+(q_r, k_r, v_r) and, for SwiGLU, its own (gate_r, up_r).
+
+Across the "dp" dimension the replicas take contiguous rows of the global batch; each gradient
+(a TP shard or a replicated tensor) is sum-all-reduced over the dp group at the step. Clipping
+uses the global norm (shard norms summed over TP, replicated ones counted once).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from memfit.apply.optimizer import StepResult, TrainingOptimizer
+from memfit.apply.precision import cast_model, precision_mode
+from memfit.core.errors import ConfigError
+from memfit.distributed import comm
+from memfit.distributed.wrapped import WrapsTrainingOptimizer
+
+
+def check_tensor(heads: int, kv_heads: int, world: int, tp: int) -> None:
+    """The checks a tensor-parallel run needs no process group for (fail fast, every rank)."""
+    if tp < 1 or world % tp:
+        raise ConfigError(f"a TP degree of {tp} does not divide the world of {world} processes; "
+                          f"use --tp dividing {world} (dp = world / tp)")
+    if heads % tp or kv_heads % tp:
+        raise ConfigError(f"a TP degree of {tp} does not divide the model's {heads} attention heads "
+                          f"({kv_heads} key/value heads); use --tp dividing both, or another --nproc")
+
+
+def _fused(block: nn.Module) -> dict[str, list[int]]:
+    """Row groups of the fused column-parallel matrices: qkv = [q; k; v], SwiGLU fc = [gate; up]."""
+    a = block.attn
+    out = {"attn.qkv": [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim]}
+    if block.mlp.swiglu:
+        half = block.mlp.fc.out_features // 2
+        out["mlp.fc"] = [half, half]
+    return out
+
+
+def interleave(t: torch.Tensor, sizes: list[int], tp: int) -> torch.Tensor:
+    """Rows [A; B; C] -> [A_0; B_0; C_0; A_1; ...]: chunk r of the result is rank r's part of each."""
+    parts = [p.chunk(tp) for p in t.split(sizes)]
+    return torch.cat([torch.cat([p[r] for p in parts]) for r in range(tp)])
+
+
+def deinterleave(t: torch.Tensor, sizes: list[int], tp: int) -> torch.Tensor:
+    per_rank = [s // tp for s in sizes]
+    chunks = [c.split(per_rank) for c in t.chunk(tp)]
+    return torch.cat([torch.cat([chunks[r][i] for r in range(tp)]) for i in range(len(sizes))])
+
+
+def shard_gpt(gpt: nn.Module, tp_mesh) -> None:
+    """Put every block's attention and MLP on the TP mesh dimension (in place)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    for block in gpt.blocks:
+        with torch.no_grad():
+            for name, sizes in _fused(block).items():
+                lin = block.get_submodule(name)
+                lin.weight.copy_(interleave(lin.weight, sizes, tp))
+                if lin.bias is not None:
+                    lin.bias.copy_(interleave(lin.bias, sizes, tp))
+        block._memfit_fused = _fused(block)  # full-size groups, for the full state dict
+        block.attn.heads //= tp
+        block.attn.kv_heads //= tp
+        parallelize_module(block, tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _is_shard(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(t, DTensor) and any(isinstance(pl, Shard) for pl in t.placements)
+
+
+class TensorParallelOptimizer(WrapsTrainingOptimizer):
+    def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
+                 precision: str = "32-true", clip: float | None = None, offload: str | None = None,
+                 spill_dir: str | None = None, *, tp: int | None = None, group=None, **kw: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from memfit.models.gpt import GPT
+
+        if not isinstance(model, GPT):
+            raise ConfigError(f"--strategy tensor shards memfit's GPT (attention heads, MLP); got "
+                              f"{type(model).__name__}. Use a gpt spec or a known GPT-2/Llama name")
+        if offload not in (None, "none"):
+            raise ConfigError("optimizer offload with --strategy tensor is not supported; use --strategy zero1-3")
+        if precision_mode(precision).loss_scaling:
+            raise ConfigError(f"--precision {precision} needs fp16 loss scaling, which --strategy tensor does not "
+                              "coordinate across ranks; use 32-true, bf16-true or bf16-master")
+        if clip is not None and not clip > 0:
+            raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
+        world = dist.get_world_size(group)
+        self.tp = tp or world
+        check_tensor(model.cfg.heads, model.cfg.kv_heads, world, self.tp)
+        self.dp = world // self.tp
+        device = next(model.parameters()).device
+        self.mesh = init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        self.tp_group, self.dp_group = self.mesh["tp"].get_group(), self.mesh["dp"].get_group()
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        cast_model(model, precision_mode(precision))  # before sharding: DTensors are made from the cast weights
+        shard_gpt(model, self.mesh["tp"])
+        self.inner = TrainingOptimizer(model, optimizer, lr=lr, weight_decay=weight_decay, precision=precision,
+                                       clip=None, **kw)
+        self.clip, self.precision, self.mode, self.scaler = clip, self.inner.precision, self.inner.mode, None
+        self.model, self.tracked_module = model, model
+
+    # ------------------------------------------------------------------ the step
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """Counts the bytes of DTensor's collectives in the forward and backward run inside it."""
+        from memfit.distributed.dtensor_traffic import CountCollectives
+
+        return CountCollectives(self.tp)
+
+    def data_rows(self, batch: int) -> slice:
+        """This replica's rows of a global batch (all TP ranks of a replica take the same)."""
+        if batch % self.dp:
+            raise ConfigError(f"a global batch of {batch} sequences does not split over {self.dp} data-parallel "
+                              f"replicas; use a batch divisible by {self.dp}")
+        per = batch // self.dp
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def _dp_sum(self, values: list[float]) -> list[float]:
+        return comm.control_sum(values, group=self.dp_group) if self.dp > 1 else values
+
+    def accumulate_step(self, micro: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_sum: Any = None):
+        """The train loop's step over this replica's rows: (global mean loss, global tokens, StepResult)."""
+        micro = list(micro)
+        total = max(self._dp_sum([float(sum((y != -1).sum() for _, y in micro))])[0], 1.0)
+        running = 0.0
+        for i, (x, y) in enumerate(micro):
+            with self.micro_batch(i == len(micro) - 1), self.autocast():
+                _, loss, _ = self.model(x, y)
+                self.backward(loss / total, final=i == len(micro) - 1)
+            running += float(loss.detach())
+        result = self.step()
+        return self._dp_sum([running])[0] / total, int(total), result
+
+    def backward(self, loss: torch.Tensor, *, final: bool = False) -> None:
+        self.inner.backward(loss, final=final)
+
+    def step(self) -> StepResult:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.dp > 1:
+            for p in params:
+                comm.all_reduce(_local(p.grad), group=self.dp_group)
+        norm = None
+        if self.clip is not None:
+            # A shard's squares are summed over the TP ranks; a replicated tensor (plain, or a DTensor
+            # placed Replicate, such as a row-parallel bias) is the same on each and counted once.
+            split = [_is_shard(p.grad) for p in params]
+            sharded = sum(float(_local(p.grad).float().pow(2).sum()) for p, s in zip(params, split) if s)
+            replicated = sum(float(_local(p.grad).float().pow(2).sum()) for p, s in zip(params, split) if not s)
+            sq = comm.control_sum([sharded], group=self.tp_group)[0] + replicated
+            norm = math.sqrt(sq)
+            factor = min(1.0, self.clip / (norm + 1e-6))
+            if factor < 1.0:
+                torch._foreach_mul_([_local(p.grad) for p in params], factor)
+        self.inner.step()
+        return StepResult(stepped=True, grad_norm=norm)
+
+    # ------------------------------------------------------------------ state
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The plain GPT's state dict (full tensors, fused matrices in their original row order); a
+        collective: every rank calls it."""
+        return {name: self._full(name, t) for name, t in self.model.state_dict().items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The gradients as one process would hold them (a collective, like full_model_state)."""
+        return {name: self._full(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None}
+
+    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        if name.startswith("blocks."):
+            i, _, leaf = name[len("blocks."):].partition(".")
+            fused = getattr(self.model.blocks[int(i)], "_memfit_fused", {})
+            owner = leaf.rsplit(".", 1)[0]
+            if owner in fused:
+                t = deinterleave(t, fused[owner], self.tp)
+        return t.detach().cpu().clone()

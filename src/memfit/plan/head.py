@@ -1,0 +1,85 @@
+"""The planner's chunked-head choice: which chunk counts to try, their profiles, their time.
+
+A chunked LM head (memfit.apply.chunked_head) changes only the head-and-loss stretches of a chain
+profile (forward and backward; memfit.measure.compose). So the profile for k chunks is the plain
+profile with those two stretches (and the bytes relabelled at backward start) moved by what the
+chunked head changes in a short all-keep chain: two short traces per chunk count, plus two of the
+plain model shared by all counts, instead of tracing every action again. The chosen plan is checked
+with a full trace of the step with its head installed (memfit.plan.search._verify).
+
+Time: the chunked head computes the logits twice more (once per backward pass), two head GEMMs;
+each chunk adds CHUNK_OVERHEAD of one (smaller GEMMs run less efficiently), which ranks fewer
+chunks first among plans that are otherwise the same.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from memfit.apply.chunked_head import MIN_CHUNK
+from memfit.apply.head_swap import chunk_head, head_weight
+from memfit.apply.policy import BlockAction
+from memfit.measure.blocks import ChainSource, chain_profile
+from memfit.measure.compose import ChainProfile
+from memfit.plan.costs import FLOPS
+
+HEAD_CHUNKS = (2, 4, 8, 16, 32, 64)
+"""Chunk counts the search tries, fewest first."""
+CHUNK_OVERHEAD = 1 / 4
+"""Share of one head GEMM's time that each chunk adds in the time model."""
+
+
+def head_source(src: ChainSource, chunks: int | None) -> ChainSource:
+    """The chain source with the LM head in `chunks` chunks (the source itself for None)."""
+    if not chunks:
+        return src
+
+    def build_k(k: int):
+        return chunk_head(src.build_k(k), chunks)
+
+    return replace(src, build_k=build_k, key=src.key + (("head-chunks", chunks),))
+
+
+def head_counts(src: ChainSource) -> list[int]:
+    """The chunk counts worth trying: each chunk keeps at least MIN_CHUNK vocabulary columns."""
+    vocab = head_size(src)[0]
+    return [k for k in HEAD_CHUNKS if k * MIN_CHUNK <= vocab]
+
+
+_SIZES: dict[tuple, tuple[int, int]] = {}
+
+
+def head_size(src: ChainSource) -> tuple[int, int]:
+    """(vocab, hidden) of the model's LM head, from a one-block build on the meta device (cached)."""
+    if src.key not in _SIZES:
+        with torch.device("meta"):
+            model = src.build_k(1)
+        v, h = head_weight(model).shape
+        _SIZES[src.key] = (int(v), int(h))
+    return _SIZES[src.key]
+
+
+def head_profile(src: ChainSource, prof: ChainProfile, chunks: int, precision: str, optimizer: str) -> ChainProfile:
+    """`prof` (the plain head's) with the head stretches of the head in `chunks` chunks."""
+    keep = [BlockAction("keep")]
+    plain = chain_profile(src, precision, optimizer, bases=keep, with_segments=False)
+    chunked = chain_profile(head_source(src, chunks), precision, optimizer, bases=keep, with_segments=False)
+    return _graft(prof, plain, chunked)
+
+
+def _graft(prof: ChainProfile, plain: ChainProfile, chunked: ChainProfile) -> ChainProfile:
+    out = replace(prof, post_fwd=prof.post_fwd + (chunked.post_fwd - plain.post_fwd),
+                  post_bwd=prof.post_bwd + (chunked.post_bwd - plain.post_bwd),
+                  bw_temps=prof.bw_temps + chunked.bw_temps - plain.bw_temps)
+    if prof.plain is not None:
+        out.plain = _graft(prof.plain, plain, chunked)
+    return out
+
+
+def head_seconds(src: ChainSource, tokens: int, chunks: int, speed: float = 1.0) -> float:
+    """Extra seconds of a chunked head over the plain one in the time model (`speed` scales the FLOP
+    model to measured block times when a profile is given)."""
+    vocab, hidden = head_size(src)
+    gemm = 2 * tokens * vocab * hidden / FLOPS
+    return (2 + chunks * CHUNK_OVERHEAD) * gemm * speed

@@ -1,0 +1,34 @@
+"""The checks `memfit train --strategy pipeline|tensor` makes before any process group exists.
+
+Made in the launcher (world = --nproc) and again on every rank (world = WORLD_SIZE), so a
+configuration that cannot run fails at once, with one message and exit 2, never a hang.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.core.errors import ConfigError
+
+
+def precheck_model_parallel(cfg: Any, world: int | None, resuming: bool) -> None:
+    from memfit.models.spec import parse_model
+
+    if resuming:
+        raise ConfigError(f"--resume is not supported with --strategy {cfg.strategy} yet (its optimizer state "
+                          "is split by stage or shard); start a new run")
+    if cfg.offload_optimizer != "none":
+        raise ConfigError(f"--offload-optimizer with --strategy {cfg.strategy} is not supported; use zero1-3")
+    config = getattr(parse_model(cfg.model), "config", None)
+    if config is None or not hasattr(config, "layers"):
+        raise ConfigError(f"--strategy {cfg.strategy} needs memfit's GPT (a gpt:/llama: spec or a known name), "
+                          f"not {cfg.model!r}")
+    if world is None:
+        return
+    if cfg.strategy == "pipeline":
+        from memfit.distributed.pipeline import check_pipeline
+
+        check_pipeline(config.layers, world, cfg.batch * world, cfg.microbatches or world, cfg.schedule)
+    else:
+        from memfit.distributed.tensor_parallel import check_tensor
+
+        check_tensor(config.heads, config.kv_heads or config.heads, world, cfg.tp or world)

@@ -1,0 +1,160 @@
+"""The chunked LM head: loss and gradients bit-identical to the unchunked head in fp32 on CPU, in
+memfit's GPT and Hugging Face causal LMs; its memory traced exactly and lower than the plain head's."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from memfit.apply.chunked_head import MIN_CHUNK, chunked_cross_entropy, reference_cross_entropy, spans
+from memfit.apply.head_swap import chunk_head, head_chunks
+from memfit.core.errors import ConfigError
+from memfit.models.gpt import GPT, GPTConfig
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+@pytest.mark.parametrize("n,h,v", [(64, 32, 1000), (37, 48, 4099), (300, 33, 1001), (129, 16, 257)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("reduction,ignore", [("mean", -100), ("sum", -1)])
+def test_loss_and_gradients_are_bit_identical_to_the_unchunked_head(n, h, v, bias, reduction, ignore):
+    torch.manual_seed(n + v)
+    x = torch.randn(n, h, requires_grad=True)
+    w = (torch.randn(v, h) * 0.05).requires_grad_()
+    b = (torch.randn(v) * 0.1).requires_grad_() if bias else None
+    y = torch.randint(0, v, (n,))
+    y[torch.rand(n) < 0.2] = ignore
+    inputs = [x, w] + ([b] if bias else [])
+    ref = reference_cross_entropy(x, w, y, b, ignore_index=ignore, reduction=reduction)
+    want = _grads(ref, inputs)
+    for chunks in (2, 3, 8):
+        got_loss = chunked_cross_entropy(x, w, y, b, chunks=chunks, ignore_index=ignore, reduction=reduction)
+        got = _grads(got_loss, inputs)
+        assert torch.equal(got_loss, ref)
+        for a, c in zip(want, got):
+            assert torch.equal(a, c), (chunks, (a - c).abs().max())
+
+
+def test_extreme_logits_and_all_ignored_tokens_match():
+    torch.manual_seed(0)
+    w = torch.randn(1000, 64, requires_grad=True)
+    for scale in (30.0, 1e-3):
+        x = (torch.randn(300, 64) * scale).requires_grad_()
+        y = torch.randint(0, 1000, (300,))
+        ref, got = reference_cross_entropy(x, w, y), chunked_cross_entropy(x, w, y, chunks=5)
+        assert torch.equal(ref, got)
+        assert all(torch.equal(a, c) for a, c in zip(_grads(ref, [x, w]), _grads(got, [x, w])))
+    y = torch.full((300,), -100)
+    assert chunked_cross_entropy(x, w, y, chunks=5).isnan()  # as F.cross_entropy: 0 / 0 tokens
+
+
+def test_bf16_autocast_is_close_to_the_unchunked_head():
+    torch.manual_seed(0)
+    x = torch.randn(256, 64, requires_grad=True)
+    w = (torch.randn(2000, 64) * 0.05).requires_grad_()
+    y = torch.randint(0, 2000, (256,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = reference_cross_entropy(x, w, y)
+        got = chunked_cross_entropy(x, w, y, chunks=4)
+    assert torch.allclose(ref, got, rtol=1e-2)
+    for a, c in zip(_grads(ref, [x, w]), _grads(got, [x, w])):
+        assert a.dtype == c.dtype == torch.float32
+        assert torch.allclose(a, c, rtol=5e-2, atol=1e-4 * a.abs().max().item())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 80), st.sampled_from([1, 64]))
+def test_spans_cover_the_range_in_aligned_chunks_of_at_least_the_minimum(n, chunks, align):
+    out = spans(n, chunks, align=align)
+    assert out[0][0] == 0 and out[-1][1] == n and len(out) <= chunks
+    assert all(a[1] == b[0] for a, b in zip(out, out[1:]))
+    assert all(s % align == 0 for s, _ in out)
+    assert len(out) == 1 or all(e - s >= MIN_CHUNK for s, e in out)
+
+
+def _gpt():
+    return GPT(GPTConfig(layers=2, hidden=64, heads=4, vocab=1000, seq=64))
+
+
+def test_gpt_with_chunked_head_matches_the_plain_model_bit_for_bit():
+    torch.manual_seed(0)
+    plain = _gpt()
+    chunked = chunk_head(copy.deepcopy(plain), 4)
+    x = torch.randint(0, 1000, (3, 64))
+    y = x.clone()
+    y[:, -5:] = -1
+    logits, loss_a, n_a = plain(x, y)
+    none, loss_b, n_b = chunked(x, y)
+    assert none is None and logits.shape == (3, 64, 1000)
+    assert torch.equal(loss_a, loss_b) and n_a == n_b
+    loss_a.backward()
+    loss_b.backward()
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert head_chunks(chunked) == 4
+    assert chunk_head(chunked, None)(x, y)[0].shape == (3, 64, 1000)  # the plain head is back
+
+
+def _hf(kind: str):
+    transformers = pytest.importorskip("transformers")
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0)
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=128, vocab_size=1000)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_causal_lm_loss_and_gradients_match_bit_for_bit(kind):
+    torch.manual_seed(0)
+    plain = _hf(kind)
+    plain.train()
+    chunked = chunk_head(copy.deepcopy(plain), 3)
+    x = torch.randint(0, 1000, (2, 64))
+    labels = x.clone()
+    labels[0, :10] = -100
+    torch.manual_seed(1)  # the same dropout masks in both
+    out_a = plain(input_ids=x, labels=labels)
+    torch.manual_seed(1)
+    out_b = chunked(input_ids=x, labels=labels)
+    assert out_b.logits is None and torch.equal(out_a.loss, out_b.loss)
+    out_a.loss.backward()
+    out_b.loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert chunked(input_ids=x).logits.shape == (2, 64, 1000)  # without labels: the model's own forward
+    twin = copy.deepcopy(chunked)
+    assert twin.forward.__self__ is twin  # a copy runs its own weights
+
+
+def test_bad_requests_raise_config_errors():
+    with pytest.raises(ConfigError, match="positive integer"):
+        chunk_head(_gpt(), -2)
+    with pytest.raises(ConfigError, match="reduction"):
+        chunked_cross_entropy(torch.randn(4, 8), torch.randn(50, 8), torch.zeros(4, dtype=torch.long), reduction="none")
+    with pytest.raises(ConfigError, match="causal LM"):
+        chunk_head(torch.nn.Linear(4, 4), 2)
+    model = _hf("gpt2")
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="softcapping"):
+        chunk_head(model, 2)
+
+
+@pytest.mark.slow
+def test_gpt2_small_head_at_seq_1024_is_bit_identical():
+    torch.manual_seed(0)
+    x = torch.randn(1024, 768, requires_grad=True)
+    w = (torch.randn(50257, 768) * 0.02).requires_grad_()
+    y = torch.randint(0, 50257, (1024,))
+    y[::7] = -100
+    ref = reference_cross_entropy(x, w, y)
+    want = _grads(ref, [x, w])
+    got_loss = chunked_cross_entropy(x, w, y, chunks=8)
+    assert torch.equal(got_loss, ref)
+    assert all(torch.equal(a, c) for a, c in zip(want, _grads(got_loss, [x, w])))

@@ -1,0 +1,35 @@
+"""Chain profiles cached on disk: the same figures back, keyed by the code that traced them."""
+from __future__ import annotations
+
+from memfit.apply.policy import resolve_policy
+from memfit.measure import blocks, chain_cache
+from memfit.measure.blocks import chain_profile, spec_source
+from memfit.models.spec import parse_model
+
+
+def test_a_cached_chain_profile_composes_the_same_figures(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEMFIT_NO_CACHE", raising=False)
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blocks, "_CACHE", {})
+    spec = parse_model("gpt:layers=4,hidden=32,heads=2,vocab=64,seq=64")
+    src = spec_source(spec, 2, 16)
+    traced = chain_profile(src, "32-true", "adamw")
+    assert list((tmp_path / chain_cache.KIND).glob("*.json"))
+    calls = []
+    monkeypatch.setattr(blocks, "profile_chain", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(blocks, "_CACHE", {})
+    again = chain_profile(src, "32-true", "adamw")
+    assert calls == [] and again == traced
+    for policy in ("none", "full", "sqrt", "selective"):
+        acts = resolve_policy(policy, 4)
+        assert again.compose(acts) == traced.compose(acts)
+    # Other code (or another torch) traced it: traced again, not read back.
+    monkeypatch.setattr(chain_cache, "_code_digest", lambda: "other code")
+    monkeypatch.setattr(blocks, "profile_chain", lambda *a, **k: calls.append(a) or traced)
+    monkeypatch.setattr(blocks, "_CACHE", {})
+    chain_profile(src, "32-true", "adamw")
+    assert len(calls) == 1
+
+
+def test_modules_in_memory_are_not_cached():
+    assert chain_cache.disk_key(("module", 1234, "[]")) is None
