@@ -1,7 +1,13 @@
 """Data-parallel strategies side by side on 2 gloo ranks (CPU): memfit ddp/zero1/zero2/zero3 against
-torch's ZeroRedundancyOptimizer (+ DDP) and FSDP2 (fully_shard, reshard_after_forward True/False).
+torch's ZeroRedundancyOptimizer (+ DDP), FSDP2 (fully_shard, reshard_after_forward True/False) and
+DeepSpeed ZeRO 1/2/3 (DS_ACCELERATOR=cpu).
 
-    PYTHONPATH=src python bench/distributed.py [--rounds 5] [--steps 3]
+    PYTHONPATH=src python bench/distributed.py [--rounds 5] [--steps 3] [--quick]
+
+DeepSpeed is not a dependency of memfit: `bash bench/setup_deepspeed.sh` builds the bench's own
+environment (a venv that sees the main one's torch). When it exists (MEMFIT_DS_VENV, default
+/work/dsvenv) this script runs itself under that venv's interpreter; without it the DeepSpeed rows
+say "skipped: DeepSpeed not installed".
 
 Same model, seed and global batch for every contender; each round runs them in a shuffled order
 (the same on both ranks). Per rank and contender: the allocator's peak over a training step
@@ -33,6 +39,34 @@ MODEL = dict(layers=6, hidden=96, heads=4, vocab=256, seq=64)
 BATCH = 4  # per rank
 CONTENDERS = ["memfit ddp", "memfit zero1", "memfit zero2", "memfit zero3", "ZeroRedundancyOptimizer+DDP",
               "FSDP2 reshard=True", "FSDP2 reshard=False"]
+DEEPSPEED = ["DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3"]
+DS_VENV = Path(os.environ.get("MEMFIT_DS_VENV", "/work/dsvenv"))
+
+
+def _deepspeed_ready() -> str | None:
+    """None if DeepSpeed imports here, else why not."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return "skipped: DeepSpeed not installed (bash bench/setup_deepspeed.sh)"
+    except Exception as exc:  # noqa: BLE001 - recorded as the reason it could not run
+        return f"skipped: DeepSpeed does not import ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    return None
+
+
+def _reexec_in_deepspeed_venv() -> None:
+    """Run this script under the bench's DeepSpeed venv when it exists and this interpreter lacks it."""
+    python = DS_VENV / "bin" / "python"
+    if os.environ.get("MEMFIT_DS_REEXEC") or not python.exists() or Path(sys.executable) == python:
+        return
+    try:
+        import deepspeed  # noqa: F401
+        return
+    except Exception:  # noqa: BLE001
+        pass
+    env = {**os.environ, "MEMFIT_DS_REEXEC": "1", "DS_ACCELERATOR": "cpu"}
+    os.execve(str(python), [str(python), *sys.argv], env)
 
 
 def _rss() -> int:
@@ -44,15 +78,19 @@ class _PeerCounter:
     """Wraps torch.distributed's Python collectives for a peer's run and counts bytes sent (ring costs)."""
 
     # all_reduce is left alone: DDP's reducer is C++, its bytes come through the counting hook.
+    # DeepSpeed calls it from Python: counted for it (ring: 2 M (N-1)/N).
     NAMES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
              "broadcast")
+
+    def __init__(self, all_reduce: bool = False):
+        self.names = self.NAMES + (("all_reduce",) if all_reduce else ())
 
     def __enter__(self):
         import torch.distributed as dist
 
         from memfit.distributed import comm
 
-        self.saved = {n: getattr(dist, n) for n in self.NAMES}
+        self.saved = {n: getattr(dist, n) for n in self.names}
         n = dist.get_world_size()
 
         def wrap(name, orig):
@@ -61,7 +99,9 @@ class _PeerCounter:
                 if name.startswith("reduce_scatter"):  # the full input
                     t = args[1] if len(args) > 1 else kw.get("input", kw.get("input_tensor"))
                 nbytes = t.numel() * t.element_size()
-                if name == "broadcast":
+                if name == "all_reduce":
+                    comm.TRAFFIC.add(name, 2 * nbytes * (n - 1) / n)
+                elif name == "broadcast":
                     src = args[1] if len(args) > 1 else kw.get("src", 0)
                     if dist.get_rank() == src:
                         comm.TRAFFIC.add(name, nbytes * (n - 1))
@@ -101,6 +141,21 @@ def _build(name: str):
         ddp.register_comm_hook(dist.group.WORLD, comm.ddp_counting_hook)
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
         return ddp, _Plain(opt), None
+    if name.startswith("DeepSpeed"):
+        import deepspeed
+
+        # Buckets of one block's elements, as memfit's layout has: DeepSpeed's defaults (5e8-element
+        # reduce/all-gather buffers, ZeRO-3 keeping every tensor under 1e5 elements unsharded) are
+        # sized for billion-parameter models and would measure the defaults, not the technique.
+        block = sum(p.numel() for p in model.blocks[0].parameters())
+        zero = {"stage": int(name[-1]), "reduce_bucket_size": block, "allgather_bucket_size": block}
+        if zero["stage"] == 3:
+            zero.update(stage3_prefetch_bucket_size=block, stage3_param_persistence_threshold=0)
+        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                  "zero_optimization": zero, "zero_allow_untested_optimizer": True}
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                               optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return engine, _Engine(engine), None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -124,6 +179,19 @@ class _Plain:
         self.opt.zero_grad(set_to_none=True)
 
 
+class _Engine:
+    """DeepSpeed's engine: its backward (loss scaling, gradient partitioning) and step."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def backward(self, loss, final=True):
+        self.engine.backward(loss)
+
+    def step(self):
+        self.engine.step()
+
+
 def _contender(name: str, steps: int, rank: int, world: int) -> dict:
     from memfit.core.tracker import track
     from memfit.distributed import comm
@@ -133,7 +201,7 @@ def _contender(name: str, steps: int, rank: int, world: int) -> dict:
     rss0 = _rss()
     g = torch.Generator().manual_seed(7)
     batches = [torch.randint(0, MODEL["vocab"], (BATCH * world, MODEL["seq"] + 1), generator=g) for _ in range(steps)]
-    peer = None if name.startswith("memfit") else _PeerCounter().__enter__()
+    peer = None if name.startswith("memfit") else _PeerCounter(name.startswith("DeepSpeed")).__enter__()
     times, sent, tracked = [], [], None
     try:
         with AllocatorProfile() as prof:
@@ -164,10 +232,10 @@ def _contender(name: str, steps: int, rank: int, world: int) -> dict:
             "bytes_sent": sent[-1]}
 
 
-def _work(rank: int, world: int, rounds: int, steps: int) -> dict:
-    out: dict = {name: [] for name in CONTENDERS}
+def _work(rank: int, world: int, rounds: int, steps: int, contenders: list[str]) -> dict:
+    out: dict = {name: [] for name in contenders}
     for r in range(rounds):
-        order = CONTENDERS[:]
+        order = contenders[:]
         random.Random(r).shuffle(order)  # the same order on every rank
         for name in order:
             out[name].append(_contender(name, steps, rank, world))
@@ -178,13 +246,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="5 rounds of 2 steps (the first is warm-up)")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 5, 2
+    _reexec_in_deepspeed_venv()
     from memfit.distributed.spawn import run_world
 
+    skipped = _deepspeed_ready()
+    contenders = CONTENDERS + ([] if skipped else DEEPSPEED)
     load0 = os.getloadavg()
-    ranks = run_world(_work, 2, args=(args.rounds, args.steps), timeout_s=3000)
+    ranks = run_world(_work, 2, args=(args.rounds, args.steps, contenders), timeout_s=3000)
     summary = {}
-    for name in CONTENDERS:
+    for name in contenders:
         summary[name] = []
         for rank, res in enumerate(ranks):
             rows = res[name]
@@ -197,8 +271,10 @@ def main() -> None:
     n_params = GPT(GPTConfig(**MODEL)).num_params()
     path = save("distributed", {
         "command": "PYTHONPATH=src python bench/distributed.py " + f"--rounds {args.rounds} --steps {args.steps}",
+        "deepspeed": None if skipped else __import__("deepspeed").__version__,
         "model": MODEL, "params": n_params, "batch_per_rank": BATCH, "world": 2, "rounds": args.rounds,
         "load_before": load0, "load_after": os.getloadavg(), "results": summary, "raw": ranks,
+        "skipped": {name: skipped for name in DEEPSPEED} if skipped else {},
     })
     print(render(__import__("json").loads(path.read_text())))
 
@@ -213,7 +289,10 @@ def render(result: dict) -> str:
         f"per rank; {result['rounds']} rounds, contenders shuffled each round; medians over rounds (rank 0; "
         "ranks agree unless marked). Peak: the allocator's (profiler) over a step, everything the rank "
         "allocated; tracked: memfit's tracker (memfit's strategies only). Host = device RAM here. "
-        f"Load average before/after: {result['load_before'][0]:.1f} / {result['load_after'][0]:.1f}.", "",
+        f"Load average before/after: {result['load_before'][0]:.1f} / {result['load_after'][0]:.1f}."
+        + (f" DeepSpeed {result['deepspeed']} (DS_ACCELERATOR=cpu, its own venv: bench/setup_deepspeed.sh), "
+           "buckets of one block's elements; its bytes are counted at torch.distributed's Python collectives "
+           "(all-reduce included), a lower bound where it calls others." if result.get("deepspeed") else ""), "",
         "| contender | peak per rank | tracked | RSS growth | step time (range) | bytes sent / step / rank |",
         "|---|---|---|---|---|---|",
     ]
@@ -225,6 +304,8 @@ def render(result: dict) -> str:
         lines.append(f"| {name} | {peak} | {tracked} | {fmt_bytes(r['rss_growth'])} | "
                      f"{r['step_s'] * 1e3:.0f} ms ({r['step_s_range'][0] * 1e3:.0f}-{r['step_s_range'][1] * 1e3:.0f}) | "
                      f"{fmt_bytes(r['bytes_sent'])} |")
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"| {name} | {why} | | | | |")
     lines += ["", machine_line(result), ""]
     return "\n".join(lines)
 

@@ -42,7 +42,7 @@ def test_nproc_matches_one_process_with_the_global_batch(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--strategy", "zero9"], "invalid choice"),
-    (["--strategy", "zero2", "--nproc", "2"], "needs --steps"),
+    (["--strategy", "zero2", "--max-restarts", "1", "--steps", "2"], "applies with --nproc"),
     (["--strategy", "ddp", "--nproc", "2", "--steps", "2", "--offload-optimizer", "cpu"], "use --strategy zero1"),
     (["--strategy", "zero1", "--steps", "2"], "needs several processes"),
     (["--nproc", "1", "--strategy", "ddp", "--steps", "2"], None),

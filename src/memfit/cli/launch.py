@@ -14,6 +14,8 @@ import sys
 import uuid
 from typing import Any
 
+from memfit.core.errors import MemfitError
+
 
 def to_argv(command: str, given: dict[str, Any], drop: tuple[str, ...] = ("nproc",)) -> list[str]:
     """The command line that parses back to `given` (options the user gave; argparse SUPPRESS)."""
@@ -51,7 +53,10 @@ def _worker(argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None = None) -> int:
+    """Run `memfit <argv>` on `nproc` ranks; a rank that dies restarts them all up to `max_restarts`
+    times (each attempt resumes from the run folder `out`, memfit.train.elastic)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from memfit.distributed.env import free_port
@@ -62,9 +67,24 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=max_restarts,
         monitor_interval=0.2, start_method="spawn",
     )
-    results = elastic_launch(config, _worker)(argv)
+    try:
+        results = elastic_launch(config, _worker)(argv)
+    except ChildFailedError as exc:
+        raise MemfitError(_failed(exc, max_restarts, out)) from None
     codes = {r: res[0] for r, res in results.items()}
     for r in sorted(results):
         if r != 0 and codes[r] != codes.get(0):
             sys.stderr.write(f"[rank {r}] {results[r][1]}")
     return max(codes.values())
+
+
+def _failed(exc, max_restarts: int, out: str | None) -> str:
+    """One line for a rank that died (killed, crashed) with no restart left."""
+    import signal
+
+    rank, failure = exc.get_first_failure()
+    code = failure.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    tries = f"after {max_restarts} restart(s)" if max_restarts else "and --max-restarts is 0"
+    tail = f"; continue from the last checkpoint with memfit train --resume {out}" if out else ""
+    return f"rank {rank} {how} {tries}{tail}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from memfit.cli.options import model_of
@@ -32,11 +33,17 @@ def per_rank(args: Any, est: Any) -> list[dict]:
             return pipeline_ranks(spec, est.batch, est.seq, args.world, args.microbatches, args.schedule, **common)
         return tensor_ranks(spec, est.batch, est.seq, args.world, args.tp, **common)
     rows = rank_model_state(spec.on_meta(est.seq), args.strategy, args.world, args.precision, args.optimizer)
-    return rank_totals(rows, est.per_device)
+    blocks = [v for k, v in est.module_activations.items() if re.fullmatch(r"[A-Za-z_]+\.\d+", k)]
+    root = next(iter(est.module_activations.values()), 0)  # the model itself comes first
+    return rank_totals(rows, est.per_device, max(blocks, default=0), root)
 
 
 def print_per_rank(args: Any, est: Any) -> int:
     rows = per_rank(args, est)
+    budget = est.device_memory
+    if budget is not None:
+        for r in rows:
+            r["fits"] = r["total"] <= budget
     if args.json:
         print(json.dumps({"estimate": est.to_json(), "ranks": rows}, indent=1))
         return 0
@@ -55,4 +62,8 @@ def print_per_rank(args: Any, est: Any) -> int:
               "MLP projections sharded over tp")
     else:
         print("\n  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO-2/3's gradient bucket")
+    if budget is not None:
+        worst = max(r["total"] for r in rows)
+        verdict = "fits" if worst <= budget else "does not fit"
+        print(f"  each rank {verdict} in {format_bytes(budget)} (largest rank: {format_bytes(worst)})")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 
 from memfit.cli.args import integer, number
 from memfit.cli.options import add
@@ -83,6 +84,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--tp", metavar="T", type=integer(1, 1024),
                    help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp)")
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")
+    g.add_argument("--max-restarts", metavar="K", type=integer(0), help="with --nproc: restart all ranks up to K times "
+                   "when one fails; they resume from the last checkpoint (default 0; see docs/distributed.md)")
     return p
 
 
@@ -104,13 +107,22 @@ def run(args: argparse.Namespace) -> int:
     from memfit.train.report import format_summary
     from memfit.train.signals import EXIT_CODES
 
-    given = vars(args)
+    from memfit.train.elastic import restart_count, resumed_options
+
+    given = resumed_options(vars(args))  # an elastic restart resumes from the run folder's checkpoint
     cfg, ckpt = config_of(given)
+    if restart_count() and ckpt is not None and os.environ.get("RANK", "0") == "0":
+        print(f"memfit train: restart {restart_count()}: resuming from step {ckpt['step']} in {cfg.out}",
+              file=sys.stderr, flush=True)
     plan = None
     if "budget" in given or "plan" in given:
         from memfit.train.budget import plan_config
 
         cfg, plan = plan_config(cfg, given.get("budget"), given.get("plan"), given.get("allow"))
+    if "max_restarts" in given and "nproc" not in given:
+        from memfit.core.errors import ConfigError
+
+        raise ConfigError("--max-restarts applies with --nproc N; under torchrun pass torchrun's own --max-restarts")
     if given.get("nproc", 1) != 1:
         return _launch(cfg, given, ckpt is not None)
     result = loop.train(cfg, ckpt, progress=not given.get("quiet", False))
@@ -127,9 +139,13 @@ def _launch(cfg: TrainConfig, given: dict, resuming: bool) -> int:
     from memfit.cli.launch import launch, to_argv
     from memfit.core.errors import ConfigError
     from memfit.train.distributed import precheck
+    from memfit.train.rundir import new_run_dir
 
     if given["nproc"] < 2:
         raise ConfigError(f"--nproc must be at least 2 (or left out for one process), got {given['nproc']}")
     cfg.validate()
     precheck(cfg, resuming, world=given["nproc"])
-    return launch(given["nproc"], to_argv("train", given))
+    # Every rank, and every attempt after an elastic restart, writes to (and resumes from) one folder.
+    given = {**given, "out": cfg.out or str(new_run_dir())}
+    return launch(given["nproc"], to_argv("train", given, drop=("nproc", "max_restarts")),
+                  max_restarts=given.get("max_restarts", 0), out=given["out"])

@@ -71,7 +71,16 @@ class DDPOptimizer:
         self.inner.backward(loss, final=final)
 
     def step(self) -> StepResult:
-        return self.inner.step()
+        # The gradients are views into DDP's buckets (gradient_as_bucket_view), which live between
+        # steps whether .grad is set or not. Keeping the views, zeroed, costs nothing and lets
+        # memfit.track see the buckets from the start of the next step, as the estimate counts them.
+        views = [p.grad for p in self.inner.params]
+        result = self.inner.step()
+        with torch.no_grad():
+            for p, g in zip(self.inner.params, views):
+                if g is not None and p.grad is None:
+                    p.grad = g.zero_()
+        return result
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()

@@ -45,8 +45,25 @@ def init(device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_
         device = torch.device(device)
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            store, rank_, world_ = _attempt_store(timeout)
+            dist.init_process_group(backend_for(device), store=store, rank=rank_, world_size=world_, timeout=timeout)
+        else:
+            dist.init_process_group(backend_for(device), timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """torchelastic's store seen through a prefix of its own per attempt.
+
+    torchrun's c10d rendezvous shares one TCPStore across restarts, so the keys the failed
+    attempt's ranks wrote (gloo's peer addresses under "default_pg/...") are still there; a
+    restarted rank that reads one connects to a dead process ("Connection refused" in
+    connectFullMesh). A prefix per TORCHELASTIC_RESTART_COUNT gives each attempt a clean
+    namespace on the same store."""
+    store, rank_, world_ = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"memfit/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store), rank_, world_
 
 
 def rank() -> int:

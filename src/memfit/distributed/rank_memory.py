@@ -62,25 +62,29 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     return out
 
 
-def rank_totals(rows: list[dict], one_device: dict[str, int]) -> list[dict]:
+def rank_totals(rows: list[dict], one_device: dict[str, int], block_activations: int = 0,
+                saved_for_backward: int = 0) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total").
 
-    ZeRO: the states held (weights or slices, gathered weights, optimizer slices; zero1's full
-    gradients; zero2/3's bucket in flight) plus the trace's activations and temporaries. ps and ddp hold the
-    gradients only transiently as one process does, so their peak is the one-device peak with the
-    rank's optimizer state in place of the full one; ddp adds its gradient buckets, which live
-    between steps (gradient_as_bucket_view)."""
+    zero1: the states held (full gradients between steps) plus the trace's activations and
+    temporaries. zero2/3 hold no full gradients, so their peak moves into backward, the larger of:
+    its start (everything saved for backward, `saved_for_backward`, and the temporaries), and the
+    first bucket's reduce-scatter (one block's activations, `block_activations`, freed; that
+    block's gradients and their flat copy for the collective, 2 x `in_flight`, added). ps and ddp
+    hold the gradients as one process does, so their peak is the one-device peak with the rank's
+    optimizer state in place of the full one; ddp adds its gradient buckets, which live between
+    steps (gradient_as_bucket_view). The figures to pass are Estimate.module_activations' root and
+    largest block (0: unknown, the trace's activations and no block freed)."""
     out = []
     for r in rows:
         if r["strategy"] == "zero1":  # full gradients live between steps
             states = r["params"] + r["grads"] + r["optimizer"]
             total = states + one_device["activations"] + one_device["temporaries"]
         elif r["strategy"].startswith("zero"):
-            # Gradient slices appear during backward as activations are freed: the peak is at the
-            # start of backward (one bucket in flight) or, for small activations, at its end.
-            held = r["params"] + r["gathered"] + r["optimizer"] + r["in_flight"]
-            total = held + max(one_device["activations"] + one_device["temporaries"], r["grads"])
+            saved, temps = max(one_device["activations"], saved_for_backward), one_device["temporaries"]
+            moving = max(saved + temps, saved - block_activations + 2 * r["in_flight"] + temps, r["grads"])
+            total = r["params"] + r["gathered"] + r["optimizer"] + moving
         else:
             total = one_device["total"] - one_device["optimizer"] + r["optimizer"]
             if r["strategy"] == "ddp":

@@ -45,9 +45,6 @@ def precheck(cfg: Any, resuming: bool = False, world: int | None = None) -> None
         from memfit.train.model_parallel import precheck_model_parallel
 
         precheck_model_parallel(cfg, world, resuming)
-    if cfg.steps is None:
-        raise ConfigError(f"--strategy {strategy} needs --steps: the ranks must agree on when to stop, and a "
-                          "time limit is measured by each rank on its own clock")
     if strategy in ("ddp", "ps") and cfg.offload_optimizer != "none":
         raise ConfigError(f"--offload-optimizer with --strategy {strategy} is not supported: the offload takes "
                           "gradients before they are reduced; use --strategy zero1, zero2 or zero3")
@@ -67,7 +64,44 @@ def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext
         raise ConfigError(f"--strategy {cfg.strategy} needs several processes: add --nproc N, or start with "
                           "torchrun --nproc-per-node N -m memfit train ...")
     rank, world = env.init(env.local_device(device))
+    if cfg.out is None:  # one run folder for all ranks (each would stamp its own time)
+        import torch.distributed as dist
+
+        from memfit.train.rundir import new_run_dir
+
+        box = [str(new_run_dir()) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        cfg.out = box[0]
     return DistContext(cfg.strategy, rank, world)
+
+
+STOP_REASONS = ("interrupted", "terminated", "steps", "stop_at", "time_limit")
+"""Why a run of several processes stops, the first that any rank has winning."""
+
+
+def agree_stop(reason: str | None) -> str | None:
+    """One stop decision for all ranks before each step: a signal that reached one rank, or one
+    rank's clock passing the time limit, stops them all at the same step (never a rank waiting
+    in a collective for a peer that has left). One small all-reduce per step."""
+    import torch.distributed as dist
+
+    from memfit.distributed.comm import control_sum
+
+    flags = control_sum([float(reason == r) for r in STOP_REASONS], op=dist.ReduceOp.MAX)
+    return next((r for r, f in zip(STOP_REASONS, flags) if f), None)
+
+
+def agree_horizon(horizon: int | None) -> int | None:
+    """A time-limited run's schedule length, the same on every rank (each rank times its own steps,
+    and the learning rate follows the length): the shortest any rank fitted."""
+    import math
+
+    import torch.distributed as dist
+
+    from memfit.distributed.comm import control_sum
+
+    low = control_sum([math.inf if horizon is None else float(horizon)], op=dist.ReduceOp.MIN)[0]
+    return None if math.isinf(low) else int(low)
 
 
 def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str):

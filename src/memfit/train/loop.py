@@ -89,6 +89,8 @@ def train(
         while (stopped := _why_stop(run, clock, signals.stopped, stop_at)) is None:
             out = train_step(run, clock, log)
             horizon = clock.refit(run.step, run.horizon)
+            if run.ctx is not None and clock.auto_horizon:  # each rank timed its own steps: one length for all
+                horizon = dist_train.agree_horizon(horizon)
             if horizon != run.horizon:
                 run.horizon = horizon
                 bar.set_total(horizon)
@@ -123,7 +125,12 @@ def _checked(cfg: TrainConfig, checkpoint: dict[str, Any] | None) -> TrainConfig
 
 
 def _why_stop(run: Run, clock: Clock, signalled: str | None, stop_at: int | None) -> str | None:
-    """Why the loop ends before the next step, or None to go on."""
+    """Why the loop ends before the next step, or None to go on (several processes: the same for all)."""
+    reason = _local_stop(run, clock, signalled, stop_at)
+    return reason if run.ctx is None else dist_train.agree_stop(reason)
+
+
+def _local_stop(run: Run, clock: Clock, signalled: str | None, stop_at: int | None) -> str | None:
     if run.horizon is not None and run.step >= run.horizon:
         return "steps"
     if stop_at is not None and run.step >= stop_at:
