@@ -3,8 +3,8 @@ rank's tracked step peak, for ddp and zero1-3, 32-true and bf16-master, N=2 and 
 
     PYTHONPATH=src python bench/rank_estimate.py [--worlds 2 4]
 
-Memory figures are exact byte counts (no timing), so one run is enough; the same model and checks
-as tests/test_distributed_rank_estimate.py.
+Memory figures are exact byte counts (no timing), so one run is enough; the model, configurations
+and measurement are tests/test_distributed_rank_estimate.py's own.
 """
 from __future__ import annotations
 
@@ -15,44 +15,11 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import save  # noqa: E402
-
-CFG = dict(layers=6, hidden=32, heads=4, vocab=64, seq=16)
-SPEC = "gpt:layers={layers},hidden={hidden},heads={heads},vocab={vocab},seq={seq}".format(**CFG)
-BATCH = 2
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-PRECISIONS = ("32-true", "bf16-master")
-
-
-def _tracked(rank: int, world: int) -> dict:
-    from memfit.core.tracker import track
-    from memfit.distributed import distribute, global_count
-    from memfit.models.gpt import GPT, GPTConfig
-
-    g = torch.Generator().manual_seed(1)
-    out = {}
-    for precision in PRECISIONS:
-        for strategy in STRATEGIES:
-            torch.manual_seed(0)
-            with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", lr=1e-2, precision=precision, clip=1.0) as opt:
-                for step in range(3):  # tracked at the third: DDP rebuilds its buckets during the second
-                    x = torch.randint(0, CFG["vocab"], (BATCH * world, CFG["seq"] + 1), generator=g)
-                    x = x[rank * BATCH:(rank + 1) * BATCH]
-                    tokens = global_count(x[:, 1:].numel())
-                    tracker = track(opt.tracked_module, opt, device="cpu") if step == 2 else None
-                    if tracker is not None:
-                        tracker.__enter__()
-                    with opt.micro_batch(True), opt.autocast():
-                        _, loss, _ = opt.model(x[:, :-1].contiguous(), x[:, 1:].contiguous())
-                    opt.backward(loss / tokens, final=True)
-                    opt.step()
-                    if tracker is not None:
-                        tracker.__exit__(None, None, None)
-                        out[f"{precision} {strategy}"] = tracker.breakdown["total"]
-    return out
+# The test's model, configurations and per-rank measurement: the bench records what the test asserts.
+from test_distributed_rank_estimate import BATCH, PRECISIONS, SPEC, STRATEGIES, _tracked_peaks  # noqa: E402
 
 
 def _estimate(strategy: str, world: int, precision: str) -> list[int]:
@@ -73,11 +40,11 @@ def main() -> None:
 
     rows = []
     for world in args.worlds:
-        measured = run_world(_tracked, world, timeout_s=900)
+        measured = run_world(_tracked_peaks, world, timeout_s=900)
         for precision in PRECISIONS:
             for strategy in STRATEGIES:
                 est = _estimate(strategy, world, precision)
-                got = [m[f"{precision} {strategy}"] for m in measured]
+                got = [m[precision, strategy]["total"] for m in measured]
                 rows.append({"world": world, "precision": precision, "strategy": strategy, "estimate": est,
                              "measured": got})
     path = save("rank_estimate", {"command": "PYTHONPATH=src python bench/rank_estimate.py --worlds "
