@@ -1,0 +1,223 @@
+"""Disk offload in the composed estimate: exact, including the read-ahead that couples neighbours.
+
+In backward, the first unpack of a block whose saved tensors were moved off the device (cpu or disk)
+starts reading back the nearest earlier moved block (`ActivationStore._prefetch_before`). When that
+earlier block p went to disk, its restore buffers (R_p bytes) are allocated inside the later block's
+backward stretch and stay live through every block between them, until p's own backward consumes
+them. So a moved block's backward stretch depends on the kind of the previous moved block (when it
+is a disk block), and a disk block's own backward depends on whether a later moved block reads it
+ahead (`pf`, prefetched) or it reads itself lazily. Every other stretch is the base profile's.
+
+A `DiskProfile` holds the base ChainProfile plus, traced on short chains: each disk kind's forward,
+every backward variant (kind, pf, previous disk kind or None), the end corrections of disk kinds,
+and R per disk kind. `compose` walks the chain as ChainProfile.compose does. Moved segments (cpu
+offload of a recomputed segment) are composed only where no pending disk read-ahead precedes them;
+disk kinds are single blocks. docs/planner.md has the derivation the solver (plan/disk_solve.py) uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from memfit.apply.policy import BlockAction, segments
+from memfit.measure.compose import ChainProfile, Composed, _where, base_of, fwd_kinds
+from memfit.measure.timeline import Stretch, vadd, vscale
+
+KEEP = BlockAction("keep")
+
+
+def is_disk(a: BlockAction) -> bool:
+    return a.offload == "disk"
+
+
+def disk_bases(allow: Sequence[str]) -> list[BlockAction]:
+    """The disk actions `allow` permits: what a kept block saves, or a recomputed block's input."""
+    if "offload-disk" not in allow:
+        return []
+    out = [BlockAction("keep", offload="disk")]
+    if "recompute" in allow:
+        out.append(BlockAction("recompute", offload="disk"))
+    return out
+
+
+def coupling(actions: Sequence[BlockAction]) -> list[tuple[bool, str | None]]:
+    """Per block: (read ahead by a later moved block, kind of the disk block it reads ahead or None).
+
+    Moved regions are the units of `ActivationStore` groups (a segment's input belongs to its first
+    block; the read-ahead starts in its last block's backward, where the input is unpacked)."""
+    regions = segments(actions)
+    out: list[tuple[bool, str | None]] = [(False, None)] * len(actions)
+    prev: str | None = None
+    moved = [r for r in regions if actions[r[0]].offload]
+    for k, r in enumerate(moved):
+        a = actions[r[0]]
+        pf = k + 1 < len(moved) and is_disk(a)
+        out[r[-1]] = (pf, prev)
+        prev = str(base_of(a)) if is_disk(a) else None
+    return out
+
+
+@dataclass
+class DiskProfile:
+    """A ChainProfile extended with disk kinds and the read-ahead coupling (exact, see the module doc)."""
+
+    base: ChainProfile
+    fwd: dict[str, Stretch]
+    bwd: dict[tuple[str, bool, str | None], Stretch]
+    """(kind, read ahead, previous disk kind) -> backward stretch of a moved block (cpu kinds: pf False)."""
+    first: dict[tuple[str, bool], tuple[Stretch, Stretch]]
+    last: dict[str, tuple[Stretch, Stretch]]
+    restore: dict[str, int] = field(default_factory=dict)
+    """R per disk kind: bytes its read-back allocates (live from the read-ahead to its own backward)."""
+    seconds: float = 0.0
+
+    @property
+    def n_blocks(self) -> int:
+        return self.base.n_blocks
+
+    def supports(self, actions: Sequence[BlockAction]) -> bool:
+        """Disk kinds are single blocks; a moved segment must not claim a pending disk read-ahead."""
+        if not self.base.supports([KEEP if is_disk(a) else a for a in actions]):
+            return False
+        couple = coupling(actions)
+        for r in segments(actions):
+            a = actions[r[0]]
+            pf, prev = couple[r[-1]]
+            if not a.offload or (not is_disk(a) and prev is None):
+                continue
+            if len(r) > 1 or (str(base_of(a)), pf, prev) not in self.bwd:
+                return False
+        return True
+
+    def variant(self, a: BlockAction, pf: bool, prev: str | None) -> Stretch | None:
+        """The backward stretch of a single moved block, or None when it is the base profile's."""
+        if not a.offload or (not is_disk(a) and prev is None):
+            return None
+        return self.bwd[(str(base_of(a)), pf, prev)]
+
+    def stretches(self, actions: Sequence[BlockAction]) -> tuple[list[str], list[Stretch], list[Stretch]]:
+        """Forward kind, forward and backward stretch of every block, ends included."""
+        n = len(actions)
+        plain = [KEEP if is_disk(a) else a for a in actions]
+        kinds, fwd, bwd = self.base.keys(plain)
+        kinds = fwd_kinds(actions)
+        couple = coupling(actions)
+        for r in segments(actions):
+            i, a = r[0], actions[r[0]]
+            if is_disk(a):
+                fwd[i] = self.fwd[kinds[i]]
+            v = self.variant(a, *couple[i]) if len(r) == 1 else None
+            if v is not None:
+                bwd[i] = v
+        for i, table in ((0, "first"), (n - 1, "last")):
+            a = actions[i]
+            if is_disk(a):
+                f, b = self.first[(kinds[0], couple[0][0])] if i == 0 else self.last[kinds[-1]]
+            else:
+                f, b = getattr(self.base, table)[kinds[i]]
+            fwd[i], bwd[i] = fwd[i] + f, bwd[i] + b
+        return kinds, fwd, bwd
+
+    def compose(self, actions: Sequence[BlockAction]) -> Composed:
+        """The step's peak with `actions` (disk blocks included), by the walk of ChainProfile.compose."""
+        if not any(is_disk(a) for a in actions):
+            return self.base.compose(actions)
+        if not self.supports(actions):
+            raise ValueError(f"the disk profile does not compose {[str(a) for a in actions]}")
+        base, n = self.base, len(actions)
+        kinds, fwd, bwd = self.stretches(actions)
+        extra = n - base.traced_blocks
+        start = vadd(base.start, vscale(base.start_per_block, extra))
+        counts: dict[str, int] = {}
+        for k in kinds:  # autocast's deferred frees: a disk kind frees what its cpu twin does
+            k = k.replace("offload:disk", "offload:cpu")
+            counts[k] = counts.get(k, 0) + 1
+        seq = [base._part("pre_fwd", extra, counts), *fwd, base._part("post_fwd", extra, counts),
+               base._part("post_bwd", extra, counts), *bwd[::-1], base._part("pre_bwd", extra, counts),
+               base._part("opt", extra, counts)]
+        total = sum(start)
+        best, best_j = total, -1
+        block_peaks = [0] * n
+        for j, st in enumerate(seq):
+            cand = total + st.peak_bytes
+            if cand > best:
+                best, best_j = cand, j
+            if 0 < j <= n:
+                block_peaks[j - 1] = cand
+            elif n + 2 < j < 2 * n + 3:
+                block_peaks[2 * n + 2 - j] = max(block_peaks[2 * n + 2 - j], cand)
+            total += st.net_bytes
+        return Composed(best, base._at(start, seq, best_j, n), block_peaks, _where(best_j, n))
+
+    def peak_of(self, actions: Sequence[BlockAction]) -> int:
+        return self.compose(actions).peak
+
+
+def walks(disk: Sequence[BlockAction], cpu: Sequence[BlockAction]) -> list[list[BlockAction]]:
+    """Sequences of moved kinds whose traces cover every backward variant (see `trace_disk`).
+
+    A walk m1..mr measures (m_i, read ahead iff i < r and disk, previous = m_{i-1} if disk): one long
+    walk covers every read-ahead variant and every cpu kind after each disk kind; a disk kind read
+    lazily must end a walk, so each (disk kind, previous) pair not yet measured gets a short walk."""
+    main: list[BlockAction] = []
+    for p in disk:
+        for x in cpu:
+            main += [p, x]
+        for d in disk:
+            main += [p, d]
+    out = [main]
+    seen = set(_measured(main))
+    for d in disk:
+        for prev in [None, *disk]:
+            if (str(d), False, None if prev is None else str(prev)) not in seen:
+                out.append([d] if prev is None else [prev, d])
+    return out
+
+
+def _measured(walk: Sequence[BlockAction]) -> list[tuple[str, bool, str | None]]:
+    out = []
+    for i, m in enumerate(walk):
+        prev = walk[i - 1] if i and is_disk(walk[i - 1]) else None
+        out.append((str(m), i + 1 < len(walk) and is_disk(m), None if prev is None else str(prev)))
+    return out
+
+
+def trace_disk(src, base: ChainProfile, disk: Sequence[BlockAction], precision: str, optimizer: str,
+               device: str = "cpu") -> DiskProfile:
+    """Trace the disk kinds' stretches on short chains (keep blocks at both ends) around `base`."""
+    import time
+
+    from memfit.measure.compose import _trace
+
+    t0 = time.perf_counter()
+    cpu = [BlockAction(m, offload="cpu") for m in ("keep", "recompute") if str(BlockAction(m, offload="cpu")) in base.fwd]
+    run = (precision, optimizer, device)
+    fwd, bwd = {}, {}
+    for walk in walks(disk, cpu):
+        t = _trace(src.build_k, len(walk) + 2, src.step, [KEEP, *walk, KEEP], *run)
+        for i, key in enumerate(_measured(walk)):
+            fwd.setdefault(key[0], t.fwd[i + 1])
+            if is_disk(walk[i]) or key[2] is not None:
+                bwd.setdefault(key, t.bwd[i + 1])
+    first, last = {}, {}
+    for d in disk:
+        key = str(d)
+        lazy = _trace(src.build_k, 3, src.step, [d, KEEP, KEEP], *run)
+        first[(key, False)] = (lazy.fwd[0] - fwd[key], lazy.bwd[0] - bwd[(key, False, None)])
+        pair = _trace(src.build_k, 3, src.step, [d, KEEP, d], *run)
+        first[(key, True)] = (pair.fwd[0] - fwd[key], pair.bwd[0] - bwd[(key, True, None)])
+        last[key] = (pair.fwd[-1] - fwd[key], pair.bwd[-1] - bwd[(key, False, key)])
+    restore = {str(d): bwd[(str(d), False, None)].net_bytes - bwd[(str(d), True, None)].net_bytes for d in disk}
+    return DiskProfile(base, fwd, bwd, first, last, restore, time.perf_counter() - t0)
+
+
+def disk_profile(src, base: ChainProfile, disk: Sequence[BlockAction], precision: str, optimizer: str) -> DiskProfile:
+    """`trace_disk`, cached in this process per chain source and disk kinds."""
+    key = src.key + (precision, optimizer, tuple(str(d) for d in disk), id(base))
+    got = _CACHE.get(key)
+    if got is None or got.base is not base:
+        got = _CACHE[key] = trace_disk(src, base, disk, precision, optimizer)
+    return got
+
+
+_CACHE: dict[tuple, DiskProfile] = {}
