@@ -2,6 +2,7 @@
 read-ahead coupling (a moved block reads the previous disk block back in its own backward)."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from memfit.apply.policy import BlockAction
@@ -107,10 +108,12 @@ def test_read_ahead_coupling_is_what_the_store_does():
     assert disk_bases(("offload-cpu", "recompute")) == []
 
 
-def test_walks_cover_every_variant():
+@pytest.mark.parametrize("disk", [(DK,), (DR,), DISK])
+@pytest.mark.parametrize("cpu", [(), (OFF,), (OFF, REC_OFF)])
+def test_walks_cover_every_variant(disk, cpu):
     from memfit.plan.disk_profile import _measured
 
-    got = {k for w in walks(DISK, (OFF, REC_OFF)) for k in _measured(w)}
-    need = {(str(x), pf, prev) for x in MOVED for prev in (None, str(DK), str(DR))
+    got = {k for w in walks(disk, cpu) for k in _measured(w)}
+    need = {(str(x), pf, None if prev is None else str(prev)) for x in (*cpu, *disk) for prev in (None, *disk)
             for pf in ((False, True) if is_disk(x) else (False,)) if is_disk(x) or prev is not None}
     assert need <= got

@@ -71,9 +71,11 @@ class DiskProfile:
     """R per disk kind: bytes its read-back allocates (live from the read-ahead to its own backward)."""
     seconds: float = 0.0
 
-    @property
-    def n_blocks(self) -> int:
-        return self.base.n_blocks
+    def __getattr__(self, name: str):
+        # Everything around the blocks (start, stretches, per-block growth) is the base profile's.
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
     def supports(self, actions: Sequence[BlockAction]) -> bool:
         """Disk kinds are single blocks; a moved segment must not claim a pending disk read-ahead."""
@@ -165,6 +167,7 @@ def walks(disk: Sequence[BlockAction], cpu: Sequence[BlockAction]) -> list[list[
             main += [p, x]
         for d in disk:
             main += [p, d]
+    main.append(disk[0])  # so the last pair's second block is read ahead too
     out = [main]
     seen = set(_measured(main))
     for d in disk:

@@ -76,6 +76,14 @@ class _Problem:
         return int(first.shape[0] * (first.shape[1] if first.dim() > 1 else 1)) if first is not None else micro
 
 
+def _device_of(model: Any) -> str:
+    if isinstance(model, torch.nn.Module):
+        p = next(iter(model.parameters()), None)
+        if p is not None and p.device.type != "meta":
+            return p.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _leaves(obj: Any):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -89,14 +97,19 @@ def _leaves(obj: Any):
 
 def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str = "adamw",
         precision: str = "32-true", allow: Any = None, loss_fn: Callable | None = None,
-        batch: int | None = None, seq: int | None = None, verify: bool = True, costs: Any = None) -> Plan:
-    """Plan `model` (a module, a zero-argument factory, or a model name/spec for the CLI) to fit `budget`."""
+        batch: int | None = None, seq: int | None = None, verify: bool = True, costs: Any = None,
+        device: str | None = None) -> Plan:
+    """Plan `model` (a module, a zero-argument factory, or a model name/spec for the CLI) to fit `budget`.
+
+    `device`: where it trains (default: the module's parameters' device; for a name, cuda when available,
+    else cpu). On a CPU device the default `allow` leaves out host offload (docs/planner.md)."""
     from memfit.plan.search import search
 
     if budget is None:
         raise ConfigError("give a budget, e.g. budget='8GiB'")
     limit = _budget(budget)
-    allowed = parse_allow(allow)
+    device = device or _device_of(model)
+    allowed = parse_allow(allow, device)
     check_precision(precision)
     if not isinstance(model, str):
         from memfit.measure.anymodel import check_example
@@ -105,6 +118,10 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
     problem = _Problem(model, example, loss_fn, batch, seq)
     problem.costs = costs  # memfit.profile BlockCosts measured at the full batch, or None for the FLOP model
     plan = search(problem, limit, allowed, optimizer, precision, verify)
+    plan.device = device
+    if allow is None and device == "cpu":
+        plan.notes.append("on a CPU device the default leaves out offload-cpu and optimizer-offload (host memory "
+                          "is the same RAM); name them in allow to plan them anyway")
     plan.fit_args = dict(model=model, example=example, budget=limit, optimizer=optimizer, precision=precision,
-                         allow=allowed, loss_fn=loss_fn, batch=batch, seq=seq, verify=verify, costs=costs)
+                         allow=allowed, loss_fn=loss_fn, batch=batch, seq=seq, verify=verify, costs=costs, device=device)
     return plan

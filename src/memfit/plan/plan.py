@@ -14,11 +14,14 @@ ALLOW = ("recompute", "selective", "offload-cpu", "offload-disk", "compress", "c
          "optimizer-offload", "precision")
 DEFAULT_ALLOW = ("recompute", "selective", "offload-cpu", "offload-disk", "accumulate", "chunked-head",
                  "optimizer-offload")
+HOST_OFFLOAD = ("offload-cpu", "optimizer-offload")
+"""Moves bytes to host memory: on a CPU device that is the same RAM, so by default it is not planned there."""
 
 
-def parse_allow(allow: Any) -> tuple[str, ...]:
+def parse_allow(allow: Any, device: str = "cuda") -> tuple[str, ...]:
+    """The allowed names; the default set on a CPU device leaves out HOST_OFFLOAD (docs/planner.md)."""
     if allow is None:
-        return DEFAULT_ALLOW
+        return tuple(a for a in DEFAULT_ALLOW if device != "cpu" or a not in HOST_OFFLOAD)
     items = [a.strip() for a in allow.split(",")] if isinstance(allow, str) else [str(a).strip() for a in allow]
     items = [a for a in items if a]
     bad = [a for a in items if a not in ALLOW]
@@ -63,6 +66,21 @@ class Plan:
     where: str = ""
     measured_peak: int | None = None
     notes: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    """Where the model trains: on "cpu" host and device are the same RAM (see `memory_note`)."""
+
+    def memory_note(self) -> str | None:
+        """On a CPU device, what the device figures mean for the process's physical memory."""
+        if self.device != "cpu":
+            return None
+        moved = [w for w, on in (("offload:cpu", any(a.offload == "cpu" for a in self.actions)),
+                                 ("optimizer offload", bool(self.offload_optimizer))) if on]
+        text = "device is CPU: host and device are the same RAM, so the peak is the tracker's device accounting"
+        if moved:
+            text += f"; {' and '.join(moved)} move bytes to host memory, which the process's RSS still holds"
+        if any(a.offload == "disk" for a in self.actions):
+            text += "; offload:disk moves bytes out of RAM to spill files (RSS goes down too)"
+        return text
 
     def summary(self) -> str:
         lines = [f"plan for {self.model} under {format_bytes(self.budget)}: predicted peak "
@@ -75,6 +93,9 @@ class Plan:
         if self.measured_peak is not None:
             lines.append(f"  checked by a full trace of the step: peak {format_bytes(self.measured_peak)}")
         lines += [f"  note: {n}" for n in self.notes]
+        note = self.memory_note()
+        if note:
+            lines.append(f"  note: {note}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

@@ -8,7 +8,8 @@ from memfit.measure.blocks import chain_profile
 from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost
 from memfit.plan.head import head_counts, head_profile, head_seconds
 from memfit.plan.plan import Candidate, Plan
-from memfit.plan.solve import solve
+from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
+from memfit.plan.disk_profile import DiskProfile, disk_bases
 from memfit.apply.policy import to_string
 
 
@@ -36,6 +37,7 @@ def _configs(problem, allowed, precision):
 
 def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precision: str, verify: bool) -> Plan:
     bases = _bases(allowed)
+    disk = disk_bases(allowed)  # traced on top of the chain profile only when needed (memfit.plan.disk_plan)
     segs = "recompute" in allowed
     rows: list[tuple[Candidate, Any, Any, int]] = []
     for prec, micro, off in _configs(problem, allowed, precision):
@@ -44,10 +46,10 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
             break
         src = problem.source(micro)
         prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
-        rows += _config_rows(problem, src, prof, (prec, micro, off), limit, bases, optimizer, allowed)
+        rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed)
     feasible = sorted((r for r in rows if r[0].feasible), key=lambda r: r[0].time)
     if not feasible:
-        raise PlanError(_impossible(rows, limit, bases, allowed))
+        raise PlanError(_impossible(rows, limit, [*bases, *disk], allowed))
     cand, choice, prof, n = feasible[0]
     composed = prof.compose(list(choice.actions))
     plan = Plan(model=problem.name, budget=limit, actions=list(choice.actions), micro_batch=cand.micro_batch,
@@ -57,7 +59,11 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
                 ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
                 where=composed.where)
     if verify and cand.offload_optimizer is None:
-        _verify(problem, plan, prof, bases, _cost(_block_seconds(prof, problem.tokens(cand.micro_batch)), None, prof))
+        base = prof.base if isinstance(prof, DiskProfile) else prof
+        t_fwd = _block_seconds(base, problem.tokens(cand.micro_batch))
+        cost = _cost(t_fwd, None, base)
+        dcost = disk_cost(prof, cost, t_fwd) if isinstance(prof, DiskProfile) else None
+        _verify(problem, plan, prof, [*bases, *disk], cost, dcost)
     elif cand.offload_optimizer:
         plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
     return plan
@@ -67,6 +73,7 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     """One configuration solved with the plain head and, where allowed, with the head in chunks:
     fewest chunks first, while more chunks still make the plan faster (or make it fit at all)."""
     prec, micro, off = config
+    bases, disk = bases
     n = src.n_blocks
     tokens = problem.tokens(micro)
     t_fwd, t_sel = _block_seconds(prof, tokens), None
@@ -81,7 +88,10 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     accum = problem.batch // micro
 
     def row(chunks: int | None, p) -> tuple:
-        choice = solve(p, limit + relief, bases, _cost(t_fwd, t_sel, p, bw), n_blocks=n, max_segment=min(n, 16))
+        cost = _cost(t_fwd, t_sel, p, bw)
+        choice = solve_any(p, limit + relief, bases, cost, n_blocks=n, max_segment=min(n, 16))
+        if chunks is None:  # disk kinds are traced with the plain head
+            choice, p, _ = with_disk(src, p, choice, limit + relief, bases, disk, cost, t_fwd, bw, prec, optimizer, n)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
         head = head_seconds(src, tokens, chunks, speed) if chunks else 0.0
@@ -127,7 +137,7 @@ def _trace_peak(problem, plan: Plan) -> int:
     return r.tracker.peak_bytes
 
 
-def _verify(problem, plan: Plan, prof, bases, cost) -> None:
+def _verify(problem, plan: Plan, prof, bases, cost, dcost=None) -> None:
     """A full trace of the chosen step; if it exceeds the budget, solve again with the bound lowered."""
     bound = plan.budget
     for _ in range(3):
@@ -139,7 +149,8 @@ def _verify(problem, plan: Plan, prof, bases, cost) -> None:
         bound -= over
         plan.notes.append(f"the full trace found {format_bytes(traced)}, {format_bytes(over)} over the composed "
                           "figure's budget: solved again with the bound lowered by that much")
-        choice = solve(prof, bound, bases, cost, n_blocks=plan.n_blocks, max_segment=min(plan.n_blocks, 16))
+        choice = solve_any(prof, bound, bases, cost, n_blocks=plan.n_blocks, max_segment=min(plan.n_blocks, 16),
+                           dcost=dcost)
         if choice is None:
             raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
         plan.actions, plan.predicted_peak = list(choice.actions), choice.peak
@@ -152,11 +163,11 @@ def _impossible(rows, limit: int, bases, allowed) -> str:
     for cand, _, prof, n in rows:
         lo, hi = 0, prof.peak_of([bases[0]] * n) if n else 0
         cost = lambda b, k: 0.0  # noqa: E731  (only feasibility matters here)
-        if solve(prof, hi, bases, cost, n_blocks=n) is None:
+        if solve_any(prof, hi, bases, cost, n_blocks=n) is None:
             continue
         while hi - lo > max(1, hi // 1000):
             mid = (lo + hi) // 2
-            if solve(prof, mid, bases, cost, n_blocks=n, rounds=2) is None:
+            if solve_any(prof, mid, bases, cost, n_blocks=n, rounds=2) is None:
                 lo = mid
             else:
                 hi = mid
@@ -164,7 +175,7 @@ def _impossible(rows, limit: int, bases, allowed) -> str:
         need = hi - relief
         fixed = _fixed(prof, n) - relief
         if best is None or need < best[0]:
-            at = solve(prof, hi, bases, cost, n_blocks=n)
+            at = solve_any(prof, hi, bases, cost, n_blocks=n)
             best = (need, fixed, prof.compose(at.actions).where if at is not None else "")
     if best is None:
         return f"no configuration fits {format_bytes(limit)}"
