@@ -1,0 +1,89 @@
+"""Disk offload planned for real: the composed figure equals the full trace, a plan with disk blocks
+applies through plan.apply and `memfit plan`, its step has the plain run's gradients and the tracker's
+device peak stays under the budget (on CPU the device figure is accounting; see docs/planner.md)."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+import memfit
+from memfit.apply.policy import to_string
+from memfit.measure.blocks import chain_profile, spec_source
+from memfit.measure.trace import trace_step
+from memfit.models.gpt import GPT, GPTConfig
+from memfit.models.spec import parse_model
+from memfit.plan.costs import _bases
+from memfit.plan.disk_profile import disk_bases, trace_disk
+from memfit.plan.fit import fit
+from memfit.plan.plan import parse_allow
+
+CFG = GPTConfig(layers=3, hidden=32, heads=2, vocab=128, seq=64)
+
+
+def test_a_plan_with_disk_blocks_runs_under_budget_with_the_plain_gradients(tmp_path):
+    torch.manual_seed(0)
+    model, x = GPT(CFG), torch.randint(0, 128, (4, 64))
+    plain = copy.deepcopy(model)
+    keep = trace_step(lambda: GPT(CFG), 4, 64, checkpoint="none").peak
+    disk = trace_step(lambda: GPT(CFG), 4, 64, checkpoint="none+offload:disk").peak
+    assert disk < keep
+    budget = (keep + disk) // 2
+    plan = fit(model, (x, x), budget=budget, allow=("offload-disk",))
+    assert any(a.offload == "disk" for a in plan.actions), to_string(plan.actions)
+    assert plan.measured_peak == plan.predicted_peak <= budget  # the full trace agrees with the composition
+    assert "device is CPU" in plan.summary() and "offload:disk" in plan.summary()
+    opt = plan.apply(model, lr=1e-3, spill_dir=str(tmp_path))
+    plain(x, x)[1].backward()
+    with memfit.track(model, opt) as tr:
+        for step in range(2):  # the second step holds optimizer state: the steady-state peak
+            with opt.autocast():
+                loss = model(x, x)[1]
+            opt.backward(loss)
+            if step == 0:
+                for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                    assert torch.equal(p.grad, q.grad), name
+            opt.step()
+    assert tr.peak_bytes <= budget < keep
+    from memfit.apply.checkpoint import applied
+
+    assert applied(model).store.stats.spilled_bytes > 0  # the bytes really went to spill files
+
+
+def test_cpu_device_default_leaves_out_host_offload():
+    assert "offload-cpu" not in parse_allow(None, "cpu") and "optimizer-offload" not in parse_allow(None, "cpu")
+    assert "offload-disk" in parse_allow(None, "cpu") and "offload-cpu" in parse_allow(None, "cuda")
+    assert "offload-cpu" in parse_allow("offload-cpu,recompute", "cpu")  # named: planned anyway
+
+
+def test_memfit_plan_allow_offload_disk(capsys):
+    from memfit.cli import main
+
+    spec = "gpt:layers=3,hidden=32,heads=2,vocab=128,seq=64"
+    keep = trace_step(parse_model(spec), 4, 64, checkpoint="none").peak
+    disk = trace_step(parse_model(spec), 4, 64, checkpoint="none+offload:disk").peak
+    assert main(["plan", spec, "--budget", str((keep + disk) // 2), "--batch", "4", "--seq", "64",
+                 "--allow", "offload-disk"]) == 0
+    out = capsys.readouterr().out
+    assert "offload:disk" in out.split("blocks (3):")[1].splitlines()[0]
+    assert "tracker's device accounting" in out
+
+
+@pytest.mark.slow
+def test_composed_disk_lists_equal_the_full_trace():
+    spec = parse_model("gpt:layers=6,hidden=64,heads=4,vocab=256,seq=128")
+    src = spec_source(spec, 8, 128)
+    allow = ("recompute", "selective", "offload-cpu", "offload-disk")
+    base = chain_profile(src, "32-true", "adamw", bases=_bases(allow))
+    dp = trace_disk(src, base, disk_bases(allow), "32-true", "adamw")
+    rng, kinds = random.Random(0), _bases(allow) + disk_bases(allow)
+    checked = 0
+    while checked < 8:
+        acts = [rng.choice(kinds) for _ in range(6)]
+        if not any(a.offload == "disk" for a in acts) or not dp.supports(acts):
+            continue
+        full = trace_step(spec, batch=8, seq=128, checkpoint=acts).peak
+        assert dp.peak_of(acts) == full, to_string(acts)
+        checked += 1
