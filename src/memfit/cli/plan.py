@@ -20,7 +20,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(p, "precision", default="32-true")
     add(p, "optimizer", default="adamw")
     p.add_argument("--allow", metavar="LIST", help="comma list of what the plan may use (default: recompute, selective, "
-                   "offload-cpu, offload-disk, accumulate, chunked-head, optimizer-offload)")
+                   "offload-cpu, offload-disk, accumulate, chunked-head, optimizer-offload; on a CPU device without "
+                   "offload-cpu and optimizer-offload, which save no physical memory there)")
     p.add_argument("--profile", action="store_true",
                    help="time blocks on this machine (memfit profile, cached) instead of the FLOP time model")
     p.add_argument("--no-verify", dest="verify", action="store_false",
