@@ -144,3 +144,20 @@ def test_disk_plan_lowers_physical_memory_on_cpu(tmp_path):
     plain, disk = got["none"], got[to_string(plan.actions)]
     assert disk["tracker"] <= plan.budget < plain["tracker"]
     assert disk["rss"] < plain["rss"] - (plain["tracker"] - plan.budget) // 2
+
+
+@pytest.mark.slow
+def test_composed_disk_lists_equal_the_full_trace_under_autocast():
+    """bf16-mixed: recomputed blocks' weight casts are freed at the end of the forward's autocast region."""
+    from memfit.apply.policy import parse_items
+
+    spec = parse_model("gpt:layers=4,hidden=64,heads=4,vocab=256,seq=64")
+    allow = ("recompute", "offload-disk")
+    src = spec_source(spec, 4, 64)
+    base = chain_profile(src, "bf16-mixed", "adamw", bases=_bases(allow), with_segments=False)
+    dp = trace_disk(src, base, disk_bases(allow), "bf16-mixed", "adamw")
+    for text in ("recompute+offload:disk,keep,recompute+offload:disk,recompute",
+                 "keep+offload:disk,recompute+offload:disk,keep,recompute+offload:disk",
+                 "recompute,recompute+offload:disk,keep+offload:disk,keep"):
+        acts = list(parse_items(text))
+        assert dp.peak_of(acts) == trace_step(spec, 4, 64, precision="bf16-mixed", checkpoint=acts).peak, text

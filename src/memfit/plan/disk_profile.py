@@ -131,8 +131,8 @@ class DiskProfile:
         extra = n - base.traced_blocks
         start = vadd(base.start, vscale(base.start_per_block, extra))
         counts: dict[str, int] = {}
-        for k in kinds:  # autocast's deferred frees: a disk kind frees what its cpu twin does
-            k = k.replace("offload:disk", "offload:cpu")
+        for k in kinds:  # autocast's deferred frees (weight casts, never saved): a disk kind's are its mode's
+            k = k.replace("+offload:disk", "")
             counts[k] = counts.get(k, 0) + 1
         seq = [base._part("pre_fwd", extra, counts), *fwd, base._part("post_fwd", extra, counts),
                base._part("post_bwd", extra, counts), *bwd[::-1], base._part("pre_bwd", extra, counts),
@@ -161,6 +161,8 @@ def walks(disk: Sequence[BlockAction], cpu: Sequence[BlockAction]) -> list[list[
     A walk m1..mr measures (m_i, read ahead iff i < r and disk, previous = m_{i-1} if disk): one long
     walk covers every read-ahead variant and every cpu kind after each disk kind; a disk kind read
     lazily must end a walk, so each (disk kind, previous) pair not yet measured gets a short walk."""
+    if not disk:
+        return []
     main: list[BlockAction] = []
     for p in disk:
         for x in cpu:
