@@ -62,7 +62,8 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
         base = prof.base if isinstance(prof, DiskProfile) else prof
         t_fwd = _block_seconds(base, problem.tokens(cand.micro_batch))
         cost = _cost(t_fwd, None, base)
-        dcost = disk_cost(prof, cost, t_fwd) if isinstance(prof, DiskProfile) else None
+        bw = getattr(getattr(problem, "costs", None), "bandwidth", None)
+        dcost = disk_cost(prof, cost, t_fwd, bw) if isinstance(prof, DiskProfile) else None
         _verify(problem, plan, prof, [*bases, *disk], cost, dcost)
     elif cand.offload_optimizer:
         plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
