@@ -161,3 +161,39 @@ def test_composed_disk_lists_equal_the_full_trace_under_autocast():
                  "recompute,recompute+offload:disk,keep+offload:disk,keep"):
         acts = list(parse_items(text))
         assert dp.peak_of(acts) == trace_step(spec, 4, 64, precision="bf16-mixed", checkpoint=acts).peak, text
+
+
+@pytest.mark.slow
+def test_solver_on_a_traced_profile_matches_exhaustive_search():
+    """The real profile (ends, read-ahead variants as traced): every list of 6 blocks over keep, recompute
+    and both disk kinds, against the solver at random budgets, with a disk rate that makes disk compete."""
+    import itertools
+
+    from memfit.plan.costs import _block_seconds, _cost
+    from memfit.plan.disk_plan import disk_cost
+    from memfit.plan.disk_profile import coupling
+    from memfit.plan.disk_solve import solve_with_disk
+
+    spec = parse_model("gpt:layers=6,hidden=64,heads=4,vocab=256,seq=128")
+    src, allow = spec_source(spec, 8, 128), ("recompute", "offload-disk")
+    base = chain_profile(src, "32-true", "adamw", bases=_bases(allow), with_segments=False)
+    dp = trace_disk(src, base, disk_bases(allow), "32-true", "adamw")
+    t_fwd = _block_seconds(base, 8 * 128)
+    cost = _cost(t_fwd, None, base)
+    dcost = disk_cost(dp, cost, t_fwd, {"disk": 3e9})
+    kinds = _bases(allow) + disk_bases(allow)
+
+    def time_of(acts):
+        pf = coupling(acts)
+        return sum(dcost(a, pf[i][0]) if a.offload == "disk" else cost(a, 1) for i, a in enumerate(acts))
+
+    scored = [(dp.peak_of(list(a)), time_of(list(a))) for a in itertools.product(kinds, repeat=6)]
+    lo, hi = min(p for p, _ in scored), max(p for p, _ in scored)
+    rng, disk_chosen = random.Random(1), 0
+    for _ in range(20):
+        budget = rng.randint(lo, hi)
+        got = solve_with_disk(dp, budget, kinds, cost, dcost, 6, 1)
+        assert got is not None and got.peak <= budget
+        assert got.time == pytest.approx(min(t for p, t in scored if p <= budget), abs=1e-12)
+        disk_chosen += any(a.offload == "disk" for a in got.actions)
+    assert disk_chosen >= 10
