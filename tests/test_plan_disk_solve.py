@@ -71,7 +71,7 @@ def list_cost(acts, costs) -> float:
                for i, a in enumerate(acts))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(data=st.data(), g=st.integers(0, 50), saved=st.tuples(
        st.integers(50, 200), st.integers(20, 120), st.integers(5, 30), st.integers(0, 40), st.integers(0, 5)),
        restore=st.tuples(st.integers(50, 250), st.integers(5, 30)),

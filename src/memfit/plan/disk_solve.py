@@ -107,36 +107,46 @@ def _dp(dp: DiskProfile, budget: int, bases: Sequence[BlockAction], cost: Cost, 
     pending: list[list[list]] = [[[] for _ in range(n_states)] for _ in range(n + 1)]
     zero = np.zeros(1, np.int64)
     fronts[0][FREE] = (zero, np.zeros(1), zero, zero, zero, zero)
+    # Per option, once: its time and the restore bytes its backward starts with (see the module doc).
+    fixed = [(disk_cost(b, pf) if (is_disk(b) and disk_cost is not None) else cost(b, k) * k,
+              restore[to] if (is_disk(b) and pf) else (restore[need] if not b.offload else 0))
+             for b, k, pf, need, to, prev in options]
     shapes: dict[tuple, tuple] = {}
     for i in range(n):
         if i > 0:
             fronts[i] = [_reduce6(p) for p in pending[i]]
+        later = budget - c0 - head_net - (n - i) * g
         for o, (b, k, pf, need, to, prev) in enumerate(options):
             front = fronts[i][need]
             if front is None or i + k > n:
                 continue
             ckey = (o, i == 0, i + k == n)
-            if ckey not in shapes:
-                shapes[ckey] = _shape(*_decision(dp, b, k, pf, prev, i, n))
-            worst_f, delta, worst_b, _ = shapes[ckey]
-            offset = restore[to] if (is_disk(b) and pf) else (restore[need] if not b.offload else 0)
-            limit = budget - c0 - max(worst_f, delta + head_net + (n - i - k) * g + offset + worst_b)
-            F, T = front[0], front[1]
-            m = int(np.searchsorted(F, limit, side="right"))
+            got = shapes.get(ckey)
+            if got is None:
+                got = shapes[ckey] = _shape(*_decision(dp, b, k, pf, prev, i, n))
+            worst_f, delta, worst_b, _ = got
+            t, offset = fixed[o]
+            # budget - c0 - max(worst_f, delta + head_net + (n - i - k) * g + offset + worst_b)
+            limit = min(budget - c0 - worst_f, later + k * g - delta - offset - worst_b)
+            F = front[0]
+            m = int(F.searchsorted(limit, side="right"))
             if m:
-                t = disk_cost(b, pf) if (is_disk(b) and disk_cost is not None) else cost(b, k) * k
-                pending[i + k][to].append((F[:m] + delta, T[:m] + t, np.full(m, i, np.int64),
-                                           np.arange(m, dtype=np.int64), np.full(m, o, np.int64),
-                                           np.full(m, need, np.int64)))
+                pending[i + k][to].append((F[:m] + delta, front[1][:m] + t, i, o, need))
     fronts[n] = [_reduce6(p) for p in pending[n]]
     return _best(fronts, options, n, c0, post_f, post_b, budget)
 
 
 def _reduce6(parts: list[tuple]):
-    """solve._reduce for rows that also carry the state they came from."""
+    """Merge candidate rows (F, T, from block, option, from state; a prefix of that state's front each)
+    into a Pareto front with back-pointers (solve._reduce, plus the state each row came from)."""
     if not parts:
         return None
-    F, T, si, sx, op, st = (np.concatenate(c) for c in zip(*parts))
+    F = np.concatenate([p[0] for p in parts])
+    T = np.concatenate([p[1] for p in parts])
+    lens = np.fromiter((len(p[0]) for p in parts), np.int64, len(parts))
+    meta = np.array([p[2:] for p in parts], np.int64)
+    si, op, st = (np.repeat(meta[:, c], lens) for c in range(3))
+    sx = np.arange(len(F), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
     order = np.lexsort((T, F))
     F, T = F[order], T[order]
     keep = np.empty(len(F), bool)
