@@ -12,11 +12,10 @@ vocabulary pass recomputes the logits; memfit.apply.chunked_head) plus the softm
 and saves the plain head's fresh N x vocab allocations: EXTRA_GEMMS of a head GEMM in all. Each
 token chunk streams the whole head weight through two GEMMs again: CHUNK_TOKENS tokens' worth of a
 head GEMM per chunk, which ranks fewer chunks first among plans that are otherwise the same. Both
-constants are fitted to the process CPU times of bench/chunked_head.py (docs/planner.md), relative to
-the head GEMM's own time there (the FLOP model times `speed`, the machine's measured rate); with a
-measured profile the FLOP model is scaled to this machine (`speed`); a profile that times the chunked
-head itself can rescale the figure to that measurement (only the ratio between chunk counts is then
-this model's).
+constants are fitted to the process CPU times of bench/chunked_head.py (docs/planner.md), counted in
+head GEMMs at the rate the plain head's GEMMs ran there; the FLOP model gives a head GEMM's seconds,
+scaled to this machine by `speed` when a profile is given. A profile that times the chunked head
+itself can rescale the figure to its measurement (this model then gives the ratio between counts).
 """
 from __future__ import annotations
 
