@@ -17,7 +17,6 @@ TRAFFIC["p2p_send"] where the stage builds them.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterable
 
 import torch
@@ -25,12 +24,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memfit.apply.optimizer import StepResult, TrainingOptimizer
-from memfit.apply.precision import precision_mode
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
+from memfit.distributed.mp_optimizer import ModelParallelOptimizer
 from memfit.distributed.stages import cut_to_stage, mark_tied, stage_sizes, tied_weight
-from memfit.distributed.wrapped import WrapsTrainingOptimizer
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -69,24 +66,16 @@ def _counted(ops: list) -> list:
     return ops
 
 
-class PipelineOptimizer(WrapsTrainingOptimizer):
+class PipelineOptimizer(ModelParallelOptimizer):
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None,
                  spill_dir: str | None = None, *, microbatches: int | None = None, schedule: str = "1f1b",
-                 group=None, **kw: Any) -> None:
+                 group=None, loss_scale: Any = None, **kw: Any) -> None:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         from memfit.apply.checkpoint import applied, checkpoint as apply_checkpoint, remove
 
-        if offload not in (None, "none"):
-            raise ConfigError("optimizer offload with --strategy pipeline is not supported (the tied embedding's "
-                              "gradient is summed across stages at the step); use --strategy zero1-3")
-        if precision_mode(precision).loss_scaling:
-            raise ConfigError(f"--precision {precision} needs fp16 loss scaling, which --strategy pipeline does "
-                              "not coordinate across stages; use 32-true, bf16-true or bf16-master")
-        if clip is not None and not clip > 0:
-            raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
-        self.group, self.clip = group, clip
+        self.group = group
         self.rank, self.stages = dist.get_rank(group), dist.get_world_size(group)
         self.microbatches, self.schedule_name = microbatches or self.stages, schedule
         check_pipeline(len(model.blocks), self.stages, self.microbatches, self.microbatches, schedule)
@@ -99,11 +88,11 @@ class PipelineOptimizer(WrapsTrainingOptimizer):
         if actions is not None:
             apply_checkpoint(self.stage_module, [actions[i] for i in own], blocks=self.stage_module.blocks,
                              spill_dir=spill_dir)
-        self.inner = TrainingOptimizer(self.stage_module, optimizer, lr=lr, weight_decay=weight_decay,
-                                       precision=precision, clip=None, **kw)
-        self.precision, self.mode, self.scaler = self.inner.precision, self.inner.mode, None
         self.model, self.tracked_module = model, self.stage_module
+        self._make_inner(self.stage_module, list(model.named_parameters()), optimizer, lr, weight_decay, precision,
+                         clip, offload, spill_dir, loss_scale, kw)
         self.tied = tied_weight(self.stage_module)
+        self.tied_names = self.tied is not None  # the last stage's head.weight is the first's tok.weight
         self.tied_group = None
         if self.tied is not None or self.stages > 2:  # new_group is collective: every rank joins the call
             ranks = [0, self.stages - 1]
@@ -117,7 +106,7 @@ class PipelineOptimizer(WrapsTrainingOptimizer):
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-1,
                                reduction="sum")
-        return loss / self._total
+        return self.scaled(loss / self._total)
 
     # ------------------------------------------------------------------ the step
     def run_batch(self, x: torch.Tensor, y: torch.Tensor, total: float) -> float:
@@ -132,7 +121,8 @@ class PipelineOptimizer(WrapsTrainingOptimizer):
         target = y if self.rank == self.stages - 1 else None
         with self.inner.autocast():
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        return float(sum(float(t.detach()) for t in losses)) * total
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        return float(sum(float(t.detach()) for t in losses)) * total / scale
 
     def accumulate_step(self, micro: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_sum: Any = None):
         """The train loop's step: (global mean loss, global tokens, StepResult). Every rank holds the
@@ -143,21 +133,19 @@ class PipelineOptimizer(WrapsTrainingOptimizer):
         result = self.step()
         return comm.control_sum([running], group=self.group)[0] / total, int(total), result
 
-    def step(self) -> StepResult:
-        params = [p for p in self.stage_module.parameters() if p.grad is not None]
+    def _reduce_grads(self) -> None:
         if self.tied is not None and self.tied.grad is not None:
             comm.all_reduce(self.tied.grad, group=self.tied_group)
-        norm = None
-        if self.clip is not None:
-            # The tied matrix's gradient is on two stages after the sum; count it once (on the first).
-            own = [p for p in params if not (p is self.tied and self.rank != 0)]
-            sq = float(sum(float(p.grad.float().pow(2).sum()) for p in own))
-            norm = math.sqrt(comm.control_sum([sq], group=self.group)[0])
-            factor = min(1.0, self.clip / (norm + 1e-6))
-            if factor < 1.0:
-                torch._foreach_mul_([p.grad for p in params], factor)
-        self.inner.step()
-        return StepResult(stepped=True, grad_norm=norm)
+
+    def _norm_weights(self) -> list[float]:
+        # The tied matrix's gradient is on two stages after the sum; count it once (on the first).
+        return [0.0 if (p is self.tied and self.rank != 0) else 1.0 for p in self.params]
+
+    def checkpoint_parts(self, i: int, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        from memfit.distributed.parallel_checkpoint import fused_sizes
+
+        sizes = fused_sizes(self.model, self.names[i])
+        return {"": t} if sizes is None else {f".part{k}": part for k, part in enumerate(t.split(sizes))}
 
     # ------------------------------------------------------------------ evaluation and state
     @torch.no_grad()
@@ -175,6 +163,7 @@ class PipelineOptimizer(WrapsTrainingOptimizer):
                 with self.inner.autocast():
                     out = self.stage_module(h)
                 if self.rank < self.stages - 1:
+                    out = out.to(self.mode.param_dtype)  # what the schedule sends: the stages agree on it
                     comm.TRAFFIC.add("p2p_send", out.numel() * out.element_size())
                     dist.send(out.contiguous(), self.rank + 1, group=self.group)
                 else:
@@ -189,8 +178,7 @@ class PipelineOptimizer(WrapsTrainingOptimizer):
 
     def _recv_like(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.model.cfg
-        dtype = torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
-        buf = torch.empty(x.shape[0], x.shape[1], cfg.hidden, dtype=dtype, device=x.device)
+        buf = torch.empty(x.shape[0], x.shape[1], cfg.hidden, dtype=self.mode.param_dtype, device=x.device)
         dist.recv(buf, self.rank - 1, group=self.group)
         return buf
 

@@ -198,7 +198,9 @@ def save_states(opt, model: nn.Module, run_dir: Path, step: int) -> dict[str, to
     it, names the folder, so a crash between the two leaves the previous pair intact); returns the
     full model state dict. checkpoint.pt holds it with rank 0's optimizer state: all of it for ddp
     and ps, whose rank 0 has the whole state."""
-    if getattr(opt, "engine", None) is not None:
+    if hasattr(opt, "save_sharded"):  # pipeline, tensor: memfit.distributed.parallel_checkpoint
+        opt.save_sharded(run_dir / f"{SHARDED}-{step}")
+    elif getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import save_sharded
 
         save_sharded(opt, run_dir / f"{SHARDED}-{step}")
@@ -217,14 +219,15 @@ def prune_sharded(run_dir: Path, step: int) -> None:
 def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
     """Resume: ZeRO reads weights and optimizer slices from the checkpoint's sharded-<step> folder
     (any world size); ddp and ps load checkpoint.pt's model and optimizer state on every rank."""
-    if getattr(opt, "engine", None) is not None:
+    sharded = hasattr(opt, "load_sharded")  # pipeline, tensor
+    if sharded or getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import load_sharded
 
         folder = run_dir / f"{SHARDED}-{checkpoint['step']}"
         if not folder.exists():
-            raise ConfigError(f"{run_dir} has no {folder.name}/: it was not written by a zero1-3 run; "
-                              "resume it with the strategy it was written with")
-        load_sharded(opt, folder)
+            raise ConfigError(f"{run_dir} has no {folder.name}/: it was not written by a zero1-3, pipeline or "
+                              "tensor run; resume it with the strategy it was written with")
+        opt.load_sharded(folder) if sharded else load_sharded(opt, folder)
         return
     model.load_state_dict(checkpoint["model"])
     if checkpoint["optimizer"].get("stage") is not None:

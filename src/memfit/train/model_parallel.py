@@ -13,11 +13,9 @@ from memfit.core.errors import ConfigError
 def precheck_model_parallel(cfg: Any, world: int | None, resuming: bool) -> None:
     from memfit.models.spec import parse_model
 
-    if resuming:
-        raise ConfigError(f"--resume is not supported with --strategy {cfg.strategy} yet (its optimizer state "
-                          "is split by stage or shard); start a new run")
-    if cfg.offload_optimizer != "none":
-        raise ConfigError(f"--offload-optimizer with --strategy {cfg.strategy} is not supported; use zero1-3")
+    if cfg.offload_optimizer == "disk":
+        raise ConfigError(f"--offload-optimizer disk with --strategy {cfg.strategy} is not supported (its "
+                          "checkpoints are not written); use --offload-optimizer cpu")
     config = getattr(parse_model(cfg.model), "config", None)
     if config is None or not hasattr(config, "layers"):
         raise ConfigError(f"--strategy {cfg.strategy} needs memfit's GPT (a gpt:/llama: spec or a known name), "
