@@ -66,6 +66,25 @@ def _counted(ops: list) -> list:
     return ops
 
 
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+                 "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+@contextlib.contextmanager
+def _no_global_module_hooks():
+    """nn.Module's global hooks set aside (torch.nn.modules.module reads them at each call)."""
+    import torch.nn.modules.module as m
+
+    saved = {name: getattr(m, name) for name in _GLOBAL_HOOKS if hasattr(m, name)}
+    for name, hooks in saved.items():
+        setattr(m, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(m, name, hooks)
+
+
 class PipelineOptimizer(ModelParallelOptimizer):
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None,
@@ -120,9 +139,20 @@ class PipelineOptimizer(ModelParallelOptimizer):
         args = (x,) if self.rank == 0 else ()
         target = y if self.rank == self.stages - 1 else None
         with self.inner.autocast():
+            if not self.schedule._stage_backward_initialized:
+                self._initialize(x, target)
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         return float(sum(float(t.detach()) for t in losses)) * total / scale
+
+    def _initialize(self, x: torch.Tensor, target: torch.Tensor | None) -> None:
+        """torch infers the stages' shapes on the first step with one forward and an autograd.grad;
+        module hooks a memory tracker set (multi-grad hooks, which autograd.grad refuses) must not
+        see it. A resumed run's first step is the tracked one, so this runs without global hooks."""
+        rows = x.shape[0] // self.microbatches
+        args = (x[:rows],) if self.rank == 0 else ()
+        with _no_global_module_hooks():
+            self.schedule._initialize_stage(args, {}, None if target is None else target[:rows])
 
     def accumulate_step(self, micro: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_sum: Any = None):
         """The train loop's step: (global mean loss, global tokens, StepResult). Every rank holds the
