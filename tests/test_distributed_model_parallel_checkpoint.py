@@ -21,9 +21,12 @@ pytestmark = pytest.mark.multiproc
 
 CFG = dict(layers=2, hidden=32, heads=4, vocab=64, seq=16)
 GLOBAL_BATCH, STEPS, SAVED_AT = 4, 4, 2
-# Against one process on the same global batches: fp32 reassociation only (1e-5, see
-# tests/test_distributed_pipeline.py); fp16 (16-master) 2e-3 (test_distributed_model_parallel_precision.py).
-TOL = {"32-true": 1e-5, "16-master": 2e-3}
+# Against one process on the same global batches. fp32: reassociation only (the stages and TP ranks
+# add the same sums in another order, ~1e-7 relative per reduction), but over 4 AdamW steps at lr 1e-2
+# the normalised update amplifies it where second moments are small: observed up to 1.0e-5 relative
+# at step 4 (1e-5 suffices over the 3 steps of test_distributed_pipeline.py), so 5e-5. fp16
+# (16-master): 2e-3, as in test_distributed_model_parallel_precision.py.
+TOL = {"32-true": 5e-5, "16-master": 2e-3}
 
 
 def _work(rank: int, world: int, strategy: str, options: dict, path: str, load: bool, precision: str,
