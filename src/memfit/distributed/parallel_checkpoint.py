@@ -26,18 +26,6 @@ from memfit.core.errors import ConfigError
 _SCALER = ("scale", "clean_steps", "overflows_in_a_row", "hysteresis_left", "skipped_steps")
 
 
-def fused_sizes(gpt, name: str) -> list[int] | None:
-    """Full-size row groups of a fused matrix or bias (None for an unfused parameter)."""
-    from memfit.distributed.tensor_parallel import _fused
-
-    if not name.startswith("blocks."):
-        return None
-    i, _, leaf = name[len("blocks."):].partition(".")
-    block = gpt.blocks[int(i)]
-    groups = getattr(block, "_memfit_fused", None) or _fused(block)
-    return groups.get(leaf.rsplit(".", 1)[0])
-
-
 def _states(opt, create: dict[str, torch.dtype] | None = None) -> list[tuple[torch.Tensor | None, dict]]:
     """Per parameter: its master weight (None: the weights are the master) and its optimizer state.
     `create`: state names and dtypes to make where the optimizer has none yet (before loading)."""

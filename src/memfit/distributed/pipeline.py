@@ -172,7 +172,7 @@ class PipelineOptimizer(ModelParallelOptimizer):
         return [0.0 if (p is self.tied and self.rank != 0) else 1.0 for p in self.params]
 
     def checkpoint_parts(self, i: int, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        from memfit.distributed.parallel_checkpoint import fused_sizes
+        from memfit.distributed.fused import fused_sizes
 
         sizes = fused_sizes(self.model, self.names[i])
         return {"": t} if sizes is None else {f".part{k}": part for k, part in enumerate(t.split(sizes))}

@@ -28,6 +28,7 @@ import torch.nn as nn
 from memfit.apply.precision import cast_model, precision_mode
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
+from memfit.distributed.fused import fused_groups
 from memfit.distributed.mp_optimizer import ModelParallelOptimizer, local
 
 
@@ -39,16 +40,6 @@ def check_tensor(heads: int, kv_heads: int, world: int, tp: int) -> None:
     if heads % tp or kv_heads % tp:
         raise ConfigError(f"a TP degree of {tp} does not divide the model's {heads} attention heads "
                           f"({kv_heads} key/value heads); use --tp dividing both, or another --nproc")
-
-
-def _fused(block: nn.Module) -> dict[str, list[int]]:
-    """Row groups of the fused column-parallel matrices: qkv = [q; k; v], SwiGLU fc = [gate; up]."""
-    a = block.attn
-    out = {"attn.qkv": [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim]}
-    if block.mlp.swiglu:
-        half = block.mlp.fc.out_features // 2
-        out["mlp.fc"] = [half, half]
-    return out
 
 
 def interleave(t: torch.Tensor, sizes: list[int], tp: int) -> torch.Tensor:
@@ -70,12 +61,12 @@ def shard_gpt(gpt: nn.Module, tp_mesh) -> None:
     tp = tp_mesh.size()
     for block in gpt.blocks:
         with torch.no_grad():
-            for name, sizes in _fused(block).items():
+            for name, sizes in fused_groups(block).items():
                 lin = block.get_submodule(name)
                 lin.weight.copy_(interleave(lin.weight, sizes, tp))
                 if lin.bias is not None:
                     lin.bias.copy_(interleave(lin.bias, sizes, tp))
-        block._memfit_fused = _fused(block)  # full-size groups, for the full state dict
+        block._memfit_fused = fused_groups(block)  # full-size groups, for the full state dict
         block.attn.heads //= tp
         block.attn.kv_heads //= tp
         parallelize_module(block, tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
@@ -162,7 +153,7 @@ class TensorParallelOptimizer(ModelParallelOptimizer):
         part (rank r holds chunk r of q, of k and of v), so any TP degree reads them back."""
         from torch.distributed.tensor import DTensor, Shard
 
-        from memfit.distributed.parallel_checkpoint import fused_sizes
+        from memfit.distributed.fused import fused_sizes
 
         p = self.params[i]
         if not _is_shard(p):
