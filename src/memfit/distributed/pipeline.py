@@ -89,13 +89,15 @@ class PipelineOptimizer(ModelParallelOptimizer):
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None,
                  spill_dir: str | None = None, *, microbatches: int | None = None, schedule: str = "1f1b",
-                 group=None, loss_scale: Any = None, **kw: Any) -> None:
+                 dp: int = 1, group=None, loss_scale: Any = None, **kw: Any) -> None:
+        """dp: data-parallel replicas of the pipeline (world = dp x stages; rank = replica x stages + stage)."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         from memfit.apply.checkpoint import applied, checkpoint as apply_checkpoint, remove
 
-        self.group = group
-        self.rank, self.stages = dist.get_rank(group), dist.get_world_size(group)
+        if group is not None:
+            raise ConfigError("--strategy pipeline runs on the whole world (group=None); use dp= for replicas")
+        self._mesh(dp, next(model.parameters()).device)
         self.microbatches, self.schedule_name = microbatches or self.stages, schedule
         check_pipeline(len(model.blocks), self.stages, self.microbatches, self.microbatches, schedule)
         policy = applied(model)
@@ -114,13 +116,40 @@ class PipelineOptimizer(ModelParallelOptimizer):
         self.tied_names = self.tied is not None  # the last stage's head.weight is the first's tok.weight
         self.tied_group = None
         if self.tied is not None or self.stages > 2:  # new_group is collective: every rank joins the call
-            ranks = [0, self.stages - 1]
-            self.tied_group = group if self.stages == 2 else dist.new_group(ranks)
+            for d in range(self.dp):  # each replica's first and last stage
+                g = (self.pp_group if self.stages == 2 and self.dp == 1 else
+                     dist.new_group([d * self.stages, (d + 1) * self.stages - 1]))
+                self.tied_group = g if d == self.dp_rank else self.tied_group
         device = next(self.stage_module.parameters()).device
-        self.stage = _stage_class()(self.stage_module, self.rank, self.stages, device, group=group)
+        self.stage = _stage_class()(self.stage_module, self.rank, self.stages, device, group=self.pp_group)
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(self.stage, self.microbatches, loss_fn=self._loss, scale_grads=False)
         self._total = 1.0
+
+    def _mesh(self, dp: int, device: torch.device) -> None:
+        """This rank's stage, its replica and the groups: the world (the step's scalars), the
+        pipeline's (P2P between stages) and, with dp > 1, the stage's replicas (gradients)."""
+        world = dist.get_world_size()
+        if dp < 1 or world % dp:
+            raise ConfigError(f"{dp} pipeline replicas do not divide the world of {world} processes; "
+                              f"use a dp dividing {world} (stages = world / dp)")
+        self.group, self.dp, self.stages = None, dp, world // dp
+        self.pp_group, self.dp_group, self.dp_rank = None, None, 0
+        self.rank = dist.get_rank()
+        if dp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (dp, self.stages), mesh_dim_names=("dp", "pp"))
+            self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+            self.rank, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+
+    def data_rows(self, batch: int) -> slice:
+        """This replica's rows of a global batch (every stage of a replica takes the same)."""
+        if batch % self.dp:
+            raise ConfigError(f"a global batch of {batch} sequences does not split over {self.dp} pipeline "
+                              f"replicas; use a batch divisible by {self.dp}")
+        per = batch // self.dp
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-1,
@@ -158,7 +187,8 @@ class PipelineOptimizer(ModelParallelOptimizer):
         """The train loop's step: (global mean loss, global tokens, StepResult). Every rank holds the
         whole global batch, so the token count needs no communication."""
         micro = list(micro)
-        total = max(float(sum((y != -1).sum() for _, y in micro)), 1.0)
+        total = float(sum((y != -1).sum() for _, y in micro))
+        total = max(comm.control_sum([total], group=self.dp_group)[0] if self.dp > 1 else total, 1.0)
         running = sum(self.run_batch(x, y, total) for x, y in micro)
         result = self.step()
         return comm.control_sum([running], group=self.group)[0] / total, int(total), result
@@ -166,10 +196,15 @@ class PipelineOptimizer(ModelParallelOptimizer):
     def _reduce_grads(self) -> None:
         if self.tied is not None and self.tied.grad is not None:
             comm.all_reduce(self.tied.grad, group=self.tied_group)
+        if self.dp > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    comm.all_reduce(p.grad, group=self.dp_group)
 
     def _norm_weights(self) -> list[float]:
         # The tied matrix's gradient is on two stages after the sum; count it once (on the first).
-        return [0.0 if (p is self.tied and self.rank != 0) else 1.0 for p in self.params]
+        # With dp replicas the (equal, reduced) gradients are on every replica: 1/dp each.
+        return [0.0 if (p is self.tied and self.rank != 0) else 1.0 / self.dp for p in self.params]
 
     def checkpoint_parts(self, i: int, t: torch.Tensor) -> dict[str, torch.Tensor]:
         from memfit.distributed.fused import fused_sizes
@@ -195,13 +230,17 @@ class PipelineOptimizer(ModelParallelOptimizer):
                 if self.rank < self.stages - 1:
                     out = out.to(self.mode.param_dtype)  # what the schedule sends: the stages agree on it
                     comm.TRAFFIC.add("p2p_send", out.numel() * out.element_size())
-                    dist.send(out.contiguous(), self.rank + 1, group=self.group)
+                    dist.send(out.contiguous(), self._peer(self.rank + 1))
                 else:
                     total += float(self._loss_sum(out, y))
                 count += float((y != -1).sum())
         finally:
             self.stage_module.train(was)
-        return comm.control_sum([total], group=self.group)[0] / max(count, 1.0)
+        return comm.control_sum([total], group=self.pp_group)[0] / max(count, 1.0)
+
+    def _peer(self, stage: int) -> int:
+        """The global rank of this replica's `stage`."""
+        return self.dp_rank * self.stages + stage
 
     def _loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction="sum")
@@ -209,14 +248,14 @@ class PipelineOptimizer(ModelParallelOptimizer):
     def _recv_like(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.model.cfg
         buf = torch.empty(x.shape[0], x.shape[1], cfg.hidden, dtype=self.mode.param_dtype, device=x.device)
-        dist.recv(buf, self.rank - 1, group=self.group)
+        dist.recv(buf, self._peer(self.rank - 1))
         return buf
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The whole GPT's state dict on every rank: the union of the stages' (original names)."""
         mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         everyone: list[Any] = [None] * self.stages
-        dist.all_gather_object(everyone, mine, group=self.group)
+        dist.all_gather_object(everyone, mine, group=self.pp_group)
         return {k: v for part in everyone for k, v in part.items()}
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:

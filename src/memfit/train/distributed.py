@@ -120,7 +120,7 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
 
 def strategy_options(cfg: Any) -> dict:
     if cfg.strategy == "pipeline":
-        return {"microbatches": cfg.microbatches, "schedule": cfg.schedule}
+        return {"microbatches": cfg.microbatches, "schedule": cfg.schedule, "dp": cfg.dp}
     return {"tp": cfg.tp} if cfg.strategy == "tensor" else {}
 
 
@@ -128,8 +128,9 @@ def rank_sampler(ctx: DistContext, data: torch.Tensor, cfg: Any) -> "RankSampler
     """This rank's sampler: its rows for the data-parallel strategies; the whole global batch on
     every pipeline stage; its replica's rows for tensor (all TP ranks of a replica read the same)."""
     batch, rank, world = cfg.batch, ctx.rank, ctx.world
-    if ctx.strategy == "pipeline":
-        batch, rank, world = cfg.batch * ctx.world, 0, 1
+    if ctx.strategy == "pipeline":  # the replica's rows on each of its stages
+        stages = ctx.world // cfg.dp
+        batch, rank, world = cfg.batch * stages, ctx.rank // stages, cfg.dp
     elif ctx.strategy == "tensor":
         tp = cfg.tp or ctx.world
         batch, rank, world = cfg.batch * tp, ctx.rank // tp, ctx.world // tp

@@ -25,7 +25,11 @@ def precheck_model_parallel(cfg: Any, world: int | None, resuming: bool) -> None
     if cfg.strategy == "pipeline":
         from memfit.distributed.pipeline import check_pipeline
 
-        check_pipeline(config.layers, world, cfg.batch * world, cfg.microbatches or world, cfg.schedule)
+        if world % cfg.dp:
+            raise ConfigError(f"--dp {cfg.dp} does not divide the {world} processes; use a --dp dividing "
+                              f"--nproc (stages = nproc / dp)")
+        stages = world // cfg.dp
+        check_pipeline(config.layers, stages, cfg.batch * stages, cfg.microbatches or stages, cfg.schedule)
     else:
         from memfit.distributed.tensor_parallel import check_tensor
 
