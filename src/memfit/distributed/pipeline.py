@@ -13,6 +13,11 @@ What must see every stage: clipping (the squared norms of the stages are summed 
 of scalars) and, with tied embeddings, the shared matrix's gradient (summed between the first and
 the last stage). Activations and their gradients cross stages by P2P sends, counted per rank in
 TRAFFIC["p2p_send"] where the stage builds them.
+
+With `dp=R` the world holds R replicas of the pipeline on a 2-D mesh (rank = replica x stages +
+stage): each replica reads its rows of the global batch (`data_rows`) and the stages' gradients are
+summed over the replicas at the step. The step itself (fp16 loss scaling with one overflow check
+for all ranks, clipping, optimizer offload) is memfit.distributed.mp_optimizer's.
 """
 from __future__ import annotations
 

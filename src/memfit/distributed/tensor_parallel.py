@@ -14,7 +14,9 @@ only reorders the fused matrices so that each rank's contiguous slice holds its 
 
 Across the "dp" dimension the replicas take contiguous rows of the global batch; each gradient
 (a TP shard or a replicated tensor) is sum-all-reduced over the dp group at the step. Clipping
-uses the global norm (shard norms summed over TP, replicated ones counted once).
+uses the global norm (shard norms summed over TP, replicated ones counted once). The step (fp16
+loss scaling with one overflow check for all ranks, optimizer offload of each rank's shards,
+checkpoints) is memfit.distributed.mp_optimizer's.
 """
 from __future__ import annotations
 
