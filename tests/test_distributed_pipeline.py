@@ -107,6 +107,15 @@ def test_torch_pipelining_and_dtensor_interfaces_memfit_relies_on():
         assert list(inspect.signature(getattr(PipelineStage, name)).parameters)[1:] in (["fwd_chunk_id"],
                                                                                         ["bwd_chunk_id"])
     assert "_local_tensor" in DTensor.__slots__
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    import torch.nn.modules.module as module
+
+    assert list(inspect.signature(PipelineScheduleSingle._initialize_stage).parameters)[:4] == [
+        "self", "args", "kwargs", "target"]
+    assert "_stage_backward_initialized" in inspect.getsource(PipelineScheduleSingle.__init__)
+    from memfit.distributed.pipeline import _GLOBAL_HOOKS
+
+    assert all(isinstance(getattr(module, name), dict) for name in _GLOBAL_HOOKS)
     for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
         assert getattr(torch.ops._c10d_functional, op).default.namespace == "_c10d_functional"
 
