@@ -98,9 +98,17 @@ def test_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, strategy, 
     part = tmp_path / "part"
     run_world(_train_rank, 2, args=({**cfg, "out": str(part)}, 2, None), timeout_s=300)
     assert json.loads((part / "metrics.json").read_text())["steps"]["step"][-1] == 2
-    # A save that died half-way: a newer folder without checkpoint.pt naming it is never read.
-    shutil.copytree(part / "sharded-2", part / "sharded-3")
-    next(p for p in (part / "sharded-3").iterdir() if p.suffix == ".distcp").write_bytes(b"torn")
+    # The periodic and the final save at step 2 went to two folders (never one over the other); the
+    # newest complete one is kept. A save that died half-way (no .metadata: DCP renames it into place
+    # last) at the same step, or a folder of a step checkpoint.pt does not name, is never read.
+    from memfit.train.distributed import complete_folder
+
+    good = complete_folder(part, 2)
+    assert [p.name for p in part.glob("sharded-*")] == [good.name] == ["sharded-2.1"]
+    for torn in ("sharded-2.9", "sharded-3"):
+        shutil.copytree(good, part / torn)
+        next(p for p in (part / torn).iterdir() if p.suffix == ".distcp").write_bytes(b"torn")
+    (part / "sharded-2.9" / ".metadata").unlink()
     resumed = run_world(_train_rank, 2, args=(cfg, None, str(part)), timeout_s=300)
     assert len(whole[0]) == len(resumed[0]) == 4
     # The same arithmetic in the same order on the same ranks: equal up to float printing.

@@ -200,20 +200,43 @@ def save_states(opt, model: nn.Module, run_dir: Path, step: int) -> dict[str, to
     full model state dict. checkpoint.pt holds it with rank 0's optimizer state: all of it for ddp
     and ps, whose rank 0 has the whole state."""
     if hasattr(opt, "save_sharded"):  # pipeline, tensor: memfit.distributed.parallel_checkpoint
-        opt.save_sharded(run_dir / f"{SHARDED}-{step}")
+        opt.save_sharded(_fresh_folder(run_dir, step))
     elif getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import save_sharded
 
-        save_sharded(opt, run_dir / f"{SHARDED}-{step}")
+        save_sharded(opt, _fresh_folder(run_dir, step))
     return model_state(opt, model)
+
+
+def _fresh_folder(run_dir: Path, step: int) -> Path:
+    """sharded-<step>, or sharded-<step>.<n> when that exists (a second save at the same step, such
+    as the final one after a periodic one): a save never overwrites a folder checkpoint.pt may name,
+    so a save that dies half-way tears only its own folder. Rank 0 picks; every rank uses its pick."""
+    import torch.distributed as dist
+
+    folder, n = run_dir / f"{SHARDED}-{step}", 0
+    while folder.exists():
+        n += 1
+        folder = run_dir / f"{SHARDED}-{step}.{n}"
+    box = [str(folder)]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def complete_folder(run_dir: Path, step: int) -> Path | None:
+    """The newest complete folder saved at `step` (DCP renames its .metadata into place last)."""
+    done = [f for f in run_dir.glob(f"{SHARDED}-{step}*")
+            if f.name.split(".")[0] == f"{SHARDED}-{step}" and (f / ".metadata").exists()]
+    return max(done, key=lambda f: (f / ".metadata").stat().st_mtime_ns) if done else None
 
 
 def prune_sharded(run_dir: Path, step: int) -> None:
     """Rank 0, after checkpoint.pt names sharded-<step>: remove the older folders."""
     import shutil
 
+    keep = complete_folder(run_dir, step)
     for old in run_dir.glob(f"{SHARDED}-*"):
-        if old.name != f"{SHARDED}-{step}":
+        if old != keep:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -224,10 +247,10 @@ def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
     if sharded or getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import load_sharded
 
-        folder = run_dir / f"{SHARDED}-{checkpoint['step']}"
-        if not folder.exists():
-            raise ConfigError(f"{run_dir} has no {folder.name}/: it was not written by a zero1-3, pipeline or "
-                              "tensor run; resume it with the strategy it was written with")
+        folder = complete_folder(run_dir, checkpoint["step"])
+        if folder is None:
+            raise ConfigError(f"{run_dir} has no {SHARDED}-{checkpoint['step']}/: it was not written by a zero1-3, "
+                              "pipeline or tensor run; resume it with the strategy it was written with")
         opt.load_sharded(folder) if sharded else load_sharded(opt, folder)
         return
     model.load_state_dict(checkpoint["model"])
