@@ -41,6 +41,9 @@ def precheck(cfg: Any, resuming: bool = False, world: int | None = None) -> None
 
     strategy = check_strategy(cfg.strategy)
     world = world or int(os.environ.get("WORLD_SIZE", 0)) or None
+    if getattr(cfg, "dp", 1) != 1 and strategy != "pipeline":
+        raise ConfigError(f"--dp sets the replicas of --strategy pipeline; with --strategy {strategy} leave it out "
+                          "(tensor: --tp sets dp = nproc / tp)")
     if strategy in ("pipeline", "tensor"):
         from memfit.train.model_parallel import precheck_model_parallel
 
