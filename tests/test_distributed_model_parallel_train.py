@@ -50,9 +50,27 @@ def test_pipeline_and_tensor_runs_match_one_process(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--strategy", "pipeline", "--model", "gpt:layers=1,hidden=32,heads=2,vocab=256,seq=32"], "need at least 2 blocks"),
     (["--strategy", "pipeline", "--microbatches", "3"], "does not split into 3 micro-batches"),
+    (["--strategy", "pipeline", "--dp", "3"], "--dp 3 does not divide the 2 processes"),
+    (["--strategy", "zero2", "--dp", "2"], "--dp sets the replicas of --strategy pipeline"),
     (["--strategy", "tensor", "--model", "gpt:layers=2,hidden=24,heads=3,vocab=256,seq=32"], "does not divide"),
 ])
 def test_impossible_model_parallel_configs_fail_fast(tmp_path, extra, message):
     proc, _ = _two(tmp_path, *extra)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and proc.stderr.count("memfit") <= 2 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_dp_x_pp_run_matches_one_process(tmp_path):
+    """--nproc 4 --dp 2: two replicas of a 2-stage pipeline, batch 1 per process (global 4)."""
+    one = tmp_path / "one"
+    assert main(["train", *FAST, "--batch", "4", "--out", str(one)]) == 0
+    out = tmp_path / "dppp"
+    proc = subprocess.run([sys.executable, "-m", "memfit", "train", *FAST, "--batch", "1", "--nproc", "4", "--dp", "2",
+                           "--strategy", "pipeline", "--microbatches", "2", "--out", str(out)],
+                          env=ENV, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, out))
+    assert m2["steps"]["loss"] == pytest.approx(m1["steps"]["loss"], rel=1e-5)
+    assert [r["rank"] for r in m2["memory"]["step_breakdown"]["ranks"]] == [0, 1, 2, 3]

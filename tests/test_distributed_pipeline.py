@@ -107,5 +107,56 @@ def test_torch_pipelining_and_dtensor_interfaces_memfit_relies_on():
         assert list(inspect.signature(getattr(PipelineStage, name)).parameters)[1:] in (["fwd_chunk_id"],
                                                                                         ["bwd_chunk_id"])
     assert "_local_tensor" in DTensor.__slots__
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    import torch.nn.modules.module as module
+
+    assert list(inspect.signature(PipelineScheduleSingle._initialize_stage).parameters)[:4] == [
+        "self", "args", "kwargs", "target"]
+    assert "_stage_backward_initialized" in inspect.getsource(PipelineScheduleSingle.__init__)
+    from memfit.distributed.pipeline import _GLOBAL_HOOKS
+
+    assert all(isinstance(getattr(module, name), dict) for name in _GLOBAL_HOOKS)
     for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
         assert getattr(torch.ops._c10d_functional, op).default.namespace == "_c10d_functional"
+
+
+def _dp_pp(rank: int, world: int) -> tuple:
+    from memfit.distributed import distribute
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    losses = []
+    with distribute(model, "pipeline", "adamw", lr=1e-2, clip=1.0, microbatches=2, schedule="1f1b", dp=2) as opt:
+        rows = opt.data_rows(GLOBAL_BATCH)
+        for micro in _batches(1):
+            losses.append(opt.accumulate_step([(m[rows, :-1].contiguous(), m[rows, 1:].contiguous())
+                                               for m in micro])[0])
+        val = opt.evaluate([(m[rows, :-1].contiguous(), m[rows, 1:].contiguous()) for m in _batches(1)[0]])
+        return losses, (opt.dp, opt.stages, opt.dp_rank, opt.rank, rows.start, rows.stop), val
+
+
+@pytest.mark.slow
+def test_dp_x_pp_on_four_ranks():
+    """2 replicas of a 2-stage pipeline: rank = replica x 2 + stage; each replica takes its rows, the
+    stages' gradients are summed over the replicas; the trajectory is one process's (fp32, 1e-5)."""
+    ranks = run_world(_dp_pp, 4, timeout_s=300)
+    want = _single(1)
+    for r, (losses, shape, _) in enumerate(ranks):
+        assert losses == pytest.approx(want, rel=RTOL), (r, losses, want)
+        assert shape == (2, 2, r // 2, r % 2, 2 * (r // 2), 2 * (r // 2) + 2)
+    assert ranks[0][2] == ranks[1][2] and ranks[2][2] == ranks[3][2]  # a replica's stages agree
+
+
+def test_pipeline_replicas_must_divide_the_world():
+    ranks = run_world(_bad_dp, 2, timeout_s=120)
+    assert all("do not divide the world of 2" in r for r in ranks)
+
+
+def _bad_dp(rank: int, world: int) -> str:
+    from memfit.distributed import distribute
+
+    try:
+        distribute(GPT(GPTConfig(**CFG)), "pipeline", "adamw", dp=3)
+    except ConfigError as exc:
+        return str(exc)
+    return "accepted"

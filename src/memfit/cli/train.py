@@ -83,6 +83,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
     g.add_argument("--tp", metavar="T", type=integer(1, 1024),
                    help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp)")
+    g.add_argument("--dp", metavar="R", type=integer(1, 1024),
+                   help="--strategy pipeline: data-parallel replicas of the pipeline (default 1; stages = nproc / dp)")
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")
     g.add_argument("--max-restarts", metavar="K", type=integer(0), help="with --nproc: restart all ranks up to K times "
                    "when one fails; they resume from the last checkpoint (default 0; see docs/distributed.md)")

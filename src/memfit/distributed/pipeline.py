@@ -13,11 +13,15 @@ What must see every stage: clipping (the squared norms of the stages are summed 
 of scalars) and, with tied embeddings, the shared matrix's gradient (summed between the first and
 the last stage). Activations and their gradients cross stages by P2P sends, counted per rank in
 TRAFFIC["p2p_send"] where the stage builds them.
+
+With `dp=R` the world holds R replicas of the pipeline on a 2-D mesh (rank = replica x stages +
+stage): each replica reads its rows of the global batch (`data_rows`) and the stages' gradients are
+summed over the replicas at the step. The step itself (fp16 loss scaling with one overflow check
+for all ranks, clipping, optimizer offload) is memfit.distributed.mp_optimizer's.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterable
 
 import torch
@@ -25,12 +29,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memfit.apply.optimizer import StepResult, TrainingOptimizer
-from memfit.apply.precision import precision_mode
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
+from memfit.distributed.mp_optimizer import ModelParallelOptimizer
 from memfit.distributed.stages import cut_to_stage, mark_tied, stage_sizes, tied_weight
-from memfit.distributed.wrapped import WrapsTrainingOptimizer
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -69,25 +71,38 @@ def _counted(ops: list) -> list:
     return ops
 
 
-class PipelineOptimizer(WrapsTrainingOptimizer):
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+                 "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+@contextlib.contextmanager
+def _no_global_module_hooks():
+    """nn.Module's global hooks set aside (torch.nn.modules.module reads them at each call)."""
+    import torch.nn.modules.module as m
+
+    saved = {name: getattr(m, name) for name in _GLOBAL_HOOKS if hasattr(m, name)}
+    for name, hooks in saved.items():
+        setattr(m, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(m, name, hooks)
+
+
+class PipelineOptimizer(ModelParallelOptimizer):
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None,
                  spill_dir: str | None = None, *, microbatches: int | None = None, schedule: str = "1f1b",
-                 group=None, **kw: Any) -> None:
+                 dp: int = 1, group=None, loss_scale: Any = None, **kw: Any) -> None:
+        """dp: data-parallel replicas of the pipeline (world = dp x stages; rank = replica x stages + stage)."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         from memfit.apply.checkpoint import applied, checkpoint as apply_checkpoint, remove
 
-        if offload not in (None, "none"):
-            raise ConfigError("optimizer offload with --strategy pipeline is not supported (the tied embedding's "
-                              "gradient is summed across stages at the step); use --strategy zero1-3")
-        if precision_mode(precision).loss_scaling:
-            raise ConfigError(f"--precision {precision} needs fp16 loss scaling, which --strategy pipeline does "
-                              "not coordinate across stages; use 32-true, bf16-true or bf16-master")
-        if clip is not None and not clip > 0:
-            raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
-        self.group, self.clip = group, clip
-        self.rank, self.stages = dist.get_rank(group), dist.get_world_size(group)
+        if group is not None:
+            raise ConfigError("--strategy pipeline runs on the whole world (group=None); use dp= for replicas")
+        self._mesh(dp, next(model.parameters()).device)
         self.microbatches, self.schedule_name = microbatches or self.stages, schedule
         check_pipeline(len(model.blocks), self.stages, self.microbatches, self.microbatches, schedule)
         policy = applied(model)
@@ -99,25 +114,52 @@ class PipelineOptimizer(WrapsTrainingOptimizer):
         if actions is not None:
             apply_checkpoint(self.stage_module, [actions[i] for i in own], blocks=self.stage_module.blocks,
                              spill_dir=spill_dir)
-        self.inner = TrainingOptimizer(self.stage_module, optimizer, lr=lr, weight_decay=weight_decay,
-                                       precision=precision, clip=None, **kw)
-        self.precision, self.mode, self.scaler = self.inner.precision, self.inner.mode, None
         self.model, self.tracked_module = model, self.stage_module
+        self._make_inner(self.stage_module, list(model.named_parameters()), optimizer, lr, weight_decay, precision,
+                         clip, offload, spill_dir, loss_scale, kw)
         self.tied = tied_weight(self.stage_module)
+        self.tied_names = self.tied is not None  # the last stage's head.weight is the first's tok.weight
         self.tied_group = None
         if self.tied is not None or self.stages > 2:  # new_group is collective: every rank joins the call
-            ranks = [0, self.stages - 1]
-            self.tied_group = group if self.stages == 2 else dist.new_group(ranks)
+            for d in range(self.dp):  # each replica's first and last stage
+                g = (self.pp_group if self.stages == 2 and self.dp == 1 else
+                     dist.new_group([d * self.stages, (d + 1) * self.stages - 1]))
+                self.tied_group = g if d == self.dp_rank else self.tied_group
         device = next(self.stage_module.parameters()).device
-        self.stage = _stage_class()(self.stage_module, self.rank, self.stages, device, group=group)
+        self.stage = _stage_class()(self.stage_module, self.rank, self.stages, device, group=self.pp_group)
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(self.stage, self.microbatches, loss_fn=self._loss, scale_grads=False)
         self._total = 1.0
 
+    def _mesh(self, dp: int, device: torch.device) -> None:
+        """This rank's stage, its replica and the groups: the world (the step's scalars), the
+        pipeline's (P2P between stages) and, with dp > 1, the stage's replicas (gradients)."""
+        world = dist.get_world_size()
+        if dp < 1 or world % dp:
+            raise ConfigError(f"{dp} pipeline replicas do not divide the world of {world} processes; "
+                              f"use a dp dividing {world} (stages = world / dp)")
+        self.group, self.dp, self.stages = None, dp, world // dp
+        self.pp_group, self.dp_group, self.dp_rank = None, None, 0
+        self.rank = dist.get_rank()
+        if dp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (dp, self.stages), mesh_dim_names=("dp", "pp"))
+            self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+            self.rank, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+
+    def data_rows(self, batch: int) -> slice:
+        """This replica's rows of a global batch (every stage of a replica takes the same)."""
+        if batch % self.dp:
+            raise ConfigError(f"a global batch of {batch} sequences does not split over {self.dp} pipeline "
+                              f"replicas; use a batch divisible by {self.dp}")
+        per = batch // self.dp
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-1,
                                reduction="sum")
-        return loss / self._total
+        return self.scaled(loss / self._total)
 
     # ------------------------------------------------------------------ the step
     def run_batch(self, x: torch.Tensor, y: torch.Tensor, total: float) -> float:
@@ -131,33 +173,49 @@ class PipelineOptimizer(WrapsTrainingOptimizer):
         args = (x,) if self.rank == 0 else ()
         target = y if self.rank == self.stages - 1 else None
         with self.inner.autocast():
+            if not self.schedule._stage_backward_initialized:
+                self._initialize(x, target)
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        return float(sum(float(t.detach()) for t in losses)) * total
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        return float(sum(float(t.detach()) for t in losses)) * total / scale
+
+    def _initialize(self, x: torch.Tensor, target: torch.Tensor | None) -> None:
+        """torch infers the stages' shapes on the first step with one forward and an autograd.grad;
+        module hooks a memory tracker set (multi-grad hooks, which autograd.grad refuses) must not
+        see it. A resumed run's first step is the tracked one, so this runs without global hooks."""
+        rows = x.shape[0] // self.microbatches
+        args = (x[:rows],) if self.rank == 0 else ()
+        with _no_global_module_hooks():
+            self.schedule._initialize_stage(args, {}, None if target is None else target[:rows])
 
     def accumulate_step(self, micro: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_sum: Any = None):
         """The train loop's step: (global mean loss, global tokens, StepResult). Every rank holds the
         whole global batch, so the token count needs no communication."""
         micro = list(micro)
-        total = max(float(sum((y != -1).sum() for _, y in micro)), 1.0)
+        total = float(sum((y != -1).sum() for _, y in micro))
+        total = max(comm.control_sum([total], group=self.dp_group)[0] if self.dp > 1 else total, 1.0)
         running = sum(self.run_batch(x, y, total) for x, y in micro)
         result = self.step()
         return comm.control_sum([running], group=self.group)[0] / total, int(total), result
 
-    def step(self) -> StepResult:
-        params = [p for p in self.stage_module.parameters() if p.grad is not None]
+    def _reduce_grads(self) -> None:
         if self.tied is not None and self.tied.grad is not None:
             comm.all_reduce(self.tied.grad, group=self.tied_group)
-        norm = None
-        if self.clip is not None:
-            # The tied matrix's gradient is on two stages after the sum; count it once (on the first).
-            own = [p for p in params if not (p is self.tied and self.rank != 0)]
-            sq = float(sum(float(p.grad.float().pow(2).sum()) for p in own))
-            norm = math.sqrt(comm.control_sum([sq], group=self.group)[0])
-            factor = min(1.0, self.clip / (norm + 1e-6))
-            if factor < 1.0:
-                torch._foreach_mul_([p.grad for p in params], factor)
-        self.inner.step()
-        return StepResult(stepped=True, grad_norm=norm)
+        if self.dp > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    comm.all_reduce(p.grad, group=self.dp_group)
+
+    def _norm_weights(self) -> list[float]:
+        # The tied matrix's gradient is on two stages after the sum; count it once (on the first).
+        # With dp replicas the (equal, reduced) gradients are on every replica: 1/dp each.
+        return [0.0 if (p is self.tied and self.rank != 0) else 1.0 / self.dp for p in self.params]
+
+    def checkpoint_parts(self, i: int, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        from memfit.distributed.fused import fused_sizes
+
+        sizes = fused_sizes(self.model, self.names[i])
+        return {"": t} if sizes is None else {f".part{k}": part for k, part in enumerate(t.split(sizes))}
 
     # ------------------------------------------------------------------ evaluation and state
     @torch.no_grad()
@@ -175,30 +233,34 @@ class PipelineOptimizer(WrapsTrainingOptimizer):
                 with self.inner.autocast():
                     out = self.stage_module(h)
                 if self.rank < self.stages - 1:
+                    out = out.to(self.mode.param_dtype)  # what the schedule sends: the stages agree on it
                     comm.TRAFFIC.add("p2p_send", out.numel() * out.element_size())
-                    dist.send(out.contiguous(), self.rank + 1, group=self.group)
+                    dist.send(out.contiguous(), self._peer(self.rank + 1))
                 else:
                     total += float(self._loss_sum(out, y))
                 count += float((y != -1).sum())
         finally:
             self.stage_module.train(was)
-        return comm.control_sum([total], group=self.group)[0] / max(count, 1.0)
+        return comm.control_sum([total], group=self.pp_group)[0] / max(count, 1.0)
+
+    def _peer(self, stage: int) -> int:
+        """The global rank of this replica's `stage`."""
+        return self.dp_rank * self.stages + stage
 
     def _loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction="sum")
 
     def _recv_like(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.model.cfg
-        dtype = torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
-        buf = torch.empty(x.shape[0], x.shape[1], cfg.hidden, dtype=dtype, device=x.device)
-        dist.recv(buf, self.rank - 1, group=self.group)
+        buf = torch.empty(x.shape[0], x.shape[1], cfg.hidden, dtype=self.mode.param_dtype, device=x.device)
+        dist.recv(buf, self._peer(self.rank - 1))
         return buf
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The whole GPT's state dict on every rank: the union of the stages' (original names)."""
         mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         everyone: list[Any] = [None] * self.stages
-        dist.all_gather_object(everyone, mine, group=self.group)
+        dist.all_gather_object(everyone, mine, group=self.pp_group)
         return {k: v for part in everyone for k, v in part.items()}
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:

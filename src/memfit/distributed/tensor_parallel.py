@@ -14,23 +14,24 @@ only reorders the fused matrices so that each rank's contiguous slice holds its 
 
 Across the "dp" dimension the replicas take contiguous rows of the global batch; each gradient
 (a TP shard or a replicated tensor) is sum-all-reduced over the dp group at the step. Clipping
-uses the global norm (shard norms summed over TP, replicated ones counted once).
+uses the global norm (shard norms summed over TP, replicated ones counted once). The step (fp16
+loss scaling with one overflow check for all ranks, optimizer offload of each rank's shards,
+checkpoints) is memfit.distributed.mp_optimizer's.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from memfit.apply.optimizer import StepResult, TrainingOptimizer
 from memfit.apply.precision import cast_model, precision_mode
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
-from memfit.distributed.wrapped import WrapsTrainingOptimizer
+from memfit.distributed.fused import fused_groups
+from memfit.distributed.mp_optimizer import ModelParallelOptimizer, local
 
 
 def check_tensor(heads: int, kv_heads: int, world: int, tp: int) -> None:
@@ -41,16 +42,6 @@ def check_tensor(heads: int, kv_heads: int, world: int, tp: int) -> None:
     if heads % tp or kv_heads % tp:
         raise ConfigError(f"a TP degree of {tp} does not divide the model's {heads} attention heads "
                           f"({kv_heads} key/value heads); use --tp dividing both, or another --nproc")
-
-
-def _fused(block: nn.Module) -> dict[str, list[int]]:
-    """Row groups of the fused column-parallel matrices: qkv = [q; k; v], SwiGLU fc = [gate; up]."""
-    a = block.attn
-    out = {"attn.qkv": [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim]}
-    if block.mlp.swiglu:
-        half = block.mlp.fc.out_features // 2
-        out["mlp.fc"] = [half, half]
-    return out
 
 
 def interleave(t: torch.Tensor, sizes: list[int], tp: int) -> torch.Tensor:
@@ -72,22 +63,16 @@ def shard_gpt(gpt: nn.Module, tp_mesh) -> None:
     tp = tp_mesh.size()
     for block in gpt.blocks:
         with torch.no_grad():
-            for name, sizes in _fused(block).items():
+            for name, sizes in fused_groups(block).items():
                 lin = block.get_submodule(name)
                 lin.weight.copy_(interleave(lin.weight, sizes, tp))
                 if lin.bias is not None:
                     lin.bias.copy_(interleave(lin.bias, sizes, tp))
-        block._memfit_fused = _fused(block)  # full-size groups, for the full state dict
+        block._memfit_fused = fused_groups(block)  # full-size groups, for the full state dict
         block.attn.heads //= tp
         block.attn.kv_heads //= tp
         parallelize_module(block, tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                                             "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _is_shard(t: torch.Tensor) -> bool:
@@ -96,10 +81,11 @@ def _is_shard(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(isinstance(pl, Shard) for pl in t.placements)
 
 
-class TensorParallelOptimizer(WrapsTrainingOptimizer):
+class TensorParallelOptimizer(ModelParallelOptimizer):
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None,
-                 spill_dir: str | None = None, *, tp: int | None = None, group=None, **kw: Any) -> None:
+                 spill_dir: str | None = None, *, tp: int | None = None, group=None, loss_scale: Any = None,
+                 **kw: Any) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from memfit.models.gpt import GPT
@@ -107,26 +93,18 @@ class TensorParallelOptimizer(WrapsTrainingOptimizer):
         if not isinstance(model, GPT):
             raise ConfigError(f"--strategy tensor shards memfit's GPT (attention heads, MLP); got "
                               f"{type(model).__name__}. Use a gpt spec or a known GPT-2/Llama name")
-        if offload not in (None, "none"):
-            raise ConfigError("optimizer offload with --strategy tensor is not supported; use --strategy zero1-3")
-        if precision_mode(precision).loss_scaling:
-            raise ConfigError(f"--precision {precision} needs fp16 loss scaling, which --strategy tensor does not "
-                              "coordinate across ranks; use 32-true, bf16-true or bf16-master")
-        if clip is not None and not clip > 0:
-            raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
         world = dist.get_world_size(group)
         self.tp = tp or world
         check_tensor(model.cfg.heads, model.cfg.kv_heads, world, self.tp)
-        self.dp = world // self.tp
+        self.dp, self.group = world // self.tp, group
         device = next(model.parameters()).device
         self.mesh = init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         self.tp_group, self.dp_group = self.mesh["tp"].get_group(), self.mesh["dp"].get_group()
         self.dp_rank = self.mesh.get_local_rank("dp")
         cast_model(model, precision_mode(precision))  # before sharding: DTensors are made from the cast weights
         shard_gpt(model, self.mesh["tp"])
-        self.inner = TrainingOptimizer(model, optimizer, lr=lr, weight_decay=weight_decay, precision=precision,
-                                       clip=None, **kw)
-        self.clip, self.precision, self.mode, self.scaler = clip, self.inner.precision, self.inner.mode, None
+        self._make_inner(model, list(model.named_parameters()), optimizer, lr, weight_decay, precision, clip,
+                         offload, spill_dir, loss_scale, kw)
         self.model, self.tracked_module = model, model
 
     # ------------------------------------------------------------------ the step
@@ -160,28 +138,38 @@ class TensorParallelOptimizer(WrapsTrainingOptimizer):
         result = self.step()
         return self._dp_sum([running])[0] / total, int(total), result
 
-    def backward(self, loss: torch.Tensor, *, final: bool = False) -> None:
-        self.inner.backward(loss, final=final)
-
-    def step(self) -> StepResult:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _reduce_grads(self) -> None:
         if self.dp > 1:
-            for p in params:
-                comm.all_reduce(_local(p.grad), group=self.dp_group)
-        norm = None
-        if self.clip is not None:
-            # A shard's squares are summed over the TP ranks; a replicated tensor (plain, or a DTensor
-            # placed Replicate, such as a row-parallel bias) is the same on each and counted once.
-            split = [_is_shard(p.grad) for p in params]
-            sharded = sum(float(_local(p.grad).float().pow(2).sum()) for p, s in zip(params, split) if s)
-            replicated = sum(float(_local(p.grad).float().pow(2).sum()) for p, s in zip(params, split) if not s)
-            sq = comm.control_sum([sharded], group=self.tp_group)[0] + replicated
-            norm = math.sqrt(sq)
-            factor = min(1.0, self.clip / (norm + 1e-6))
-            if factor < 1.0:
-                torch._foreach_mul_([_local(p.grad) for p in params], factor)
-        self.inner.step()
-        return StepResult(stepped=True, grad_norm=norm)
+            for p in self.params:
+                if p.grad is not None:
+                    comm.all_reduce(local(p.grad), group=self.dp_group)
+
+    def _norm_weights(self) -> list[float]:
+        # Summed over the world: a shard counts once per dp replica (equal after the dp sum), a
+        # replicated tensor (plain, or a DTensor placed Replicate, such as a row-parallel bias) once
+        # per rank. Powers of two divide exactly, so the usual degrees add no rounding.
+        return [1.0 / self.dp if _is_shard(p) else 1.0 / (self.dp * self.tp) for p in self.params]
+
+    def checkpoint_parts(self, i: int, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A shard as a DTensor placed like its parameter; a fused matrix's shard as one DTensor per
+        part (rank r holds chunk r of q, of k and of v), so any TP degree reads them back."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        from memfit.distributed.fused import fused_sizes
+
+        p = self.params[i]
+        if not _is_shard(p):
+            return {"": t}
+        sizes = fused_sizes(self.model, self.names[i])
+        if sizes is None:
+            return {"": DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())}
+        out = {}
+        for k, (part, full) in enumerate(zip(t.split([s // self.tp for s in sizes]), sizes)):
+            shape = torch.Size([full, *p.shape[1:]])
+            out[f".part{k}"] = DTensor.from_local(part, p.device_mesh, [Shard(0)], run_check=False, shape=shape,
+                                                  stride=torch.empty(shape, device="meta").stride())
+        return out
 
     # ------------------------------------------------------------------ state
     def full_model_state(self) -> dict[str, torch.Tensor]:

@@ -79,6 +79,8 @@ class TrainConfig:
     """--strategy pipeline: gpipe (all forwards, then all backwards) or 1f1b (fewer micro-batches in flight)."""
     tp: int | None = None
     """--strategy tensor: tensor-parallel degree (default: world, so dp = world / tp = 1)."""
+    dp: int = 1
+    """--strategy pipeline: data-parallel replicas of the pipeline (stages = world / dp)."""
     compress: str = "none"
     """Gradient compression on the wire (ddp, zero1, zero2): topk:0.01, int8, sign, bf16, powersgd:4, ...
     (memfit.distributed.compression; docs/compression.md)."""

@@ -41,6 +41,9 @@ def precheck(cfg: Any, resuming: bool = False, world: int | None = None) -> None
 
     strategy = check_strategy(cfg.strategy)
     world = world or int(os.environ.get("WORLD_SIZE", 0)) or None
+    if getattr(cfg, "dp", 1) != 1 and strategy != "pipeline":
+        raise ConfigError(f"--dp sets the replicas of --strategy pipeline; with --strategy {strategy} leave it out "
+                          "(tensor: --tp sets dp = nproc / tp)")
     if strategy in ("pipeline", "tensor"):
         from memfit.train.model_parallel import precheck_model_parallel
 
@@ -120,7 +123,7 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
 
 def strategy_options(cfg: Any) -> dict:
     if cfg.strategy == "pipeline":
-        return {"microbatches": cfg.microbatches, "schedule": cfg.schedule}
+        return {"microbatches": cfg.microbatches, "schedule": cfg.schedule, "dp": cfg.dp}
     return {"tp": cfg.tp} if cfg.strategy == "tensor" else {}
 
 
@@ -128,8 +131,9 @@ def rank_sampler(ctx: DistContext, data: torch.Tensor, cfg: Any) -> "RankSampler
     """This rank's sampler: its rows for the data-parallel strategies; the whole global batch on
     every pipeline stage; its replica's rows for tensor (all TP ranks of a replica read the same)."""
     batch, rank, world = cfg.batch, ctx.rank, ctx.world
-    if ctx.strategy == "pipeline":
-        batch, rank, world = cfg.batch * ctx.world, 0, 1
+    if ctx.strategy == "pipeline":  # the replica's rows on each of its stages
+        stages = ctx.world // cfg.dp
+        batch, rank, world = cfg.batch * stages, ctx.rank // stages, cfg.dp
     elif ctx.strategy == "tensor":
         tp = cfg.tp or ctx.world
         batch, rank, world = cfg.batch * tp, ctx.rank // tp, ctx.world // tp
@@ -198,33 +202,59 @@ def save_states(opt, model: nn.Module, run_dir: Path, step: int) -> dict[str, to
     it, names the folder, so a crash between the two leaves the previous pair intact); returns the
     full model state dict. checkpoint.pt holds it with rank 0's optimizer state: all of it for ddp
     and ps, whose rank 0 has the whole state."""
-    if getattr(opt, "engine", None) is not None:
+    if hasattr(opt, "save_sharded"):  # pipeline, tensor: memfit.distributed.parallel_checkpoint
+        opt.save_sharded(_fresh_folder(run_dir, step))
+    elif getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import save_sharded
 
-        save_sharded(opt, run_dir / f"{SHARDED}-{step}")
+        save_sharded(opt, _fresh_folder(run_dir, step))
     return model_state(opt, model)
+
+
+def _fresh_folder(run_dir: Path, step: int) -> Path:
+    """sharded-<step>, or sharded-<step>.<n> when that exists (a second save at the same step, such
+    as the final one after a periodic one): a save never overwrites a folder checkpoint.pt may name,
+    so a save that dies half-way tears only its own folder. Rank 0 picks; every rank uses its pick."""
+    import torch.distributed as dist
+
+    folder, n = run_dir / f"{SHARDED}-{step}", 0
+    while folder.exists():
+        n += 1
+        folder = run_dir / f"{SHARDED}-{step}.{n}"
+    box = [str(folder)]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def complete_folder(run_dir: Path, step: int) -> Path | None:
+    """The newest complete folder saved at `step` (DCP renames its .metadata into place last)."""
+    done = [f for f in run_dir.glob(f"{SHARDED}-{step}*")
+            if f.name.split(".")[0] == f"{SHARDED}-{step}" and (f / ".metadata").exists()]
+    return max(done, key=lambda f: (f / ".metadata").stat().st_mtime_ns) if done else None
 
 
 def prune_sharded(run_dir: Path, step: int) -> None:
     """Rank 0, after checkpoint.pt names sharded-<step>: remove the older folders."""
     import shutil
 
+    keep = complete_folder(run_dir, step)
     for old in run_dir.glob(f"{SHARDED}-*"):
-        if old.name != f"{SHARDED}-{step}":
+        if old != keep:
             shutil.rmtree(old, ignore_errors=True)
 
 
 def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
     """Resume: ZeRO reads weights and optimizer slices from the checkpoint's sharded-<step> folder
     (any world size); ddp and ps load checkpoint.pt's model and optimizer state on every rank."""
-    if getattr(opt, "engine", None) is not None:
+    sharded = hasattr(opt, "load_sharded")  # pipeline, tensor
+    if sharded or getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import load_sharded
 
-        folder = run_dir / f"{SHARDED}-{checkpoint['step']}"
-        if not folder.exists():
-            raise ConfigError(f"{run_dir} has no {folder.name}/: it was not written by a zero1-3 run; "
-                              "resume it with the strategy it was written with")
-        load_sharded(opt, folder)
+        folder = complete_folder(run_dir, checkpoint["step"])
+        if folder is None:
+            raise ConfigError(f"{run_dir} has no {SHARDED}-{checkpoint['step']}/: it was not written by a zero1-3, "
+                              "pipeline or tensor run; resume it with the strategy it was written with")
+        opt.load_sharded(folder) if sharded else load_sharded(opt, folder)
         return
     model.load_state_dict(checkpoint["model"])
     if checkpoint["optimizer"].get("stage") is not None:

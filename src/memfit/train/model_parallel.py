@@ -13,11 +13,9 @@ from memfit.core.errors import ConfigError
 def precheck_model_parallel(cfg: Any, world: int | None, resuming: bool) -> None:
     from memfit.models.spec import parse_model
 
-    if resuming:
-        raise ConfigError(f"--resume is not supported with --strategy {cfg.strategy} yet (its optimizer state "
-                          "is split by stage or shard); start a new run")
-    if cfg.offload_optimizer != "none":
-        raise ConfigError(f"--offload-optimizer with --strategy {cfg.strategy} is not supported; use zero1-3")
+    if cfg.offload_optimizer == "disk":
+        raise ConfigError(f"--offload-optimizer disk with --strategy {cfg.strategy} is not supported (its "
+                          "checkpoints are not written); use --offload-optimizer cpu")
     config = getattr(parse_model(cfg.model), "config", None)
     if config is None or not hasattr(config, "layers"):
         raise ConfigError(f"--strategy {cfg.strategy} needs memfit's GPT (a gpt:/llama: spec or a known name), "
@@ -27,7 +25,11 @@ def precheck_model_parallel(cfg: Any, world: int | None, resuming: bool) -> None
     if cfg.strategy == "pipeline":
         from memfit.distributed.pipeline import check_pipeline
 
-        check_pipeline(config.layers, world, cfg.batch * world, cfg.microbatches or world, cfg.schedule)
+        if world % cfg.dp:
+            raise ConfigError(f"--dp {cfg.dp} does not divide the {world} processes; use a --dp dividing "
+                              f"--nproc (stages = nproc / dp)")
+        stages = world // cfg.dp
+        check_pipeline(config.layers, stages, cfg.batch * stages, cfg.microbatches or stages, cfg.schedule)
     else:
         from memfit.distributed.tensor_parallel import check_tensor
 
