@@ -5,7 +5,7 @@ from typing import Any
 
 from memfit.core.units import format_bytes
 from memfit.measure.blocks import chain_profile
-from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost
+from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost, head_cost, measured
 from memfit.plan.head import head_counts, head_profile, head_seconds
 from memfit.plan.plan import Candidate, Plan
 from memfit.plan.solve import solve
@@ -57,10 +57,21 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
                 ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
                 where=composed.where)
     if verify and cand.offload_optimizer is None:
-        _verify(problem, plan, prof, bases, _cost(_block_seconds(prof, problem.tokens(cand.micro_batch)), None, prof))
+        _verify(problem, plan, prof, bases, _problem_cost(problem, prof, cand.micro_batch)[0])
     elif cand.offload_optimizer:
         plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
     return plan
+
+
+def _problem_cost(problem, prof, micro: int) -> tuple:
+    """(cost per block action, seconds of one block's forward, FLOP-model speed factor, measured costs)."""
+    t_fwd, t_sel, seg, speed = _block_seconds(prof, problem.tokens(micro)), None, None, 1.0
+    costs = getattr(problem, "costs", None)
+    if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
+        flop_fwd = t_fwd
+        t_fwd, t_sel, seg = measured(costs, micro / problem.batch)
+        speed = t_fwd / max(flop_fwd, 1e-12)
+    return _cost(t_fwd, t_sel, prof, getattr(costs, "bandwidth", None), seg), t_fwd, speed, costs
 
 
 def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, allowed) -> list[tuple]:
@@ -69,22 +80,17 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     prec, micro, off = config
     n = src.n_blocks
     tokens = problem.tokens(micro)
-    t_fwd, t_sel = _block_seconds(prof, tokens), None
-    speed = 1.0
-    costs = getattr(problem, "costs", None)
-    if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
-        scale = micro / problem.batch
-        speed = costs.recompute_s * scale / max(t_fwd, 1e-12)
-        t_fwd, t_sel = costs.recompute_s * scale, costs.selective_s * scale
+    _, t_fwd, speed, costs = _problem_cost(problem, prof, micro)
     relief = _opt_bytes(prof, n) if off else 0
-    bw = getattr(costs, "bandwidth", None)
     accum = problem.batch // micro
 
     def row(chunks: int | None, p) -> tuple:
-        choice = solve(p, limit + relief, bases, _cost(t_fwd, t_sel, p, bw), n_blocks=n, max_segment=min(n, 16))
+        choice = solve(p, limit + relief, bases, _problem_cost(problem, p, micro)[0], n_blocks=n,
+                       max_segment=min(n, 16))
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
-        head = head_seconds(src, tokens, chunks, speed) if chunks else 0.0
+        head = head_cost(costs, micro / problem.batch, chunks,
+                         lambda k: head_seconds(src, tokens, k, speed)) if chunks else 0.0
         time = accum * (3 * n * t_fwd + choice.time + head) + 2 * relief / HOST_BW
         return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
                          chunks), choice, p, n

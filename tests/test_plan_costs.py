@@ -1,0 +1,47 @@
+"""The planner's time model: segment costs, the chunked head's measured cost, and pricing an action list."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from memfit.apply.policy import BlockAction, resolve_policy
+from memfit.plan.costs import _cost, _segment_seconds, head_cost, measured, predict_extra
+
+KEEP, SEL, REC = BlockAction("keep"), BlockAction("selective"), BlockAction("recompute")
+
+
+def test_segment_cost_interpolates_between_one_block_and_the_measured_length():
+    per = _segment_seconds(1.0, {"4": 0.7})
+    assert per(1) == 1.0 and per(4) == pytest.approx(0.7) and per(2) == pytest.approx(0.9)
+    assert per(9) == pytest.approx(0.7)  # flat beyond the measured length
+    assert _segment_seconds(1.0, None)(5) == 1.0  # without a measurement a segment costs its forwards
+
+
+def test_cost_uses_the_segment_figure_only_for_segments():
+    cost = _cost(0.5, 0.1, None, None, {"3": 0.2})
+    assert cost(REC, 1) == 0.5 and cost(REC, 3) == pytest.approx(0.2) and cost(SEL, 1) == 0.1 and cost(KEEP, 1) == 0
+
+
+def test_predict_extra_prices_each_segment_by_its_length():
+    cost = _cost(1.0, 0.25, None, None, {"4": 0.5})
+    assert predict_extra(resolve_policy("none", 12), cost) == 0
+    assert predict_extra(resolve_policy("full", 12), cost) == pytest.approx(12.0)
+    assert predict_extra(resolve_policy("selective", 12), cost) == pytest.approx(3.0)
+    assert predict_extra(resolve_policy("sqrt", 12), cost) == pytest.approx(12 * 0.5)  # three segments of 4
+    mixed = [KEEP, SEL] + [BlockAction("recompute", segment=7)] * 2 + [REC]
+    assert predict_extra(mixed, cost) == pytest.approx(0.25 + 2 * (1.0 + (0.5 - 1.0) / 3) + 1.0)
+
+
+def test_head_cost_scales_the_measured_count_by_the_flop_model():
+    model = lambda k: 2.0 + k / 4  # noqa: E731
+    assert head_cost(None, 1.0, 4, model) == 3.0
+    costs = SimpleNamespace(head_s={"8": 0.8})
+    assert head_cost(costs, 1.0, 8, model) == pytest.approx(0.8)
+    assert head_cost(costs, 0.5, 16, model) == pytest.approx(0.4 * 6.0 / 4.0)
+
+
+def test_measured_scales_to_the_micro_batch():
+    costs = SimpleNamespace(recompute_s=0.2, selective_s=0.04, segment_s={"4": 0.1})
+    rec, sel, seg = measured(costs, 0.5)
+    assert (rec, sel, seg) == (pytest.approx(0.1), pytest.approx(0.02), {"4": pytest.approx(0.05)})
