@@ -62,12 +62,17 @@ def llama_config(quick: bool) -> Path:
 
 def cases(quick: bool) -> list[dict]:
     """Each model with its warm steps per contender per round (fewer where a step takes seconds)."""
+    # steps: warm steps per contender per round; profile: memfit.profile's timed rounds; bisect: halvings of
+    # torch.compile's ratio after 0 and 1. GPT-2 small at 1024 tokens takes about 8 s a step on 2 cores:
+    # one step per round (and fewer compiled ratios) keeps the whole run under 20 minutes.
     if quick:
         return [dict(key="gpt", name="gpt:layers=12,hidden=64,heads=4,vocab=2048,seq=256", batch=2, seq=256,
-                     steps=3),
-                dict(key="hf-llama", name=str(llama_config(True)), batch=4, seq=128, hf=True, steps=3)]
-    return [dict(key="gpt2", name="gpt2", batch=1, seq=1024, steps=2),
-            dict(key="hf-llama", name=str(llama_config(False)), batch=1, seq=1024, hf=True, steps=3)]
+                     steps=3, profile=3, bisect=2),
+                dict(key="hf-llama", name=str(llama_config(True)), batch=4, seq=128, hf=True, steps=3, profile=3,
+                     bisect=2)]
+    return [dict(key="gpt2", name="gpt2", batch=1, seq=1024, steps=1, profile=2, bisect=1),
+            dict(key="hf-llama", name=str(llama_config(False)), batch=1, seq=1024, hf=True, steps=2, profile=3,
+                 bisect=2)]
 
 
 def _budgets(src, optimizer: str = "adamw") -> tuple[int, int, object]:
@@ -130,7 +135,8 @@ def run_case(case: dict, quick: bool, rounds: int) -> dict:
     vocab = spec.config.vocab if spec.config is not None else read_hf_config(spec.hf_config)["vocab_size"]
     print(f"== {case['key']}: {spec.name}, batch {batch} x seq {seq}", flush=True)
     t0 = time.perf_counter()
-    prof_costs = profile(case["name"], batch=batch, seq=seq, optimizer="adamw", rounds=3, use_cache=False)
+    prof_costs = profile(case["name"], batch=batch, seq=seq, optimizer="adamw", rounds=case["profile"],
+                         use_cache=False)
     profile_s = time.perf_counter() - t0
     costs = prof_costs.blocks  # this machine's block costs
     print(f"    profile ({profile_s:.0f} s): {prof_costs.step_s}", flush=True)
@@ -169,7 +175,7 @@ def run_case(case: dict, quick: bool, rounds: int) -> dict:
     predicted = {k: predict(resolve_policy(a, n) if isinstance(a, str) else a, c) for k, (a, c) in setting.items()}
     print("    tuning torch.compile's activation_memory_budget", flush=True)
     compiled = Bench(lambda: spec.build(seq=seq), batch, seq, vocab)
-    tuner = CompileTuner(compiled, steps=2)
+    tuner = CompileTuner(compiled, steps=case["bisect"])
     ratio = {b: tuner.tune(b) for b in budgets}
     for r in set(ratio.values()) - {None}:
         measured[f"compile@{r:.4f}"] = {k: tuner.at(r)[k] for k in ("peak", "breakdown")}

@@ -76,7 +76,7 @@ VERSION = 2
 def _median_steps(spec, variants: dict[str, tuple[str, int | None]], batch: int, seq: int, precision: str,
                   rounds: int, optimizer: str = "sgd") -> dict[str, float]:
     """Median warm step time per variant (checkpoint policy, head chunks) of one model switched in place;
-    each round runs every variant once in a shuffled order, after one untimed warm round."""
+    each round runs every variant once in a shuffled order, after one untimed warm step."""
     import memfit
     from memfit.apply.head_swap import chunk_head
     from memfit.apply.optimizer import TrainingOptimizer
@@ -89,20 +89,24 @@ def _median_steps(spec, variants: dict[str, tuple[str, int | None]], batch: int,
     x = torch.randint(0, vocab, (batch, seq))
     times: dict[str, list[float]] = {v: [] for v in variants}
     rng = random.Random(0)
-    for i in range(rounds + 1):
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        with opt.autocast():
+            loss = _loss(model, x)
+        opt.backward(loss)
+        opt.step()
+        return time.perf_counter() - t0
+
+    step()  # warm-up (one step: switching variants has no first-call cost of its own, measured)
+    for _ in range(rounds):
         order = list(variants)
         rng.shuffle(order)
         for name in order:
             policy, chunks = variants[name]
             memfit.checkpoint(model, policy)
             chunk_head(model, chunks)
-            t0 = time.perf_counter()
-            with opt.autocast():
-                loss = _loss(model, x)
-            opt.backward(loss)
-            opt.step()
-            if i:  # the first round warms up
-                times[name].append(time.perf_counter() - t0)
+            times[name].append(step())
     return {v: statistics.median(t) for v, t in times.items()}
 
 
