@@ -43,7 +43,9 @@ def _pred(case: dict, key: str | None) -> str:
     return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.2f} s"
 
 
-def _ratio(r: dict | None) -> str:
+def _ratio(r: dict | float | None) -> str:
+    if isinstance(r, (int, float)):  # (results of the earlier bench: a ratio of medians)
+        return f"{r:.3f}"
     return "-" if not r else f"{r['median']:.3f} ({r['min']:.3f}–{r['max']:.3f})"
 
 
