@@ -114,7 +114,7 @@ def _predictor(src, prof, prof_costs, tokens: int):
     costs = prof_costs.blocks
     t_fwd, t_sel, seg = measured(costs, 1.0)
     cost = _cost(t_fwd, t_sel, prof, costs.bandwidth, seg)
-    speed = t_fwd / max(_block_seconds(prof, tokens), 1e-12)
+    speed = t_fwd / max(_block_seconds(prof, tokens), 1e-12) if t_fwd > 0 else 1.0
 
     def predict(actions, chunks: int | None) -> float:
         head = head_cost(costs, 1.0, chunks, lambda k: head_seconds(src, tokens, k, speed)) if chunks else 0.0

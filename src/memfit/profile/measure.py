@@ -170,15 +170,17 @@ def profile(model: str, batch: int = 1, seq: int | None = None, precision: str =
     if _head_chunks_fit(src):
         variants[f"head:{HEAD_CHUNKS}"] = ("none", HEAD_CHUNKS)
     steps = _median_steps(spec, variants, batch, seq, precision, rounds, optimizer)
-    rec = max(steps["full"] - steps["none"], 0.0) / n
-    sel = max(steps["selective"] - steps["none"], 0.0) / n
+    # Signed: on CPU a step that keeps less can be faster than keeping everything (less memory to fault in
+    # and touch); the planner then uses that. fwd_s, the descriptive figure, is clamped.
+    rec = (steps["full"] - steps["none"]) / n
+    sel = (steps["selective"] - steps["none"]) / n
     saved = {k: chain.fwd[k].net_bytes for k in ("keep", "selective", "recompute")}
-    blocks = BlockCosts(fwd_s=rec, bwd_s=max(steps["none"] / n - rec, 0.0), recompute_s=rec, selective_s=sel,
-                        input_bytes=saved["recompute"], saved=saved)
+    blocks = BlockCosts(fwd_s=max(rec, 0.0), bwd_s=max(steps["none"] / n - max(rec, 0.0), 0.0), recompute_s=rec,
+                        selective_s=sel, input_bytes=saved["recompute"], saved=saved)
     if "sqrt" in steps:
-        blocks.segment_s = {str(seg): max(steps["sqrt"] - steps["none"], 0.0) / n}
+        blocks.segment_s = {str(seg): (steps["sqrt"] - steps["none"]) / n}
     if f"head:{HEAD_CHUNKS}" in steps:
-        blocks.head_s = {str(HEAD_CHUNKS): max(steps[f"head:{HEAD_CHUNKS}"] - steps["none"], 0.0)}
+        blocks.head_s = {str(HEAD_CHUNKS): steps[f"head:{HEAD_CHUNKS}"] - steps["none"]}
     bw = bandwidth()
     blocks.bandwidth = bw
     offload = {t: 2 * saved["keep"] / bw[t] for t in bw}
