@@ -96,7 +96,7 @@ def timed_rounds(contenders: dict[str, Callable[[], object]], rounds: int, steps
     wall: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
     raw: dict[str, list[list[float]]] = {n: [] for n in names}
-    orders = []
+    orders, loads = [], []
     for r in range(rounds):
         order = names[:]
         rng.shuffle(order)
@@ -112,9 +112,11 @@ def timed_rounds(contenders: dict[str, Callable[[], object]], rounds: int, steps
             raw[name].append(ws)
             wall[name].append(statistics.median(ws))
             cpu[name].append(statistics.median(cs))
-        print(f"    round {r + 1}/{rounds} (load {load()[0]:.1f}): "
+        loads.append(load()[0])
+        print(f"    round {r + 1}/{rounds} (load {loads[-1]:.1f}): "
               + ", ".join(f"{n[:14]} {wall[n][-1]:.3f}s" for n in order), flush=True)
     return {"rounds": rounds, "steps": steps, "seed": seed, "orders": orders, "load_before": before,
+            "load_each_round": loads,
             "load_after": load(), "wall": {n: spread(wall[n]) for n in names},
             "cpu": {n: spread(cpu[n]) for n in names}, "steps_s": raw}
 

@@ -61,7 +61,9 @@ def _case(case: dict) -> list[str]:
              f"predicted no-checkpoint peak, and the one leaving 50% of the no-checkpoint activations "
              f"({fmt_bytes(case['half_budget'])}, marked ½). {tm['rounds']} rounds of {len(tm['wall'])} distinct "
              f"contenders in a shuffled order, each timed over {tm.get('steps', 1)} warm steps in a row per round; "
-             f"1-minute load {tm['load_before'][0]:.1f} before and {tm['load_after'][0]:.1f} after the timed rounds.", "",
+             f"1-minute load {tm['load_before'][0]:.1f} before, "
+             + (f"{', '.join(f'{x:.1f}' for x in tm['load_each_round'])} after each round, " if "load_each_round" in tm else "")
+             + f"{tm['load_after'][0]:.1f} after the timed rounds.", "",
              "| budget | memfit plan | its peak | its step | predicted | best uniform that fits | its peak | its step "
              "| predicted | plan / uniform, paired | torch.compile ratio | its peak | its step |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
