@@ -50,7 +50,7 @@ def llama_config(quick: bool) -> Path:
     from transformers import LlamaConfig
 
     shape = (dict(hidden_size=64, intermediate_size=176, num_hidden_layers=8, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256) if quick else
+                  num_key_value_heads=2, vocab_size=2048) if quick else
              dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=32000))
     folder = Path(tempfile.mkdtemp(prefix="memfit-bench-")) / "hf-llama"

@@ -158,8 +158,9 @@ def snippets(result: dict) -> dict[str, str]:
         share = t["half_budget_overhead_share"]
         out.append(f"- {c['model']} (batch {c['batch']} x seq {c['seq']}): peak within budget at all "
                    f"{len(c['rows'])} budgets: {_mark(t['plan_within_budget'])}; overhead at the ½ budget "
-                   + f"{_ratio(share)} of full checkpointing's (paired per round)"
-                   + f"; worst median paired time ratio against the best uniform policy that fits "
+                   + f"{_ratio(share)} of full checkpointing's" + (" (paired per round)" if isinstance(share, dict) else "")
+                   + ("; worst median paired time ratio" if isinstance(share, dict) else "; worst time ratio")
+                   + " against the best uniform policy that fits "
                    + (f"{t['worst_vs_best_uniform']:.3f}" if t["worst_vs_best_uniform"] else "n/a")
                    + f"; 100-block solve {c['solve_100_blocks_s']:.2f} s.")
     r = result.get("run", {})
