@@ -39,6 +39,39 @@ def test_loss_and_gradients_are_bit_identical_to_the_unchunked_head(n, h, v, bia
             assert torch.equal(a, c), (chunks, (a - c).abs().max())
 
 
+@pytest.mark.parametrize("reduction,scale,expect,recomputes", [
+    ("mean", None, "auto", False),   # loss.backward(): the forward's grad wrt hidden is used
+    ("sum", "count", "auto", False),  # loss / count, as memfit's training step divides it
+    ("sum", None, "auto", True),      # another upstream gradient: backward recomputes it
+    ("mean", 3.0, "auto", True),
+    ("mean", 0.25, 0.25, False),      # the expected gradient given
+    ("mean", None, None, True),       # none expected: always recomputed
+])
+def test_grad_wrt_hidden_from_the_forward_or_recomputed_is_bit_identical(monkeypatch, reduction, scale, expect,
+                                                                          recomputes):
+    import memfit.apply.chunked_head as ch
+
+    calls = []
+    real = ch._grad_hidden
+    monkeypatch.setattr(ch, "_grad_hidden", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(3)
+    x = torch.randn(200, 40, requires_grad=True)
+    w = (torch.randn(3000, 40) * 0.05).requires_grad_()
+    b = (torch.randn(3000) * 0.1).requires_grad_()
+    y = torch.randint(0, 3000, (200,))
+    y[::9] = -100
+    count = (y != -100).sum()
+
+    def scaled(loss):
+        return loss if scale is None else loss / count if scale == "count" else loss * scale
+
+    want = _grads(scaled(reference_cross_entropy(x, w, y, b, reduction=reduction)), [x, w, b])
+    got = _grads(scaled(chunked_cross_entropy(x, w, y, b, chunks=4, reduction=reduction, expect_grad=expect)),
+                 [x, w, b])
+    assert all(torch.equal(a, c) for a, c in zip(want, got))
+    assert bool(calls) == recomputes
+
+
 def test_extreme_logits_and_all_ignored_tokens_match():
     torch.manual_seed(0)
     w = torch.randn(1000, 64, requires_grad=True)
@@ -138,6 +171,8 @@ def test_bad_requests_raise_config_errors():
         chunk_head(_gpt(), -2)
     with pytest.raises(ConfigError, match="reduction"):
         chunked_cross_entropy(torch.randn(4, 8), torch.randn(50, 8), torch.zeros(4, dtype=torch.long), reduction="none")
+    with pytest.raises(ConfigError, match="expect_grad"):
+        chunked_cross_entropy(torch.randn(4, 8), torch.randn(50, 8), torch.zeros(4, dtype=torch.long), expect_grad="1")
     with pytest.raises(ConfigError, match="causal LM"):
         chunk_head(torch.nn.Linear(4, 4), 2)
     model = _hf("gpt2")

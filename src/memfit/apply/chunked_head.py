@@ -62,110 +62,157 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     return h.dtype
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """h @ w.T (+ b) in fp32, as F.linear computes an unchunked head's logits (addmm with a bias)."""
-    out = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
-    return out.float()
+def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """h @ w.T (+ b) into `out` (fp32), as F.linear computes an unchunked head's logits (addmm with a bias).
+    MKL writes a row-strided `out` in place: the same dot products as into a fresh tensor."""
+    if h.dtype == out.dtype:
+        return torch.mm(h, w.t(), out=out) if b is None else torch.addmm(b, h, w.t(), out=out)
+    return out.copy_(torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t()))
+
+
+def _view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous (rows, cols) tensor on the front of the flat scratch buffer `buf`."""
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or t.device.type == "meta"
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """cross_entropy(h @ w.T + b, y) in token chunks; backward in token chunks (grad wrt h) and in
-    vocabulary chunks (grad wrt w and b). See the module docstring for why it is bit-exact."""
+    """cross_entropy(h @ w.T + b, y) in token chunks; grad wrt h during the forward's token pass (when the
+    upstream gradient will be `expect`), grad wrt w and b in vocabulary chunks. See the module docstring."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, ignore_index: int, reduction: str, chunks: int):
+    def forward(ctx, h, w, b, y, ignore_index: int, reduction: str, chunks: int, expect):
         dt = _compute_dtype(h)
+        red = _REDUCTIONS[reduction]
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dt), w.to(dt)
             bc = None if b is None else b.to(dt)
             n = h.shape[0]
-            m = torch.empty(n, dtype=torch.float32, device=h.device)
-            lse = torch.empty_like(m)
-            picked = torch.empty(n, 1, dtype=torch.float32, device=h.device)
-            safe = torch.where(y == ignore_index, 0, y)
-            for r0, r1 in spans(n, chunks):
-                x = _logits(hc[r0:r1], wc, bc)
-                m[r0:r1], top = x.max(dim=1)
-                logp = torch.log_softmax(x, dim=1)
-                del x
-                lse[r0:r1] = logp.gather(1, top[:, None]).squeeze(1).neg()  # logp at the argmax is exactly -l
-                picked[r0:r1] = logp.gather(1, safe[r0:r1, None])
-                del logp, top
             one = torch.where(y == ignore_index, ignore_index, 0)
-            loss, total = torch.ops.aten.nll_loss_forward(picked, one, None, _REDUCTIONS[reduction], ignore_index)
-        ctx.save_for_backward(h, w, b, y, m, lse, total)
-        ctx.opts = (ignore_index, reduction, chunks, dt)
+            # total first (the same kernel on zeros): the forward's grad wrt h needs it.
+            zeros = torch.zeros(n, 1, dtype=torch.float32, device=h.device)
+            total = torch.ops.aten.nll_loss_forward(zeros, one, None, red, ignore_index)[1]
+            if expect is not None:  # "auto", sum: 1 / count in fp32, as `loss / count` hands backward
+                unit = torch.ones((), dtype=torch.float32, device=h.device)
+                expect = (unit if red == 1 else unit / total) if expect == "auto" else unit * expect
+            dh = None if expect is None else torch.empty_like(hc)
+            m, lse, picked = _token_pass(hc, wc, bc, y, ignore_index, red, chunks, total, expect, dh)
+            loss, total = torch.ops.aten.nll_loss_forward(picked, one, None, red, ignore_index)
+        ctx.save_for_backward(h, w, b, y, m, lse, total, expect, dh)
+        ctx.opts = (ignore_index, red, chunks, dt)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        h, w, b, y, m, lse, total = ctx.saved_tensors
-        ignore_index, reduction, chunks, dt = ctx.opts
-        red = _REDUCTIONS[reduction]
+        h, w, b, y, m, lse, total, expect, dh = ctx.saved_tensors
+        ignore_index, red, chunks, dt = ctx.opts
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dt), w.to(dt)
             bc = None if b is None else b.to(dt)
-            dh = _grad_hidden(hc, wc, bc, y, grad, total, ignore_index, red, chunks) if need_h else None
+            if need_h and (dh is None or not (_fake(grad) or torch.equal(grad.float(), expect))):
+                dh = _grad_hidden(hc, wc, bc, y, grad, total, ignore_index, red, chunks)  # unexpected grad: recompute
             dw = db = None
             if need_w or (need_b and b is not None):
                 dw, db = _grad_weight(hc, wc, bc, y, m, lse, grad, total, ignore_index, red, chunks)
-        dh = None if dh is None else dh.to(h.dtype)
+        dh = None if dh is None or not need_h else dh.to(h.dtype)
         dw = None if dw is None or not need_w else dw.to(w.dtype)
         db = None if db is None or not need_b else db.to(b.dtype)
-        return dh, dw, db, None, None, None, None
+        return dh, dw, db, None, None, None, None, None
+
+
+def _token_pass(hc, wc, bc, y, ignore_index: int, red: int, chunks: int, total, expect, dh):
+    """Over token chunks: logits, per-token max m and log-sum-exp l, the log-probability at the target and,
+    with `expect`, the softmax backward under that upstream gradient and g @ w into dh."""
+    n, vocab = hc.shape[0], wc.shape[0]
+    parts = spans(n, chunks)
+    rows = max(r1 - r0 for r0, r1 in parts)
+    bufs = [torch.empty(rows * vocab, dtype=torch.float32, device=hc.device) for _ in range(1 if dh is None else 2)]
+    m = torch.empty(n, dtype=torch.float32, device=hc.device)
+    lse, picked = torch.empty_like(m), torch.empty(n, 1, dtype=torch.float32, device=hc.device)
+    safe = torch.where(y == ignore_index, 0, y)
+    for r0, r1 in parts:
+        x = _logits(hc[r0:r1], wc, bc, _view(bufs[0], r1 - r0, vocab))
+        top = torch.max(x, dim=1, out=(m[r0:r1], torch.empty(r1 - r0, dtype=torch.long, device=hc.device)))[1]
+        logp = torch.ops.aten._log_softmax.out(x, 1, False, out=x)  # row by row: in place is the same arithmetic
+        torch.neg(logp.gather(1, top[:, None]).squeeze(1), out=lse[r0:r1])  # logp at the argmax is exactly -l
+        torch.gather(logp, 1, safe[r0:r1, None], out=picked[r0:r1])
+        if dh is not None:
+            g = torch.ops.aten.nll_loss_backward.grad_input(expect, logp, y[r0:r1], None, red, ignore_index, total,
+                                                            grad_input=_view(bufs[1], r1 - r0, vocab))
+            g = torch.ops.aten._log_softmax_backward_data.out(g, logp, 1, torch.float32, out=logp)
+            torch.mm(g.to(dh.dtype), wc, out=dh[r0:r1])
+    return m, lse, picked
 
 
 def _grad_hidden(hc, wc, bc, y, grad, total, ignore_index: int, red: int, chunks: int) -> torch.Tensor:
-    """Pass 1, over token chunks: recompute the chunk's logits, the aten softmax backward, g @ w."""
+    """Over token chunks: recompute the chunk's logits, the aten softmax backward, g @ w (the backward's
+    path when the upstream gradient is not the one the forward expected)."""
     dh = torch.empty_like(hc)
-    for r0, r1 in spans(hc.shape[0], chunks):
-        logp = torch.log_softmax(_logits(hc[r0:r1], wc, bc), dim=1)
-        g = torch.ops.aten.nll_loss_backward(grad, logp, y[r0:r1], None, red, ignore_index, total)
-        g = torch.ops.aten._log_softmax_backward_data(g, logp, 1, torch.float32)
-        del logp
-        dh[r0:r1] = torch.mm(g.to(dh.dtype), wc)
-        del g
+    n, vocab = hc.shape[0], wc.shape[0]
+    parts = spans(n, chunks)
+    rows = max(r1 - r0 for r0, r1 in parts)
+    a, b = (torch.empty(rows * vocab, dtype=torch.float32, device=hc.device) for _ in range(2))
+    for r0, r1 in parts:
+        x = _logits(hc[r0:r1], wc, bc, _view(a, r1 - r0, vocab))
+        logp = torch.ops.aten._log_softmax.out(x, 1, False, out=x)
+        g = torch.ops.aten.nll_loss_backward.grad_input(grad, logp, y[r0:r1], None, red, ignore_index, total,
+                                                        grad_input=_view(b, r1 - r0, vocab))
+        g = torch.ops.aten._log_softmax_backward_data.out(g, logp, 1, torch.float32, out=logp)
+        torch.mm(g.to(dh.dtype), wc, out=dh[r0:r1])
     return dh
 
 
 def _grad_weight(hc, wc, bc, y, m, lse, grad, total, ignore_index: int, red: int, chunks: int):
-    """Pass 2, over vocabulary chunks: every token's softmax on the chunk's columns, rebuilt from the
-    saved m and l, then dW[v0:v1] = g[:, v0:v1].T @ h over all tokens (and db = the column sums).
+    """Over vocabulary chunks: every token's softmax on the chunk's columns, rebuilt from the saved m and l,
+    then dW[v0:v1] = g[:, v0:v1].T @ h over all tokens (and db = the column sums).
 
     The aten backward kernels run on the chunk's columns plus one spare column: a token whose target
     lies outside the chunk puts its -grad/N there, so each row sums to what the full row sums to and
     every element is computed by the same formula as in the unchunked kernel."""
-    vocab = wc.shape[0]
+    n, vocab = hc.shape[0], wc.shape[0]
     dw = torch.empty(vocab, wc.shape[1], dtype=wc.dtype, device=wc.device)
     db = None if bc is None else torch.empty(vocab, dtype=bc.dtype, device=bc.device)
     ignored = y == ignore_index
     mcol, lcol = m[:, None], lse[:, None]
-    ht = hc.t()
-    for v0, v1 in spans(vocab, chunks, align=VOCAB_ALIGN):
-        x = _logits(hc, wc[v0:v1], None if bc is None else bc[v0:v1])
-        logp = torch.cat([(x - mcol) - lcol, torch.zeros_like(mcol)], dim=1)
-        del x
+    parts = spans(vocab, chunks, align=VOCAB_ALIGN)
+    cols = max(v1 - v0 for v0, v1 in parts) + 1
+    a, b = (torch.empty(n * cols, dtype=torch.float32, device=hc.device) for _ in range(2))
+    for v0, v1 in parts:
+        logp = _view(a, n, v1 - v0 + 1)
+        x = _logits(hc, wc[v0:v1], None if bc is None else bc[v0:v1], logp[:, : v1 - v0])
+        x.sub_(mcol).sub_(lcol)  # (x - m) - l, as the log_softmax kernel computes it
+        logp[:, v1 - v0].zero_()
         inside = (y >= v0) & (y < v1)
         local = torch.where(ignored, ignore_index, torch.where(inside, y - v0, v1 - v0))
-        g = torch.ops.aten.nll_loss_backward(grad, logp, local, None, red, ignore_index, total)
-        g = torch.ops.aten._log_softmax_backward_data(g, logp, 1, torch.float32)
-        del logp
-        g = g[:, : v1 - v0].to(wc.dtype)
-        dw[v0:v1] = torch.mm(ht, g).t()
+        g = torch.ops.aten.nll_loss_backward.grad_input(grad, logp, local, None, red, ignore_index, total,
+                                                        grad_input=_view(b, n, v1 - v0 + 1))
+        g = torch.ops.aten._log_softmax_backward_data.out(g, logp, 1, torch.float32, out=logp)[:, : v1 - v0]
+        if g.dtype == wc.dtype:
+            torch.mm(g.t(), hc, out=dw[v0:v1])
+        else:
+            dw[v0:v1] = torch.mm(g.t().to(wc.dtype), hc)
         if db is not None:
             db[v0:v1] = g.sum(0)
-        del g
     return dw, db
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                           bias: torch.Tensor | None = None, *, chunks: int = 8, ignore_index: int = -100,
-                          reduction: str = "mean") -> torch.Tensor:
+                          reduction: str = "mean", expect_grad: "float | str | None" = "auto") -> torch.Tensor:
     """F.cross_entropy(hidden @ weight.T + bias, target, ...) computed in `chunks` chunks.
 
     hidden: (..., H), flattened to (N, H); target: N class indices (`ignore_index` marks padding).
-    reduction: "mean" (over non-ignored tokens) or "sum"."""
+    reduction: "mean" (over non-ignored tokens) or "sum".
+    expect_grad: the gradient backward will receive for the loss. The forward then computes the gradient
+    wrt `hidden` as well (one pass over the logits fewer); if backward receives another, it recomputes it
+    (slower, as exact). "auto": 1.0 for "mean" and 1/(counted tokens) for "sum" (the loss divided by its
+    token count, as memfit's training step does); None: always recompute."""
     from memfit.core.errors import ConfigError
 
     if reduction not in _REDUCTIONS:
@@ -176,7 +223,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: to
     y = target.reshape(-1)
     if y.shape[0] != h.shape[0]:
         raise ConfigError(f"{y.shape[0]} targets for {h.shape[0]} hidden states; they must match")
-    return ChunkedCrossEntropy.apply(h, weight, bias, y, ignore_index, reduction, chunks)
+    if expect_grad is not None and expect_grad != "auto" and not isinstance(expect_grad, (int, float)):
+        raise ConfigError(f"expect_grad must be a number, 'auto' or None, got {expect_grad!r}")
+    expect = expect_grad if torch.is_grad_enabled() and hidden.requires_grad else None
+    return ChunkedCrossEntropy.apply(h, weight, bias, y, ignore_index, reduction, chunks, expect)
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
