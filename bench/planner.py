@@ -271,6 +271,7 @@ def main() -> None:
         result = run_case(case, args.quick, args.rounds)
         result["targets"] = targets(result)
         result["solve_100_blocks_s"] = solve_100_blocks(case)
+        print(f"    {case['key']}: {result['wall_s']:.0f} s", flush=True)
         out["models"].append(result)
     path = save("planner", out)
     import json
