@@ -60,7 +60,7 @@ def _case(case: dict) -> list[str]:
              f"Budgets: five evenly from the smallest feasible ({fmt_bytes(case['smallest_feasible'])}) to the "
              f"predicted no-checkpoint peak, and the one leaving 50% of the no-checkpoint activations "
              f"({fmt_bytes(case['half_budget'])}, marked ½). {tm['rounds']} rounds of {len(tm['wall'])} distinct "
-             f"contenders in a shuffled order, each timed over {tm.get('steps', 1)} warm steps in a row per round; "
+             f"contenders in a shuffled order, each timed over {_steps(tm.get('steps', 1))} per round; "
              f"1-minute load {tm['load_before'][0]:.1f} before, "
              + (f"{', '.join(f'{x:.1f}' for x in tm['load_each_round'])} after each round, " if "load_each_round" in tm else "")
              + f"{tm['load_after'][0]:.1f} after the timed rounds.", "",
@@ -115,6 +115,10 @@ def _case(case: dict) -> list[str]:
     else:
         lines.append(f"PyTorch's SAC ILP did not run here: it stopped at {sac['stage']} with `{sac['error']}`.")
     return lines
+
+
+def _steps(k: int) -> str:
+    return "one warm step" if k == 1 else f"{k} warm steps in a row (their median)"
 
 
 def _secs(v: float) -> str:
