@@ -123,6 +123,26 @@ def _predictor(src, prof, prof_costs, tokens: int):
     return predict
 
 
+def _rows(budgets, half, plans, plan_key, measured, ratio, timing) -> list[dict]:
+    """One row per budget: the plan, the best uniform policy that fits (by median step) with the paired ratio
+    of the plan's step to it, and the torch.compile ratio tuned to the budget."""
+    from memfit.apply.policy import to_string
+
+    med = {k: v["median"] for k, v in timing["wall"].items()}
+    rows = []
+    for b in budgets:
+        fits = [p for p in UNIFORM if measured[p]["peak"] <= b]
+        best = min(fits, key=lambda p: med[p]) if fits else None
+        ck = f"compile@{ratio[b]:.4f}" if ratio[b] is not None else None
+        rows.append({"budget": b, "half": b == half, "plan": plan_key[b], "plan_actions": to_string(plans[b].actions),
+                     "head_chunks": plans[b].head_chunks,
+                     "plan_predicted": plans[b].predicted_peak, "plan_notes": plans[b].notes,
+                     "micro_batch": plans[b].micro_batch, "accumulation": plans[b].accumulation,
+                     "uniform": best, "compile": ck, "compile_ratio": ratio[b],
+                     "vs_uniform": paired_ratio(timing, plan_key[b], best) if best else None})
+    return rows
+
+
 def run_case(case: dict, quick: bool, rounds: int) -> dict:
     from memfit.apply.checkpoint import find_blocks
     from memfit.apply.policy import resolve_policy, to_string
@@ -190,18 +210,7 @@ def run_case(case: dict, quick: bool, rounds: int) -> dict:
                                                       for r in set(ratio.values()) - {None}}
     print(f"    timing {len(contenders)} contenders, {rounds} rounds of {case['steps']} steps", flush=True)
     timing = timed_rounds(contenders, rounds=rounds, steps=case["steps"], setup=setup)
-    med = {k: v["median"] for k, v in timing["wall"].items()}
-    rows = []
-    for b in budgets:
-        fits = [p for p in UNIFORM if measured[p]["peak"] <= b]
-        best = min(fits, key=lambda p: med[p]) if fits else None
-        ck = f"compile@{ratio[b]:.4f}" if ratio[b] is not None else None
-        rows.append({"budget": b, "half": b == half, "plan": plan_key[b], "plan_actions": to_string(plans[b].actions),
-                     "head_chunks": plans[b].head_chunks,
-                     "plan_predicted": plans[b].predicted_peak, "plan_notes": plans[b].notes,
-                     "micro_batch": plans[b].micro_batch, "accumulation": plans[b].accumulation,
-                     "uniform": best, "compile": ck, "compile_ratio": ratio[b],
-                     "vs_uniform": paired_ratio(timing, plan_key[b], best) if best else None})
+    rows = _rows(budgets, half, plans, plan_key, measured, ratio, timing)
     sac = sac_ilp_attempt(lambda: spec.build(seq=seq), batch, seq, vocab, budgets[0] / 2**30)
     print(f"    SAC ILP: {sac}", flush=True)
     return {"key": case["key"], "model": spec.name, "hf": bool(case.get("hf")), "batch": batch, "seq": seq,
