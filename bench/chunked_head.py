@@ -6,8 +6,11 @@
 Peaks: the steady-state peak of a training step (fp32, AdamW) traced under FakeTensorMode, which
 equals the tracker on a real step (tests/test_plan_chunked_head.py); the small model is also
 measured on a real step. Time: the head and loss alone (forward + backward of the hidden states
-and the head weight), plain against chunked, interleaved in shuffled order (bench/common.py).
-Writes bench/results/chunked_head.json.
+and the head weight) at the planner bench's head shapes (GPT-2 small: 1024 tokens x 768 x 50257; its
+HF Llama: 1024 x 256 x 32000), plain against chunked, interleaved in shuffled order (bench/common.py),
+on `--threads` threads (1 by default: the figures then depend less on what else the machine runs).
+"k chunks, recomputed" is the path backward takes when the loss's upstream gradient is not the one
+the forward expected (`expect_grad`). Writes bench/results/chunked_head.json.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import fmt_spread, interleaved, load_line, run_line, save  # noqa: E402
+from common import fmt_spread, interleaved, load_line, paired_ratio, run_line, save  # noqa: E402
 
 from memfit.apply.chunked_head import chunked_cross_entropy, reference_cross_entropy  # noqa: E402
 from memfit.apply.head_swap import chunk_head  # noqa: E402
@@ -43,37 +46,53 @@ def peaks(name: str, batch: int, seq: int, real: bool) -> dict:
     return {"model": name, "batch": batch, "seq": seq, "precision": "32-true", "optimizer": "adamw", "peaks": out}
 
 
+TIMED = (2, 4, 8, 16)
+SHAPES = {"gpt2": (1024, 768, 50257), "llama": (1024, 256, 32000)}
+QUICK_SHAPE = (256, 64, 8192)
+
+
 def head_times(n: int, h: int, v: int, rounds: int) -> dict:
     torch.manual_seed(0)
     x = torch.randn(n, h, requires_grad=True)
     w = (torch.randn(v, h) * 0.02).requires_grad_()
     y = torch.randint(0, v, (n,))
 
-    def run(chunks):
+    def run(chunks, expect="auto"):
         def go():
-            loss = reference_cross_entropy(x, w, y) if chunks is None else chunked_cross_entropy(x, w, y, chunks=chunks)
+            loss = reference_cross_entropy(x, w, y) if chunks is None else \
+                chunked_cross_entropy(x, w, y, chunks=chunks, expect_grad=expect)
             torch.autograd.grad(loss, [x, w])
         return go
 
-    res = interleaved({"plain": run(None), "4 chunks": run(4), "16 chunks": run(16)}, rounds=rounds)
-    return {"tokens": n, "hidden": h, "vocab": v, **res}
+    contenders = {"plain": run(None), **{f"{k} chunks": run(k) for k in TIMED},
+                  "8 chunks, recomputed": run(8, None)}
+    res = interleaved(contenders, rounds=rounds)
+    ratios = {kind: {k: paired_ratio(res, k, "plain", kind) for k in contenders if k != "plain"}
+              for kind in ("wall", "cpu")}
+    return {"tokens": n, "hidden": h, "vocab": v, "threads": torch.get_num_threads(), **res, "ratio": ratios}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     small = "gpt:layers=2,hidden=64,heads=4,vocab=8192,seq=256"
     payload = {"small": peaks(small, 1, 256, real=True)}
     if not args.quick:
         payload["gpt2"] = peaks("gpt2", 1, 1024, real=False)
-    payload["head_time"] = head_times(512, 256, 16384, rounds=5)
+    shapes = {"quick": QUICK_SHAPE} if args.quick else SHAPES
+    payload["head_time"] = {k: head_times(*shape, rounds=args.rounds) for k, shape in shapes.items()}
     path = save("chunked_head", payload)
     for key in ("small", "gpt2"):
         if key in payload:
             p = payload[key]["peaks"]
             print(key, {k: round(r["traced_peak"] / 2**20, 2) for k, r in p.items()}, "MiB")
-    print({k: round(s["median"], 3) for k, s in payload["head_time"]["wall"].items()}, "s;", path)
+    for key, t in payload["head_time"].items():
+        print(key, {k: round(s["median"], 3) for k, s in t["wall"].items()}, "s")
+    print(path)
 
 
 def _mib(b: int) -> str:
@@ -94,13 +113,17 @@ def _table(r: dict) -> list[str]:
 
 
 def _times(r: dict) -> list[str]:
-    t = r["head_time"]
-    lines = [f"| head + loss, forward and backward ({t['tokens']} tokens x {t['hidden']} hidden x {t['vocab']} "
-             "vocab) | median (min–max) | against plain |", "|---|---|---|"]
-    base = t["wall"]["plain"]["median"]
-    for name, s in t["wall"].items():
-        lines.append(f"| {name} | {fmt_spread(s)} | {s['median'] / base:.2f}x |")
-    return lines + ["", load_line(t)]
+    lines = []
+    for t in r["head_time"].values():
+        lines += [f"| head + loss, forward and backward ({t['tokens']} tokens x {t['hidden']} hidden x {t['vocab']} "
+                  f"vocab, {t['threads']} thread{'s' if t['threads'] > 1 else ''}) | wall, median (min–max) | "
+                  "against plain, same round | process CPU time | against plain, same round |", "|---|---|---|---|---|"]
+        for name, s in t["wall"].items():
+            rel = [t["ratio"][kind].get(name) for kind in ("wall", "cpu")]
+            rel = ["1.00x" if q is None else f"{q['median']:.2f}x ({q['min']:.2f}–{q['max']:.2f})" for q in rel]
+            lines.append(f"| {name} | {fmt_spread(s)} | {rel[0]} | {fmt_spread(t['cpu'][name])} | {rel[1]} |")
+        lines += ["", load_line(t), ""]
+    return lines[:-1]
 
 
 def snippets(r: dict) -> dict[str, str]:

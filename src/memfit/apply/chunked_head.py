@@ -21,12 +21,21 @@ gradients, bit for bit (tests/test_apply_chunked_head.py checks with torch.equal
   the first, so vocabulary chunks start at multiples of VOCAB_ALIGN.
 * The loss sum runs through nll_loss on an (N, 1) tensor of the picked log-probabilities, so the
   kernel's cascade summation adds the same numbers in the same order as on (N, vocab).
+* The gradient wrt the hidden states is a row block of g @ w per token chunk. The forward computes it
+  in its own token pass, with the upstream gradient it expects (`expect_grad`: 1.0 for a mean loss,
+  1/count for a summed loss divided by its token count, as memfit's training step does); backward
+  uses it only if the gradient it receives equals that one bit for bit, and otherwise recomputes it
+  over token chunks (as exact, one pass more).
 
-Cost: the logits are computed three times (forward, then once per backward pass): two head GEMMs
-more than the unchunked head, and small chunks run the GEMMs less efficiently (bench/chunked_head.py).
-Memory: about 3 x (N / chunks) x vocab floats at once instead of several N x vocab. With autocast
-(bf16) the GEMMs run in the autocast dtype as an unchunked head's would; bitwise equality is then
-not claimed (oneDNN's bf16 kernels are not checked slice by slice).
+Cost: the logits are computed twice (the forward's token pass, the backward's vocabulary pass): four
+head GEMMs against the unchunked head's three (five when the upstream gradient was not the expected
+one). Scratch buffers are allocated once per pass and reused by every chunk (the kernels write into
+them), so no chunk allocates (and page-faults) fresh N x vocab memory, as the unchunked head does for
+each of its logits, log-probabilities and their gradients (bench/chunked_head.py times both).
+Memory: about 2 x (N / chunks) x vocab floats at once plus N x hidden for the early gradient, instead
+of several N x vocab. With autocast (bf16) the GEMMs run in the autocast dtype as an unchunked
+head's would; bitwise equality is then not claimed (oneDNN's bf16 kernels are not checked slice by
+slice).
 """
 from __future__ import annotations
 
