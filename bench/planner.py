@@ -63,16 +63,17 @@ def llama_config(quick: bool) -> Path:
 def cases(quick: bool) -> list[dict]:
     """Each model with its warm steps per contender per round (fewer where a step takes seconds)."""
     # steps: warm steps per contender per round; profile: memfit.profile's timed rounds; bisect: halvings of
-    # torch.compile's ratio after 0 and 1. GPT-2 small at 1024 tokens takes about 8 s a step on 2 cores:
-    # one step per round (and fewer compiled ratios) keeps the whole run under 20 minutes.
+    # torch.compile's ratio after 0 and 1 (one: ratios 0, 0.5, 1). GPT-2 small at 1024 tokens takes about
+    # 8 s a step on 2 cores: one step per round keeps the whole run near 20 minutes. A noisy profile
+    # misprices the plan, so the profile keeps 3 rounds.
     if quick:
         return [dict(key="gpt", name="gpt:layers=12,hidden=64,heads=4,vocab=2048,seq=256", batch=2, seq=256,
                      steps=3, profile=3, bisect=2),
                 dict(key="hf-llama", name=str(llama_config(True)), batch=4, seq=128, hf=True, steps=3, profile=3,
                      bisect=2)]
-    return [dict(key="gpt2", name="gpt2", batch=1, seq=1024, steps=1, profile=2, bisect=1),
+    return [dict(key="gpt2", name="gpt2", batch=1, seq=1024, steps=1, profile=3, bisect=1),
             dict(key="hf-llama", name=str(llama_config(False)), batch=1, seq=1024, hf=True, steps=2, profile=3,
-                 bisect=2)]
+                 bisect=1)]
 
 
 def _budgets(src, optimizer: str = "adamw") -> tuple[int, int, object]:
