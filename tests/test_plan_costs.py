@@ -45,3 +45,45 @@ def test_measured_scales_to_the_micro_batch():
     costs = SimpleNamespace(recompute_s=0.2, selective_s=0.04, segment_s={"4": 0.1})
     rec, sel, seg = measured(costs, 0.5)
     assert (rec, sel, seg) == (pytest.approx(0.1), pytest.approx(0.02), {"4": pytest.approx(0.05)})
+
+
+SPEC = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=32"
+
+
+def _costs(**kw):
+    from memfit.profile.measure import BlockCosts
+
+    base = dict(fwd_s=0.01, bwd_s=0.02, recompute_s=0.01, selective_s=0.002, input_bytes=0)
+    return BlockCosts(**(base | kw))
+
+
+def test_a_policy_measured_faster_than_keeping_everything_is_planned(monkeypatch):
+    from memfit.plan.fit import fit
+
+    monkeypatch.setenv("MEMFIT_NO_CACHE", "1")
+    kw = dict(budget="1GiB", batch=2, seq=16, allow=("recompute", "selective"), verify=False)
+    assert {a.mode for a in fit(SPEC, costs=_costs(), **kw).actions} == {"keep"}
+    # Measured costs are signed: selective timed faster than keeping everything wins even with room to spare.
+    assert {a.mode for a in fit(SPEC, costs=_costs(selective_s=-0.001), **kw).actions} == {"selective"}
+
+
+def test_measured_segment_costs_decide_between_segments_and_single_blocks():
+    from memfit.apply.policy import resolve_policy
+    from memfit.measure.blocks import chain_profile, spec_source
+    from memfit.measure.compose import BASE_ACTIONS
+    from memfit.models.spec import parse_model
+    from memfit.plan.solve import solve
+
+    prof = chain_profile(spec_source(parse_model(SPEC), 2, 16), "32-true", "adamw")
+    lo, hi = prof.peak_of(resolve_policy("full", 4)), prof.peak_of(resolve_policy("none", 4))
+    budgets = [lo + (hi - lo) * i // 8 for i in range(9)]
+
+    def segmented(seg_s: float, budget: int) -> bool:
+        got = solve(prof, budget, BASE_ACTIONS, _cost(0.01, 0.02, prof, None, {"2": seg_s}), n_blocks=4)
+        return got is not None and any(a.segment is not None for a in got.actions)
+
+    # Where a recomputed segment of 2 costs less per block than one block alone, some budget uses one;
+    # where it costs more, none does (every budget here, from full checkpointing's peak up, fits blocks
+    # recomputed one by one).
+    assert any(segmented(0.001, b) for b in budgets)
+    assert not any(segmented(0.05, b) for b in budgets)
