@@ -193,3 +193,46 @@ def test_gpt2_small_head_at_seq_1024_is_bit_identical():
     got_loss = chunked_cross_entropy(x, w, y, chunks=8)
     assert torch.equal(got_loss, ref)
     assert all(torch.equal(a, c) for a, c in zip(want, _grads(got_loss, [x, w])))
+
+
+@pytest.mark.parametrize("divisor", [None, 347])
+def test_a_summed_loss_divided_by_another_count_takes_the_forward_gradient(monkeypatch, divisor):
+    """Gradient accumulation divides each micro-batch's summed loss by the whole batch's count."""
+    import memfit.apply.chunked_head as ch
+
+    calls = []
+    real = ch._grad_hidden
+    monkeypatch.setattr(ch, "_grad_hidden", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(5)
+    x = torch.randn(150, 24, requires_grad=True)
+    w = (torch.randn(900, 24) * 0.05).requires_grad_()
+    y = torch.randint(0, 900, (150,))
+    count = divisor or 150
+    want = _grads(reference_cross_entropy(x, w, y, reduction="sum") / count, [x, w])
+    with ch.summed_loss_divisor(divisor):
+        loss = chunked_cross_entropy(x, w, y, chunks=3, reduction="sum")
+    assert all(torch.equal(a, c) for a, c in zip(want, _grads(loss / count, [x, w])))
+    assert not calls
+
+
+def test_accumulated_micro_batches_with_a_chunked_head_match_the_plain_model_bit_for_bit(monkeypatch):
+    import memfit.apply.chunked_head as ch
+    from memfit.apply.optimizer import TrainingOptimizer
+    from memfit.train.step import accumulate_grads
+
+    calls = []
+    real = ch._grad_hidden
+    monkeypatch.setattr(ch, "_grad_hidden", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    plain = _gpt()
+    plain.eval()  # no dropout: both models see the same arithmetic
+    chunked = chunk_head(copy.deepcopy(plain), 4)
+    x = torch.randint(0, 1000, (4, 64))
+    y = x.clone()
+    y[1, :20] = -1
+    batches = [(x[:2], y[:2]), (x[2:], y[2:])]
+    for model in (plain, chunked):
+        accumulate_grads(model, TrainingOptimizer(model, "sgd", lr=0.0), batches)
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert not calls  # each micro-batch's gradient wrt the hidden states came from its forward

@@ -39,6 +39,10 @@ slice).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +54,19 @@ VOCAB_ALIGN = 64
 columns in vector groups counted from the first, 4 x 8 floats on AVX2, 4 x 16 on AVX-512."""
 
 _REDUCTIONS = {"mean": 1, "sum": 2}
+_DIVISOR: ContextVar = ContextVar("memfit_summed_loss_divisor", default=None)
+
+
+@contextmanager
+def summed_loss_divisor(count) -> Iterator[None]:
+    """Summed chunked losses computed inside will be divided by `count` (an int or a tensor) before
+    backward, as gradient accumulation divides each micro-batch's sum by the whole batch's token count:
+    expect_grad="auto" then expects 1/count instead of 1/(the loss's own count)."""
+    token = _DIVISOR.set(count)
+    try:
+        yield
+    finally:
+        _DIVISOR.reset(token)
 
 
 def spans(n: int, chunks: int, min_size: int = MIN_CHUNK, align: int = 1) -> list[tuple[int, int]]:
@@ -108,7 +125,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             total = torch.ops.aten.nll_loss_forward(zeros, one, None, red, ignore_index)[1]
             if expect is not None:  # "auto", sum: 1 / count in fp32, as `loss / count` hands backward
                 unit = torch.ones((), dtype=torch.float32, device=h.device)
-                expect = (unit if red == 1 else unit / total) if expect == "auto" else unit * expect
+                if expect == "auto":
+                    div = _DIVISOR.get()
+                    div = total if div is None else torch.as_tensor(div, device=h.device).to(torch.float32)
+                    expect = unit if red == 1 else unit / div
+                else:
+                    expect = unit * expect
             dh = None if expect is None else torch.empty_like(hc)
             m, lse, picked = _token_pass(hc, wc, bc, y, ignore_index, red, chunks, total, expect, dh)
             loss, total = torch.ops.aten.nll_loss_forward(picked, one, None, red, ignore_index)
@@ -221,7 +243,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: to
     expect_grad: the gradient backward will receive for the loss. The forward then computes the gradient
     wrt `hidden` as well (one pass over the logits fewer); if backward receives another, it recomputes it
     (slower, as exact). "auto": 1.0 for "mean" and 1/(counted tokens) for "sum" (the loss divided by its
-    token count, as memfit's training step does); None: always recompute."""
+    token count, as memfit's training step does; inside `summed_loss_divisor(count)`, 1/count); None:
+    always recompute."""
     from memfit.core.errors import ConfigError
 
     if reduction not in _REDUCTIONS:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memfit.apply.chunked_head import chunked_cross_entropy
+from memfit.apply.chunked_head import chunked_cross_entropy, summed_loss_divisor
 from memfit.core.errors import ConfigError
 
 # Hugging Face models that transform their logits after the head (the chunked head computes plain ones).
@@ -123,7 +123,9 @@ def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any):
     hidden, out = hidden_states(self, **given, **extra)
     # As transformers' ForCausalLMLoss: tokens < n predict n; the last position has no target.
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
-    loss = head_cross_entropy(self, hidden, shifted.to(hidden.device), -100, "mean" if num_items is None else "sum")
+    with summed_loss_divisor(num_items):  # (None: the loss's own count) the gradient backward will bring
+        loss = head_cross_entropy(self, hidden, shifted.to(hidden.device), -100,
+                                  "mean" if num_items is None else "sum")
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),

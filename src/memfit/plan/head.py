@@ -7,9 +7,15 @@ chunked head changes in a short all-keep chain: two short traces per chunk count
 plain model shared by all counts, instead of tracing every action again. The chosen plan is checked
 with a full trace of the step with its head installed (memfit.plan.search._verify).
 
-Time: the chunked head computes the logits twice more (once per backward pass), two head GEMMs;
-each chunk adds CHUNK_OVERHEAD of one (smaller GEMMs run less efficiently), which ranks fewer
-chunks first among plans that are otherwise the same.
+Time (head_seconds): the chunked head runs one head GEMM more than the plain one (the backward's
+vocabulary pass recomputes the logits; memfit.apply.chunked_head) plus the softmax work once more,
+and saves the plain head's fresh N x vocab allocations: EXTRA_GEMMS of a head GEMM in all. Each
+token chunk streams the whole head weight through two GEMMs again: CHUNK_TOKENS tokens' worth of a
+head GEMM per chunk, which ranks fewer chunks first among plans that are otherwise the same. Both
+constants are fitted to the process CPU times of bench/chunked_head.py (docs/planner.md), counted in
+head GEMMs at the rate the plain head's GEMMs ran there; the FLOP model gives a head GEMM's seconds,
+scaled to this machine by `speed` when a profile is given. A profile that times the chunked head
+itself can rescale the figure to its measurement (this model then gives the ratio between counts).
 """
 from __future__ import annotations
 
@@ -26,8 +32,10 @@ from memfit.plan.costs import FLOPS
 
 HEAD_CHUNKS = (2, 4, 8, 16, 32, 64)
 """Chunk counts the search tries, fewest first."""
-CHUNK_OVERHEAD = 1 / 4
-"""Share of one head GEMM's time that each chunk adds in the time model."""
+EXTRA_GEMMS = 1.0
+"""Head GEMMs' worth of time the chunked head adds over the plain one, apart from its chunk count."""
+CHUNK_TOKENS = 40
+"""Tokens' worth of one head GEMM that each chunk adds (two more passes of the head weight)."""
 
 
 def head_source(src: ChainSource, chunks: int | None) -> ChainSource:
@@ -81,5 +89,5 @@ def head_seconds(src: ChainSource, tokens: int, chunks: int, speed: float = 1.0)
     """Extra seconds of a chunked head over the plain one in the time model (`speed` scales the FLOP
     model to measured block times when a profile is given)."""
     vocab, hidden = head_size(src)
-    gemm = 2 * tokens * vocab * hidden / FLOPS
-    return (2 + chunks * CHUNK_OVERHEAD) * gemm * speed
+    per_token = 2 * vocab * hidden / FLOPS  # one head GEMM, per token
+    return (EXTRA_GEMMS * tokens + chunks * CHUNK_TOKENS) * per_token * speed

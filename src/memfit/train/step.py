@@ -40,13 +40,15 @@ def accumulate_grads(model: nn.Module, opt, micro_batches: Iterable[tuple[torch.
     micro-batches unequal. Dividing by the number of micro-batches instead would weight a token in
     a short micro-batch more than one in a long one.
     """
+    from memfit.apply.chunked_head import summed_loss_divisor
+
     micro_batches = list(micro_batches)
     total = int(sum((y != -1).sum() for _, y in micro_batches))  # one host sync, not one per micro-batch
     denom = max(total, 1)  # an all-padding batch has zero loss and zero grads, not NaN
     running = None
     last = len(micro_batches) - 1
     for i, (x, y) in enumerate(micro_batches):
-        with opt.autocast():
+        with opt.autocast(), summed_loss_divisor(denom):  # a chunked head expects this gradient (exact)
             loss, _ = loss_sum(model, x, y)
         # final: with optimizer offload, updates may start while the last backward still runs.
         opt.backward(loss / denom, final=i == last)
