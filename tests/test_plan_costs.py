@@ -33,12 +33,15 @@ def test_predict_extra_prices_each_segment_by_its_length():
     assert predict_extra(mixed, cost) == pytest.approx(0.25 + 2 * (1.0 + (0.5 - 1.0) / 3) + 1.0)
 
 
-def test_head_cost_scales_the_measured_count_by_the_flop_model():
+def test_head_cost_offsets_the_measured_count_by_the_time_model():
     model = lambda k: 2.0 + k / 4  # noqa: E731
     assert head_cost(None, 1.0, 4, model) == 3.0
     costs = SimpleNamespace(head_s={"8": 0.8})
     assert head_cost(costs, 1.0, 8, model) == pytest.approx(0.8)
-    assert head_cost(costs, 0.5, 16, model) == pytest.approx(0.4 * 6.0 / 4.0)
+    assert head_cost(costs, 0.5, 16, model) == pytest.approx(0.4 + 2.0)  # the measurement plus the model's step
+    # A head measured faster than the plain one stays cheapest at the measured count, not at the most chunks.
+    faster = SimpleNamespace(head_s={"8": -0.1})
+    assert head_cost(faster, 1.0, 64, model) > head_cost(faster, 1.0, 8, model)
 
 
 def test_measured_scales_to_the_micro_batch():

@@ -87,13 +87,15 @@ def measured(costs: Any, scale: float) -> tuple[float, float, dict[str, float]]:
 
 
 def head_cost(costs: Any, scale: float, chunks: int, model: Callable[[int], float]) -> float:
-    """Extra seconds of the LM head in `chunks` chunks: `model(chunks)` (the FLOP model of plan/head.py),
-    rescaled to the profile's measurement at its chunk count when there is one."""
+    """Extra seconds of the LM head in `chunks` chunks: `model(chunks)` (the time model of plan/head.py),
+    or, when the profile timed the head at one count k0, that measurement plus what the model adds from
+    k0 to `chunks` (an offset, not a ratio: a measured figure at or below zero must not turn more chunks
+    into a bigger saving)."""
     got = getattr(costs, "head_s", None) if costs is not None else None
     if not got:
         return model(chunks)
     k0, t0 = next((int(k), v) for k, v in got.items())
-    return t0 * scale * model(chunks) / max(model(k0), 1e-12)
+    return t0 * scale + model(chunks) - model(k0)
 
 
 def predict_extra(actions: list[BlockAction], cost: Callable[[BlockAction, int], float]) -> float:
