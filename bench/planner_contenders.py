@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import random
+import statistics
 import time
 from typing import Any, Callable
 
@@ -60,13 +62,15 @@ class Bench:
         self.opt.backward(loss)
         self.opt.step()
 
-    def policy(self, actions: Any) -> None:
-        """Switch the eager model's checkpoint policy in place (untimed, between contenders)."""
+    def policy(self, actions: Any, head_chunks: int | None = None) -> None:
+        """Switch the eager model's checkpoint policy and LM head in place (untimed, between contenders)."""
         import memfit
+        from memfit.apply.head_swap import chunk_head
 
-        key = str(actions)
+        key = (str(actions), head_chunks)
         if key != self.applied:
             memfit.checkpoint(self.model, actions)
+            chunk_head(self.model, head_chunks)
             self.applied = key
 
     def peak(self, fn: Callable | None = None) -> dict:
@@ -74,6 +78,47 @@ class Bench:
         with PeakTracker(self.model, self.opt) as t:
             self.step(fn)
         return {"peak": t.peak_bytes, "breakdown": dict(t.breakdown)}
+
+
+# ---------------------------------------------------------------- timing
+def timed_rounds(contenders: dict[str, Callable[[], object]], rounds: int, steps: int,
+                 setup: Callable[[str], object], seed: int = 0) -> dict:
+    """Each round runs every contender in a freshly shuffled order (random.Random(seed)); a contender runs
+    `steps` warm steps in a row after its untimed switch (setup), and the round's figure is their median.
+    (Every contender has run at least one untimed step before: its tracked peak step or its compile.)
+    Returns the shape of bench/common.py's `interleaved` ("wall"/"cpu": spread of the round figures, whose
+    "times" are per round, so common.paired_ratio pairs rounds), plus every step's time under "steps"."""
+    from common import MIN_ROUNDS, load, spread
+
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"at least {MIN_ROUNDS} rounds, got {rounds}")
+    names, rng, before = list(contenders), random.Random(seed), load()
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    raw: dict[str, list[list[float]]] = {n: [] for n in names}
+    orders, loads = [], []
+    for r in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        orders.append(order)
+        for name in order:
+            setup(name)
+            ws, cs = [], []
+            for _ in range(steps):
+                t0, c0 = time.perf_counter(), time.process_time()
+                contenders[name]()
+                ws.append(time.perf_counter() - t0)
+                cs.append(time.process_time() - c0)
+            raw[name].append(ws)
+            wall[name].append(statistics.median(ws))
+            cpu[name].append(statistics.median(cs))
+        loads.append(load()[0])
+        print(f"    round {r + 1}/{rounds} (load {loads[-1]:.1f}): "
+              + ", ".join(f"{n[:14]} {wall[n][-1]:.3f}s" for n in order), flush=True)
+    return {"rounds": rounds, "steps": steps, "seed": seed, "orders": orders, "load_before": before,
+            "load_each_round": loads,
+            "load_after": load(), "wall": {n: spread(wall[n]) for n in names},
+            "cpu": {n: spread(cpu[n]) for n in names}, "steps_s": raw}
 
 
 # ---------------------------------------------------------------- torch.compile

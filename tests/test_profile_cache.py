@@ -12,6 +12,10 @@ def test_profile_bytes_are_exact_and_cached(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     p = profile(SPEC, batch=2, seq=16, rounds=1)
     assert not p.cached and p.blocks.saved["keep"] > p.blocks.saved["selective"] > p.blocks.saved["recompute"] > 0
+    # Timed variants of one model: segments (sqrt: one segment of both blocks); this vocabulary is too small
+    # for the chunked head's count, so no head timing.
+    assert set(p.step_s) == {"none", "full", "selective", "sqrt"} and set(p.blocks.segment_s) == {"2"}
+    assert p.blocks.head_s == {}
     # Keeping every block saves exactly (keep - recompute) bytes per block more than recomputing them:
     # the traced peaks of the whole step (in forward order) differ by that much when the peak is after the blocks.
     keep = trace_step(SPEC, batch=2, seq=16, optimizer="sgd", checkpoint="none").activations

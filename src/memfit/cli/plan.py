@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         from memfit.profile.measure import profile
 
         parse_budget(args.budget), parse_allow(args.allow)  # fail on bad input before measuring
-        costs = profile(args.model, batch=args.batch, seq=args.seq, precision=args.precision).blocks
+        costs = profile(args.model, batch=args.batch, seq=args.seq, precision=args.precision,
+                        optimizer=args.optimizer).blocks
     plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
                allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs)
     if args.json:

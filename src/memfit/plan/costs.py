@@ -63,8 +63,61 @@ def _block_seconds(prof: ChainProfile, tokens: int) -> float:
     return 2 * max(g, 1) / 4 * tokens / FLOPS
 
 
+def _segment_seconds(t_fwd: float, segment_s: dict[str, float] | None) -> Callable[[int], float]:
+    """Per-block recompute seconds in a segment of k blocks: t_fwd at k = 1 and the measured figure at the
+    measured length (memfit.profile times `sqrt`'s segments), linear between, flat beyond. Without a
+    measurement every k costs t_fwd (recomputing k blocks runs k forwards)."""
+    if not segment_s:
+        return lambda k: t_fwd
+    (length, at), = ((int(k), v) for k, v in list(segment_s.items())[:1])
+
+    def per_block(k: int) -> float:
+        if k <= 1 or length <= 1:
+            return t_fwd
+        return t_fwd + (at - t_fwd) * min(k - 1, length - 1) / (length - 1)
+
+    return per_block
+
+
+def measured(costs: Any, scale: float) -> tuple[float, float, dict[str, float]]:
+    """(recompute, selective, segment seconds by length) per block from a memfit.profile BlockCosts
+    measured at the full batch, scaled to a micro-batch (`scale` = micro / batch)."""
+    seg = {k: v * scale for k, v in (getattr(costs, "segment_s", None) or {}).items()}
+    return costs.recompute_s * scale, costs.selective_s * scale, seg
+
+
+def head_cost(costs: Any, scale: float, chunks: int, model: Callable[[int], float]) -> float:
+    """Extra seconds of the LM head in `chunks` chunks: `model(chunks)` (the time model of plan/head.py),
+    or, when the profile timed the head at one count k0, that measurement plus what the model adds from
+    k0 to `chunks` (an offset, not a ratio: a measured figure at or below zero must not turn more chunks
+    into a bigger saving)."""
+    got = getattr(costs, "head_s", None) if costs is not None else None
+    if not got:
+        return model(chunks)
+    k0, t0 = next((int(k), v) for k, v in got.items())
+    return t0 * scale + model(chunks) - model(k0)
+
+
+def predict_extra(actions: list[BlockAction], cost: Callable[[BlockAction, int], float]) -> float:
+    """Predicted extra seconds of an action list under `cost` (as solve.py sums them: each block of a
+    recomputed segment of k blocks costs cost(base, k))."""
+    from dataclasses import replace
+
+    total, i = 0.0, 0
+    while i < len(actions):
+        j = i + 1
+        if actions[i].segment is not None:
+            while j < len(actions) and actions[j].segment == actions[i].segment:
+                j += 1
+        base = replace(actions[i], segment=None)
+        total += (j - i) * cost(base, j - i)
+        i = j
+    return total
+
+
 def _cost(t_fwd: float, t_selective: float | None = None, prof: ChainProfile | None = None,
-          bandwidth: dict[str, float] | None = None) -> Callable[[BlockAction, int], float]:
+          bandwidth: dict[str, float] | None = None,
+          segment_s: dict[str, float] | None = None) -> Callable[[BlockAction, int], float]:
     """Extra seconds per block: a recomputed block reruns its forward; selective reruns part of it
     (measured when a profile is given, else SELECTIVE_SHARE of a forward). Offload adds moving the bytes
     it takes off the device out and back at the host bandwidth; compression adds encoding and decoding
@@ -74,6 +127,7 @@ def _cost(t_fwd: float, t_selective: float | None = None, prof: ChainProfile | N
     rates = {"cpu": HOST_BW, "disk": DISK_BW, **{c: CODEC_BW for c in CODECS}, **(bandwidth or {})}
     mode_s = {"keep": 0.0, "selective": sel, "recompute": t_fwd}
     memo: dict[tuple[BlockAction, int], float] = {}
+    per_block = _segment_seconds(t_fwd, segment_s)
 
     def moved(b: BlockAction, k: int) -> int:
         """Device bytes that `b`'s modifiers take off one block (of a segment of k)."""
@@ -89,7 +143,7 @@ def _cost(t_fwd: float, t_selective: float | None = None, prof: ChainProfile | N
     def cost(b: BlockAction, k: int) -> float:
         got = memo.get((b, k))
         if got is None:
-            got = mode_s[b.mode]
+            got = per_block(k) if b.mode == "recompute" else mode_s[b.mode]
             if b.offload or b.compress:
                 n, got = moved(b, k), got + HOOK_S
                 if b.offload:

@@ -15,7 +15,7 @@ head GEMM per chunk, which ranks fewer chunks first among plans that are otherwi
 constants are fitted to the process CPU times of bench/chunked_head.py (docs/planner.md), counted in
 head GEMMs at the rate the plain head's GEMMs ran there; the FLOP model gives a head GEMM's seconds,
 scaled to this machine by `speed` when a profile is given. A profile that times the chunked head
-itself can rescale the figure to its measurement (this model then gives the ratio between counts).
+itself anchors the figure at its measurement (this model then gives the difference between counts).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from typing import Any
 
 from memfit.core.units import format_bytes
 from memfit.measure.blocks import chain_profile
-from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost
+from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost, head_cost, measured
 from memfit.plan.head import head_counts, head_profile, head_seconds
 from memfit.plan.plan import Candidate, Plan
 from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
@@ -60,14 +60,24 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
                 where=composed.where)
     if verify and cand.offload_optimizer is None:
         base = prof.base if isinstance(prof, DiskProfile) else prof
-        t_fwd = _block_seconds(base, problem.tokens(cand.micro_batch))
-        cost = _cost(t_fwd, None, base)
-        bw = getattr(getattr(problem, "costs", None), "bandwidth", None)
+        cost, t_fwd, _, costs = _problem_cost(problem, base, cand.micro_batch)
+        bw = getattr(costs, "bandwidth", None)
         dcost = disk_cost(prof, cost, t_fwd, bw) if isinstance(prof, DiskProfile) else None
         _verify(problem, plan, prof, [*bases, *disk], cost, dcost)
     elif cand.offload_optimizer:
         plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
     return plan
+
+
+def _problem_cost(problem, prof, micro: int) -> tuple:
+    """(cost per block action, seconds of one block's forward, FLOP-model speed factor, measured costs)."""
+    t_fwd, t_sel, seg, speed = _block_seconds(prof, problem.tokens(micro)), None, None, 1.0
+    costs = getattr(problem, "costs", None)
+    if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
+        flop_fwd = t_fwd
+        t_fwd, t_sel, seg = measured(costs, micro / problem.batch)
+        speed = t_fwd / max(flop_fwd, 1e-12) if t_fwd > 0 else 1.0  # (measured costs are signed)
+    return _cost(t_fwd, t_sel, prof, getattr(costs, "bandwidth", None), seg), t_fwd, speed, costs
 
 
 def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, allowed) -> list[tuple]:
@@ -77,25 +87,20 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     bases, disk = bases
     n = src.n_blocks
     tokens = problem.tokens(micro)
-    t_fwd, t_sel = _block_seconds(prof, tokens), None
-    speed = 1.0
-    costs = getattr(problem, "costs", None)
-    if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
-        scale = micro / problem.batch
-        speed = costs.recompute_s * scale / max(t_fwd, 1e-12)
-        t_fwd, t_sel = costs.recompute_s * scale, costs.selective_s * scale
-    relief = _opt_bytes(prof, n) if off else 0
+    _, t_fwd, speed, costs = _problem_cost(problem, prof, micro)
     bw = getattr(costs, "bandwidth", None)
+    relief = _opt_bytes(prof, n) if off else 0
     accum = problem.batch // micro
 
     def row(chunks: int | None, p) -> tuple:
-        cost = _cost(t_fwd, t_sel, p, bw)
+        cost = _problem_cost(problem, p, micro)[0]
         choice = solve_any(p, limit + relief, bases, cost, n_blocks=n, max_segment=min(n, 16))
         if chunks is None:  # disk kinds are traced with the plain head
             choice, p, _ = with_disk(src, p, choice, limit + relief, bases, disk, cost, t_fwd, bw, prec, optimizer, n)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
-        head = head_seconds(src, tokens, chunks, speed) if chunks else 0.0
+        head = head_cost(costs, micro / problem.batch, chunks,
+                         lambda k: head_seconds(src, tokens, k, speed)) if chunks else 0.0
         time = accum * (3 * n * t_fwd + choice.time + head) + 2 * relief / HOST_BW
         return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
                          chunks), choice, p, n
