@@ -37,6 +37,7 @@ from common import fmt_bytes, save  # noqa: E402
 
 from memfit.apply.optimizer import TrainingOptimizer  # noqa: E402
 from memfit.distributed.compression import register_compression  # noqa: E402
+from memfit.distributed.strategy import distribute  # noqa: E402
 from memfit.models.spec import parse_model  # noqa: E402
 from memfit.train.data import WindowSampler, fixed_windows, load_corpus  # noqa: E402
 from memfit.train.loop import evaluate, lr_at  # noqa: E402
@@ -71,15 +72,26 @@ def optimizer_for(spec: str, optimizer: str) -> str:
     return "sgd" if optimizer == "momentum" and "momentum=" in spec else optimizer
 
 
+ZERO2 = "zero2 "
+"""A contender named "zero2 SPEC" trains with memfit's ZeRO-2 (compressed reduce-scatter) instead of DDP."""
+
+
 class Contender:
     def __init__(self, spec: str, model_spec: str, corpus, rank: int, optimizer: str, lr: float) -> None:
         torch.manual_seed(0)  # same initial weights for every compressor and rank
         self.spec, self.lr = spec, lr
         self.model = parse_model(model_spec).build(seq=SEQ)
         extra = {"betas": (0.9, 0.95)} if optimizer == "adamw" else {}  # the default job's AdamW
-        self.opt = TrainingOptimizer(self.model, optimizer_for(spec, optimizer), lr=lr, clip=CLIP, **extra)
-        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.state = register_compression(self.ddp, spec)
+        self.zero = spec.startswith(ZERO2)
+        if self.zero:  # memfit's strategies sum gradients: each rank divides by the global token count
+            codec = spec[len(ZERO2):]
+            self.opt = distribute(self.model, "zero2", optimizer_for(codec, optimizer), lr=lr, clip=CLIP, **extra)
+            self.ddp = self.model
+            self.state = register_compression(self.opt, codec)
+        else:
+            self.opt = TrainingOptimizer(self.model, optimizer_for(spec, optimizer), lr=lr, clip=CLIP, **extra)
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+            self.state = register_compression(self.ddp, spec, optimizer=self.opt)
         self.sampler = WindowSampler(corpus.train, BATCH, SEQ, seed=1 + rank)  # same data per compressor
         self.losses, self.times, self.val = [], [], []
 
@@ -89,7 +101,7 @@ class Contender:
         x, y = self.sampler.next()
         t0 = time.perf_counter()
         _, loss, n = self.ddp(x, y)  # memfit GPT: (logits, summed loss, tokens)
-        self.opt.backward(loss / n, final=True)
+        self.opt.backward(loss / (n * WORLD if self.zero else n), final=True)
         self.opt.step()
         self.times.append(time.perf_counter() - t0)
         self.losses.append(float(loss.detach()) / int(n))

@@ -145,7 +145,7 @@ def test_first_step_gradient_matches_the_exact_mean(ranks, spec, min_cos):
 
 
 @pytest.mark.parametrize("spec, at_least, at_most", [
-    ("none", 1.0, 1.0), ("topk:1.0,values=fp32", 0.49, 0.51), ("topk:0.01", 50, 70), ("topk:0.001,momentum=0.9,warmup=2", 4, 700),
+    ("none", 1.0, 1.0), ("topk:1.0,values=fp32", 0.49, 0.67), ("topk:0.01", 50, 100), ("topk:0.001,momentum=0.9,warmup=2", 4, 700),
     ("int8", 3.5, 4.0), ("sign", 25, 32), ("bf16", 2.0, 2.0), ("fp16", 2.0, 2.0), ("powersgd:2,batched", 1.2, 60),
     ("powersgd:2", 1.2, 60),
 ])

@@ -38,7 +38,7 @@ class Traffic:
 
 
 # all_gather_into_tensor was renamed all_gather_single (the old name warns in newer torch)
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def allreduce_bytes(nbytes: int, world: int) -> int:

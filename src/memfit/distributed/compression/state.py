@@ -8,6 +8,12 @@ call it, so both have the same error-feedback semantics. Counters:
     state.traffic.uncompressed    what plain fp32 all-reduce of the same buffers would send
     state.encode_s, decode_s      seconds spent encoding (incl. error feedback) and decoding
     state.steps                   completed steps (DDP: last bucket seen; ZeRO: end_step())
+
+In adam mode (spec adam=W, see onebit.py) the first W steps send the gradient through the warm-up
+codec (int8 or fp32) while each rank's local Adam momentum is kept; after them the momentum plus
+residual is compressed, and `momentum_phase` tells the optimizer that what arrived is Adam's first
+moment. state_dict() holds everything that changes what is sent (residuals, momenta, counters,
+the int8 rounding generator), so a resumed run sends the same bits.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import torch.distributed as dist
 from memfit.distributed.compression.exchange import Traffic, all_reduce_sum, allreduce_bytes, gather_parts
 from memfit.distributed.compression.feedback import ErrorFeedback
 from memfit.distributed.compression.powersgd import BatchedPowerSGD
+from memfit.distributed.compression.quant8 import Int8
 from memfit.distributed.compression.registry import make_codec
 from memfit.distributed.compression.spec import CompressionSpec, parse_compression
 
@@ -38,12 +45,23 @@ class CompressionState:
         self.per_call_steps = True
         """Count a buffer's calls as steps (DDP); ZeRO turns this off: with gradient accumulation
         it reduces each micro-batch, and its end_step() counts the optimizer steps."""
-        self.powersgd = self.codec = self.feedback = None
+        self.powersgd = self.codec = self.feedback = self.warm_codec = None
+        self.momentum_phase = False
+        """adam mode: the last exchange delivered Adam's first moment (v frozen), not a gradient."""
+        self.param_index: dict[int, int] | None = None
+        """id(parameter) -> its position in the model: stable DDP bucket keys across processes."""
+        self.params: list | None = None
+        """The model's parameters by position (DDP keys are tuples of positions)."""
+        self.precondition = None
+        """adam mode: (key, numel) -> the buffer's frozen Adam denominator (onebit.py)."""
         if self.spec.name == "powersgd":
             self.powersgd = BatchedPowerSGD(self.spec.rank, self.spec.dense_steps, self.spec.seed)
         else:
             self.codec = make_codec(self.spec, dist.get_rank(group) if dist.is_initialized() else 0)
-            if self.spec.error_feedback:
+            if self.spec.adam is not None:  # beta1 comes from the optimizer (onebit.attach)
+                self.feedback = ErrorFeedback(0.9, mask=self.spec.name == "topk", dampened=True)
+                self.warm_codec = Int8(1024) if self.spec.warm == "int8" else None
+            elif self.spec.error_feedback:
                 self.feedback = ErrorFeedback(self.spec.momentum, mask=self.spec.name == "topk")
 
     @property
@@ -70,6 +88,17 @@ class CompressionState:
             out = self.powersgd.exchange(flat, key, step, self.group, self.traffic)
             self.encode_s += time.perf_counter() - t0  # includes its two all-reduces
             return (out if self.average else out * world).to(flat.dtype)
+        if self.spec.clip is not None:  # DGC's local gradient clipping, before momentum and compression
+            flat = flat.detach().float()
+            flat = flat * min(1.0, self.spec.clip / (float(flat.norm()) + 1e-6))
+        if self.spec.adam is not None:
+            self.momentum_phase = step >= self.spec.adam
+            if not self.momentum_phase:  # warm-up: plain Adam on the exchanged gradient
+                self.feedback.accumulate(key, flat, step)  # the local momentum the compressed phase starts from
+                return self._warm(flat, world, sizes)
+            d = self.precondition(key, flat.numel()) if self.precondition is not None else None
+            out = self._gather(flat, key, step, world, sizes, divide=d)
+            return out if d is None else (out.float() * d).to(flat.dtype)  # momentum units for the step
         if step < self.spec.dense_steps:  # uncompressed warm-up: plain fp32, residuals untouched
             out = all_reduce_sum(flat.detach().float().clone(), self.group, self.traffic)
             return (out / world if self.average else out).to(flat.dtype)
@@ -89,15 +118,32 @@ class CompressionState:
             return self.feedback.corrected(key, flat)
         return flat.detach().float()
 
-    def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes) -> torch.Tensor:
+    def _warm(self, flat: torch.Tensor, world: int, sizes) -> torch.Tensor:
+        """adam mode's warm-up exchange of the plain gradient: int8 (no error feedback) or fp32."""
+        if self.warm_codec is None:
+            out = all_reduce_sum(flat.detach().float().clone(), self.group, self.traffic)
+            return (out / world if self.average else out).to(flat.dtype)
+        return self._gather(flat, None, 0, world, sizes, self.warm_codec)
+
+    def params_at(self, key: tuple) -> list:
+        return [self.params[i] for i in key]
+
+    def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes, codec=None,
+                divide: torch.Tensor | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
-        parts = self._encode(self._corrected(flat, key), key, step, sizes=sizes)
+        if codec is None:
+            codec = self.codec
+            x = (self.feedback.corrected(key, flat, divide, step=step) if self.spec.adam is not None
+                 else self._corrected(flat, key))
+            parts = self._encode(x, key, step, sizes=sizes)
+        else:  # a codec without error feedback (adam mode's warm-up)
+            parts = codec.encode(flat.detach().float(), step, sizes)
         t1 = time.perf_counter()
         gathered = gather_parts(parts, self.group, self.traffic)
         t2 = time.perf_counter()
-        total = self.codec.decode(gathered[0], flat.numel(), sizes).clone()
+        total = codec.decode(gathered[0], flat.numel(), sizes).clone()
         for p in gathered[1:]:  # rank order, so every rank computes the same bits
-            total += self.codec.decode(p, flat.numel(), sizes)
+            total += codec.decode(p, flat.numel(), sizes)
         out = (total / world if self.average else total).to(flat.dtype)
         self.encode_s += t1 - t0
         self.decode_s += time.perf_counter() - t2
@@ -114,6 +160,40 @@ class CompressionState:
         self.encode_s += t1 - t0
         self.decode_s += time.perf_counter() - t2
         return out
+
+    def state_dict(self) -> dict:
+        """This rank's compressor state (residuals and momenta differ between ranks)."""
+        out = {"spec": str(self.spec), "steps": self.steps, "calls": dict(self.calls),
+               "momentum_phase": self.momentum_phase,
+               "traffic": {"sent": self.traffic.sent, "uncompressed": self.traffic.uncompressed,
+                           "calls": self.traffic.calls, "by_collective": dict(self.traffic.by_collective)},
+               "encode_s": self.encode_s, "decode_s": self.decode_s}
+        if self.feedback is not None:
+            out["feedback"] = self.feedback.state_dict()
+        generator = getattr(self.codec, "generator", None)
+        if generator is not None:
+            out["generator"] = generator.get_state()
+        if self.powersgd is not None:
+            out["powersgd"] = self.powersgd.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["spec"] != str(self.spec):
+            raise ValueError(f"the saved compressor state is for {state['spec']}, this run compresses with {self.spec}")
+        self.steps, self.momentum_phase = state["steps"], state["momentum_phase"]
+        self.calls = defaultdict(int, state["calls"])
+        t = state["traffic"]
+        self.traffic.sent, self.traffic.uncompressed, self.traffic.calls = t["sent"], t["uncompressed"], t["calls"]
+        self.traffic.by_collective = dict(t["by_collective"])
+        self.encode_s, self.decode_s = state["encode_s"], state["decode_s"]
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state["feedback"])
+        if "generator" in state:  # int8 stochastic rounding: the same noise as the run would have drawn
+            if self.codec.generator is None:
+                self.codec.generator = torch.Generator()
+            self.codec.generator.set_state(state["generator"])
+        if self.powersgd is not None:
+            self.powersgd.load_state_dict(state["powersgd"])
 
     def summary(self) -> dict:
         steps = max(self.steps, 1)
