@@ -120,7 +120,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None,
         strategy = f"zero{engine.stage}"
         state = CompressionState(check_compression_strategy(strategy, spec), engine.group, average=False)
         state.per_call_steps = False  # the engine reports optimizer steps; micro-batches are not steps
-        _frozen_adam(state, optimizer or (target if target is not engine else None), engine)
+        _compressed_adam(state, optimizer or (target if target is not engine else None))
         if engine.stage < 3:  # zero3 passes the check only uncompressed ("none"): nothing to attach
             engine.compression = state
         return state
@@ -128,7 +128,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None,
     if memfit_ddp is not None:  # memfit's DDPOptimizer: its one hook dispatches to ours
         state, hook = _state_and_hook(check_compression_strategy("ddp", spec), memfit_ddp.group, average=False)
         state.param_index, state.params = _positions(target.ddp.module)
-        _frozen_adam(state, optimizer or target)
+        _compressed_adam(state, optimizer or target)
         memfit_ddp.compression = functools.partial(hook, state)
         target.compression = state
         return state
@@ -138,7 +138,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None,
                           "the parameter server and zero3 do not carry compression")
     state, hook = _state_and_hook(parse_compression(spec), group, average=True)
     state.param_index, state.params = _positions(target.module)
-    _frozen_adam(state, optimizer)
+    _compressed_adam(state, optimizer)
     try:
         target.register_comm_hook(state, hook)
     except RuntimeError as exc:  # DDP takes one comm hook, once
@@ -152,11 +152,11 @@ def _positions(model: torch.nn.Module) -> tuple[dict[int, int], list]:
     return {id(p): i for i, p in enumerate(params)}, params
 
 
-def _frozen_adam(state, optimizer, engine=None) -> None:
+def _compressed_adam(state, optimizer) -> None:
     if getattr(state.spec, "adam", None) is not None:
         from memfit.distributed.compression.onebit import attach
 
-        attach(state, optimizer, engine)
+        attach(state, optimizer)
 
 
 def _state_and_hook(parsed: CompressionSpec, group, average: bool):

@@ -1,41 +1,80 @@
-"""Frozen-variance Adam for compressed momentum (1-bit Adam, Tang et al. 2021; 0/1 Adam, Lu et al. 2022).
+"""Adam with a compressed update: each rank's local Adam direction, error-compensated and averaged.
 
 Adam's update m / (sqrt(v) + eps) is not linear in the gradient: error feedback delivers a
-coordinate's gradient in bursts (top-k: T g once every T steps; sign: a flipping residual), and v
-then grows with the burst's square, so the burst moves the weight by a fraction of what T dense
-steps would. With v frozen the update is linear in m, so error feedback on m is exact in the sum:
+coordinate's gradient in bursts (top-k: T g once every T steps; sign: a flipping residual), and a
+v computed from what arrives grows with the burst's square, so the burst moves the weight by a
+fraction of what T dense steps would. 1-bit Adam (Tang et al. 2021) and 0/1 Adam (Lu et al.
+2022) move the compression past the nonlinearity: they freeze v after a full-precision warm-up
+and send the error-compensated momentum. A frozen v needs an uncompressed warm-up of a sizeable
+part of the run (v keeps shrinking with the gradients early on), which a short run cannot afford
+within a byte budget. So memfit keeps v current instead, where it costs nothing to send: on each
+rank.
 
-    warm-up (spec adam=W steps): gradients exchanged through int8 (or fp32), plain Adam(W) updates
-        m and v; each rank also keeps its local momentum u = b1 u + (1 - b1) g_local;
-    after:  u = b1 u + (1 - b1) g_local;  x = u / d + residual;  sent = C(x);  residual = x - sent
-        with d = sqrt(v / bc2_W) + eps, Adam's denominator frozen at step W (the same on every
-        rank); top-k zeroes u where it sent (DGC's momentum masking). The ranks' decoded `sent`
-        are averaged (memfit's strategies: summed) into the update direction s, which arrives
-        as the parameter's .grad in momentum units, s * d (so gradient clipping sees a momentum);
-        this step then applies  p -= (lr / bc1) (s d) / d  (AdamW: p *= 1 - lr wd first).
+    warm-up (spec adam=W steps, W >= 0): gradients exchanged through int8 (or fp32); the optimizer
+        runs plain Adam(W) on them;
+    every step: each rank updates its local Adam moments from its own gradient g_r,
+        m_r = b1 m_r + (1 - b1) g_r,  v_r = b2 v_r + (1 - b2) g_r^2,
+        y_r = (m_r / bc1) / (sqrt(v_r / bc2) + eps)           (its Adam direction)
+    after the warm-up: x = y_r + residual;  sent = C(x);  residual = x - sent;  the mean over
+        ranks of the decoded `sent` is the update s, the same on every rank; this step applies
+        p -= lr s  (AdamW: p *= 1 - lr wd first).
 
-Compressing u / d rather than u keeps the compressor's shared scale (sign: mean |x| per chunk) in
-update units: sent in momentum units, a coordinate whose v is near zero (an embedding row no batch
-has used) would get lr * scale / eps. u / d is clamped to [-1, 1] before the residual is added: plain Adam's |m / sqrt(v)| stays near or
-below 1 because v follows the gradient's scale, but a frozen v does not, and a coordinate that
-saw almost no gradient during the warm-up (a rare token's embedding row) would otherwise take
-steps of lr * u / eps once its gradient arrives. Under ZeRO each rank holds v for its shard only, so d is
-all-gathered once per bucket when the compressed phase starts (counted in the bytes).
+The update is linear in what is sent, so error feedback is exact in sum, and every replica
+applies the same s. The directions differ from Adam on the mean gradient only in that each rank's
+v sees its own batch (at N ranks, the noise of 1/N of the batch). The cost is memory: m_r, v_r
+and the residual are full-size fp32 buffers per rank, also under ZeRO-2.
+
+s reaches the optimizer as the parameters' .grad scaled by 2^-20 (exact in binary floating point),
+so a gradient-norm clip in the optimizer (1.0 in the default job) does not bind on it; clip the
+local gradient with the spec's clip= instead (DGC's local gradient clipping).
 
 The optimizer is a torch Adam or AdamW whose state sits beside its parameters (what
 TrainingOptimizer, memfit's DDP and the ZeRO-1/2 shard optimizer hold without offload or master
 weights). attach() replaces that optimizer's step on the instance: plain Adam while
-state.momentum_phase is False, the frozen update after. The optimizer's exp_avg receives m and its
-step keeps counting, so its state_dict stays a valid Adam state.
+state.momentum_phase is False, the update above after.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from memfit.core.errors import ConfigError
+
+WIRE_SCALE = 2.0 ** -20
+"""s is handed over as s * 2^-20: far below any gradient-norm clip, and undone exactly."""
+
+
+class LocalAdam:
+    """Each rank's Adam moments of its own gradients, per exchanged buffer (keyed like residuals)."""
+
+    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.betas, self.eps = betas, eps
+        self.m: dict = {}
+        self.v: dict = {}
+        self.t: dict = {}
+
+    def direction(self, key, g: torch.Tensor) -> torch.Tensor:
+        """Fold g into the moments of `key`; Adam's bias-corrected direction (a new tensor)."""
+        b1, b2 = self.betas
+        m, v = self.m.get(key), self.v.get(key)
+        if m is None or m.shape != g.shape:
+            m, v, self.t[key] = torch.zeros_like(g), torch.zeros_like(g), 0
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        self.m[key], self.v[key] = m, v
+        self.t[key] += 1
+        t = self.t[key]
+        return (m / (1 - b1 ** t)).div_((v / (1 - b2 ** t)).sqrt_().add_(self.eps))
+
+    def state_dict(self) -> dict:
+        return {"m": {k: x.clone() for k, x in self.m.items()}, "v": {k: x.clone() for k, x in self.v.items()},
+                "t": dict(self.t)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.m = {k: x.clone() for k, x in state["m"].items()}
+        self.v = {k: x.clone() for k, x in state["v"].items()}
+        self.t = dict(state["t"])
 
 
 def torch_optimizer_of(optimizer: Any) -> torch.optim.Optimizer:
@@ -44,88 +83,45 @@ def torch_optimizer_of(optimizer: Any) -> torch.optim.Optimizer:
     if inner is not None:
         optimizer = inner
     if getattr(optimizer, "streamed", None) is not None:
-        raise ConfigError("adam= (frozen-variance Adam) needs the optimizer state beside the parameters; "
-                          "it does not combine with optimizer offload or master-weight precisions")
+        raise ConfigError("adam= needs the optimizer state beside the parameters; it does not combine with "
+                          "optimizer offload or master-weight precisions")
     optimizer = getattr(optimizer, "optimizer", optimizer)  # TrainingOptimizer -> its torch optimizer
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        raise ConfigError(f"adam= (frozen-variance Adam) works with the adam and adamw optimizers, not "
-                          f"{type(optimizer).__name__}; use topk/sign without adam= (momentum= for SGD)")
+        raise ConfigError(f"adam= works with the adam and adamw optimizers, not {type(optimizer).__name__}; "
+                          "use topk/sign without adam= (momentum= for SGD)")
     for group in optimizer.param_groups:
         if group.get("amsgrad") or (type(optimizer) is torch.optim.Adam and group.get("weight_decay")):
             raise ConfigError("adam= supports AdamW, and Adam without weight decay or amsgrad")
     return optimizer
 
 
-class FrozenVarianceAdam:
-    def __init__(self, state: Any, optimizer: torch.optim.Optimizer, engine: Any = None) -> None:
-        self.state, self.optimizer, self.engine = state, optimizer, engine
+class CompressedAdamStep:
+    def __init__(self, state: Any, optimizer: torch.optim.Optimizer) -> None:
+        self.state, self.optimizer = state, optimizer
         self.decoupled = type(optimizer) is torch.optim.AdamW
         self.dense_step = optimizer.step
-        beta1 = optimizer.param_groups[0]["betas"][0]
-        state.feedback.momentum = state.feedback.dampening = beta1  # u tracks Adam's m
-        self.group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
-        self.cache: dict = {}
-        state.precondition = self.bucket_denominator
+        group = optimizer.param_groups[0]
+        state.local_adam.betas, state.local_adam.eps = tuple(group["betas"]), group["eps"]
         optimizer.step = self.step  # instance attribute: the wrappers call optimizer.step()
-
-    def denominator(self, p: torch.Tensor) -> torch.Tensor:
-        """sqrt(v / bc2_W) + eps for parameter p (v frozen since step W)."""
-        group, st = self.group_of[p], self.optimizer.state.get(p, {})
-        if "exp_avg_sq" not in st:
-            raise ConfigError("adam=: a parameter reached the compressed phase without a warm-up step of "
-                              "Adam (its second moment is empty); raise adam=")
-        bc2_sqrt = math.sqrt(1 - group["betas"][1] ** self.state.spec.adam)
-        return (st["exp_avg_sq"].float().sqrt() / bc2_sqrt).add_(group["eps"])
-
-    def bucket_denominator(self, key, numel: int) -> torch.Tensor:
-        """The flat denominator of one exchanged buffer (a DDP bucket in model order, or a ZeRO
-        bucket: its shards' denominators all-gathered once); cached, as v is frozen."""
-        d = self.cache.get(key)
-        if d is None or d.numel() != numel:
-            if self.engine is not None:
-                d = self._gathered(key, numel)
-            else:
-                params = self.state.params_at(key)
-                d = torch.cat([self.denominator(p).reshape(-1) for p in params])
-            self.cache[key] = d
-        return d
-
-    def _gathered(self, key: int, numel: int) -> torch.Tensor:
-        from memfit.distributed.compression.exchange import allgather_bytes, all_gather_flat
-
-        shard = self.denominator(self.engine.shards[key]).reshape(-1)
-        world = self.engine.world
-        full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
-        all_gather_flat(full, shard.contiguous(), group=self.engine.group)
-        self.state.traffic.add("all_gather", allgather_bytes(shard.numel() * shard.element_size(), world))
-        return full
 
     def step(self, closure=None):
         if not self.state.momentum_phase:
             return self.dense_step(closure) if closure is not None else self.dense_step()
         with torch.no_grad():
             for group in self.optimizer.param_groups:
-                self._update(group)
+                lr, wd = group["lr"], group["weight_decay"]
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if wd and self.decoupled:
+                        p.mul_(1 - lr * wd)
+                    p.add_(p.grad, alpha=-lr / WIRE_SCALE)
         return None
 
-    def _update(self, group: dict) -> None:
-        beta1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            st = self.optimizer.state[p]
-            denom = self.denominator(p)
-            st["step"] += 1
-            st["exp_avg"].copy_(p.grad)  # m: the state stays a valid Adam state
-            if wd and self.decoupled:
-                p.mul_(1 - lr * wd)
-            p.addcdiv_(p.grad, denom, value=-lr / (1 - beta1 ** float(st["step"])))
 
-
-def attach(state: Any, optimizer: Any, engine: Any = None) -> FrozenVarianceAdam:
-    """Bind `state` (spec with adam=) to the Adam(W) behind `optimizer` (engine: memfit's ZeRO engine,
-    whose buckets are keyed by index and whose v is sharded); ConfigError if it cannot."""
+def attach(state: Any, optimizer: Any) -> CompressedAdamStep:
+    """Bind `state` (spec with adam=) to the Adam(W) behind `optimizer`; ConfigError if it cannot."""
     if optimizer is None:
         raise ConfigError(f"compression {state.spec}: adam= needs the optimizer; pass "
                           "register_compression(model, spec, optimizer=opt)")
-    return FrozenVarianceAdam(state, torch_optimizer_of(optimizer), engine)
+    return CompressedAdamStep(state, torch_optimizer_of(optimizer))

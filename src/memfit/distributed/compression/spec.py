@@ -8,9 +8,9 @@ A spec is a name, an optional main value after ":" and optional ",key=value" opt
     sign:chunk=1024                 1-bit sign, mean-|x| scale per chunk, error feedback
     powersgd:4                      torch's powerSGD_hook (per matrix), rank 4 (DDP only)
     powersgd:4,batched              memfit's batched PowerSGD (whole bucket as one square matrix)
-    sign:adam=12                    1-bit Adam: 12 int8 warm-up steps of plain Adam, then Adam's
-                                    momentum sent 1-bit with error feedback, its variance frozen
-    topk:0.01,adam=12               the same with top-k 1% (DGC masking) after the warm-up
+    sign:adam=0                     1-bit Adam: each rank's local Adam direction sent 1-bit with
+                                    error feedback, averaged into the update (onebit.py)
+    topk:0.01,adam=5                the same with top-k 1%, after 5 int8 warm-up steps of plain Adam
 """
 from __future__ import annotations
 
@@ -52,10 +52,9 @@ class CompressionSpec:
     """Plain fp32 all-reduce for the first `start` steps (an uncompressed warm-up, as 1-bit Adam
     and PowerSGD use); None = 2 for PowerSGD (lets DDP rebuild its buckets), else 0."""
     adam: int | None = None
-    """topk, sign: frozen-variance Adam (1-bit Adam / 0/1 Adam). The first `adam` steps exchange the
-    gradient through `warm` and the optimizer runs plain Adam(W); after them Adam's second moment is
-    frozen and each rank sends its error-compensated local first moment instead of its gradient
-    (momentum from the optimizer's beta1). Needs the optimizer: see onebit.py."""
+    """topk, sign: compressed Adam update. The first `adam` steps exchange the gradient through
+    `warm` and the optimizer runs plain Adam(W); after them each rank sends its error-compensated
+    local Adam direction and the mean is the update. Needs the optimizer: see onebit.py."""
     warm: str = "int8"
     """adam mode: the warm-up exchange, "int8" (4x fewer bytes than fp32) or "fp32"."""
     clip: float | None = None
@@ -147,9 +146,8 @@ def _validate_adam(s: CompressionSpec, spec: str) -> None:
     if s.name not in ("topk", "sign") or not s.error_feedback:
         raise ConfigError(f"compression {spec!r}: adam= (frozen-variance Adam) applies to topk and sign "
                           "with error feedback; e.g. sign:adam=12 or topk:0.01,adam=12")
-    if s.adam < 1:
-        raise ConfigError(f"compression {spec!r}: adam={s.adam} warm-up steps must be at least 1 (Adam's "
-                          "second moment is frozen after them)")
+    if s.adam < 0:
+        raise ConfigError(f"compression {spec!r}: adam={s.adam} warm-up steps must be 0 or more")
     if s.momentum or s.start:
         raise ConfigError(f"compression {spec!r}: with adam= the momentum is the optimizer's beta1 and the "
                           "warm-up is adam=N itself; leave out momentum= and start=")
@@ -172,9 +170,14 @@ _WHY_NOT = {
 }
 
 
-def check_compression_strategy(strategy: str, spec: str | CompressionSpec | None) -> CompressionSpec:
-    """Parse `spec` and check that `strategy` can carry it; ConfigError (one line) otherwise."""
+def check_compression_strategy(strategy: str, spec: str | CompressionSpec | None,
+                               optimizer: str | None = None) -> CompressionSpec:
+    """Parse `spec` and check that `strategy` (and `optimizer`, when given) can carry it; ConfigError
+    (one line) otherwise."""
     parsed = parse_compression(spec)
+    if parsed.adam is not None and optimizer is not None and optimizer not in ("adam", "adamw"):
+        raise ConfigError(f"--compress {spec}: adam= (frozen-variance Adam) works with the adam and adamw "
+                          f"optimizers, not {optimizer}; leave out adam= (momentum= suits SGD)")
     if parsed.name == "none" or strategy in STRATEGIES_WITH_COMPRESSION:
         if parsed.name == "powersgd" and not parsed.batched and strategy != "ddp":
             raise ConfigError(f"--compress {spec}: torch's powerSGD_hook is a DDP comm hook; with "
