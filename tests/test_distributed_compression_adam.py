@@ -37,7 +37,7 @@ def test_warm_up_steps_are_plain_adamw_and_then_the_step_applies_the_exchanged_u
         _grads(lin, step), _grads(ref_lin, step)
         opt.step(), ref.step()
     assert all(torch.equal(a, b) for a, b in zip(lin.parameters(), ref_lin.parameters()))
-    state.momentum_phase = True
+    state.update_phase = True
     g = torch.Generator().manual_seed(7)
     updates = {p: torch.randn(p.shape, generator=g) for p in lin.parameters()}
     before = {p: p.detach().clone() for p in lin.parameters()}
@@ -139,7 +139,7 @@ def _train(rank: int, kind: str, spec: str | None) -> dict:
         opt.backward(loss / (n * divisor), final=True)
         opt.step()
         losses.append(float(loss.detach()) / int(n))
-        phases.append(state.momentum_phase if state is not None else None)
+        phases.append(state.update_phase if state is not None else None)
     return {"params": _params(model), "update": _params(model) - start, "losses": losses, "phases": phases,
             "summary": state.summary() if state is not None else None}
 

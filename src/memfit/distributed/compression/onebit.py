@@ -31,7 +31,7 @@ local gradient with the spec's clip= instead (DGC's local gradient clipping).
 The optimizer is a torch Adam or AdamW whose state sits beside its parameters (what
 TrainingOptimizer, memfit's DDP and the ZeRO-1/2 shard optimizer hold without offload or master
 weights). attach() replaces that optimizer's step on the instance: plain Adam while
-state.momentum_phase is False, the update above after.
+state.update_phase is False, the update above after.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ class CompressedAdamStep:
         optimizer.step = self.step  # instance attribute: the wrappers call optimizer.step()
 
     def step(self, closure=None):
-        if not self.state.momentum_phase:
+        if not self.state.update_phase:
             return self.dense_step(closure) if closure is not None else self.dense_step()
         with torch.no_grad():
             for group in self.optimizer.param_groups:

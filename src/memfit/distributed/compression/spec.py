@@ -144,7 +144,7 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
 
 def _validate_adam(s: CompressionSpec, spec: str) -> None:
     if s.name not in ("topk", "sign") or not s.error_feedback:
-        raise ConfigError(f"compression {spec!r}: adam= (frozen-variance Adam) applies to topk and sign "
+        raise ConfigError(f"compression {spec!r}: adam= (compressed Adam update) applies to topk and sign "
                           "with error feedback; e.g. sign:adam=12 or topk:0.01,adam=12")
     if s.adam < 0:
         raise ConfigError(f"compression {spec!r}: adam={s.adam} warm-up steps must be 0 or more")
@@ -176,7 +176,7 @@ def check_compression_strategy(strategy: str, spec: str | CompressionSpec | None
     (one line) otherwise."""
     parsed = parse_compression(spec)
     if parsed.adam is not None and optimizer is not None and optimizer not in ("adam", "adamw"):
-        raise ConfigError(f"--compress {spec}: adam= (frozen-variance Adam) works with the adam and adamw "
+        raise ConfigError(f"--compress {spec}: adam= (compressed Adam update) works with the adam and adamw "
                           f"optimizers, not {optimizer}; leave out adam= (momentum= suits SGD)")
     if parsed.name == "none" or strategy in STRATEGIES_WITH_COMPRESSION:
         if parsed.name == "powersgd" and not parsed.batched and strategy != "ddp":

@@ -11,7 +11,7 @@ call it, so both have the same error-feedback semantics. Counters:
 
 In adam mode (spec adam=W, see onebit.py) each rank keeps Adam's moments of its own gradients;
 the first W steps send the gradient through the warm-up codec (int8 or fp32), after them each
-rank's Adam direction plus residual is compressed, and `momentum_phase` tells the optimizer that
+rank's Adam direction plus residual is compressed, and `update_phase` tells the optimizer that
 what arrived is the averaged update, not a gradient. state_dict() holds everything that changes what is sent (residuals, momenta, counters,
 the int8 rounding generator), so a resumed run sends the same bits.
 """
@@ -55,7 +55,7 @@ class CompressionState:
         self.powersgd = self.codec = self.feedback = self.warm_codec = None
         self.shard: int | None = None
         """The slice a reduce-scatter in progress returns (exchange(shard=))."""
-        self.momentum_phase = False
+        self.update_phase = False
         """adam mode: the last exchange delivered the averaged Adam update (x 2^-20), not a gradient."""
         self.param_index: dict[int, int] | None = None
         """id(parameter) -> its position in the model: stable DDP bucket keys across processes."""
@@ -137,8 +137,8 @@ class CompressionState:
         # the rank's mean gradient: memfit's strategies hand over 1/N of it (summed over ranks)
         g = flat.detach().float() if self.average else flat.detach().float() * world
         y = self.local_adam.direction(key, g)
-        self.momentum_phase = step >= self.spec.adam
-        if not self.momentum_phase:  # warm-up: plain Adam on the exchanged gradient
+        self.update_phase = step >= self.spec.adam
+        if not self.update_phase:  # warm-up: plain Adam on the exchanged gradient
             return self._warm(flat, world, sizes)
         out = self._gather(y, key, step, world, sizes)
         out = out if self.average else out / world  # the update is the mean of the ranks' directions
@@ -211,7 +211,7 @@ class CompressionState:
     def state_dict(self) -> dict:
         """This rank's compressor state (residuals and momenta differ between ranks)."""
         out = {"spec": str(self.spec), "steps": self.steps, "calls": dict(self.calls),
-               "momentum_phase": self.momentum_phase,
+               "update_phase": self.update_phase,
                "traffic": {"sent": self.traffic.sent, "uncompressed": self.traffic.uncompressed,
                            "calls": self.traffic.calls, "by_collective": dict(self.traffic.by_collective)},
                "encode_s": self.encode_s, "decode_s": self.decode_s}
@@ -229,7 +229,7 @@ class CompressionState:
     def load_state_dict(self, state: dict) -> None:
         if state["spec"] != str(self.spec):
             raise ValueError(f"the saved compressor state is for {state['spec']}, this run compresses with {self.spec}")
-        self.steps, self.momentum_phase = state["steps"], state["momentum_phase"]
+        self.steps, self.update_phase = state["steps"], state["update_phase"]
         self.calls = defaultdict(int, state["calls"])
         t = state["traffic"]
         self.traffic.sent, self.traffic.uncompressed, self.traffic.calls = t["sent"], t["uncompressed"], t["calls"]
