@@ -4,15 +4,17 @@
                                           [--compressors SPEC ...] [--lr LR] [--name NAME]
 
 Two gloo ranks on 127.0.0.1 train memfit's GPT (models/gpt.py) on the default corpus
-(train/data.py) with torch DDP and TrainingOptimizer, one model per compressor, all in the same
+(train/data.py) with torch DDP and TrainingOptimizer (a contender "zero2 SPEC": memfit's ZeRO-2,
+whose reduce-scatter carries the compressor), one model per compressor, all in the same
 two processes: AdamW with the default job's betas, lr schedule and clipping (results/compression.json),
 or with --optimizer momentum SGD with momentum 0.9 (results/compression_sgd.json), the setting of
 DGC and EF-SignSGD, where a spec with momentum= moves the momentum before compression and the
 optimizer is plain SGD. Every step visits the compressors in a
 fresh shuffled order (the same on both ranks), so machine load hits them alike; step times are
 the median and quartiles over all steps. Bytes are counted where the hooks call their
-collectives (ring volumes: all_gather B * (N - 1), all_reduce 2B (N - 1) / N per rank); the
-ratio is against fp32 all-reduce of the same buckets. Final validation loss is over fixed
+collectives (ring volumes: all_gather B * (N - 1), all_reduce 2B (N - 1) / N per rank, all_to_all
+what goes to other ranks); the ratio is against fp32 all-reduce of the same buckets (ZeRO-2: its
+fp32 reduce-scatter), over the whole run, warm-up steps included. Final validation loss is over fixed
 validation windows, against the uncompressed run that saw the same data.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ from common import fmt_bytes, save  # noqa: E402
 
 from memfit.apply.optimizer import TrainingOptimizer  # noqa: E402
 from memfit.distributed.compression import register_compression  # noqa: E402
+from memfit.distributed.strategy import distribute  # noqa: E402
 from memfit.models.spec import parse_model  # noqa: E402
 from memfit.train.data import WindowSampler, fixed_windows, load_corpus  # noqa: E402
 from memfit.train.loop import evaluate, lr_at  # noqa: E402
@@ -45,24 +48,26 @@ NAME = "compression"
 MODEL = "gpt:layers=2,hidden=128,heads=4,vocab=256,seq=64"
 BATCH, SEQ, LR, WARMUP, CLIP, WORLD = 8, 64, 2e-3, 20, 1.0, 2  # lr, warm-up, clip: the default job's
 COMPRESSORS = {
-    # the default job's optimizer: every compressor, the 1-bit one also with 256-element chunks and
-    # with 20 uncompressed warm-up steps (what it costs in bytes shows in the ratio)
-    "adamw": ["none", "topk:0.01", "topk:0.001", "sign", "sign:chunk=256", "sign:chunk=256,start=20", "int8", "bf16",
-              "powersgd:4", "powersgd:4,batched"],
+    # the default job's optimizer: every compressor; top-k and sign with plain error feedback and in
+    # adam mode (each rank's Adam direction compressed, after 5 int8 warm-up steps that count in the
+    # bytes), and the lossy ones with targets also under memfit's ZeRO-2
+    "adamw": ["none", "topk:0.01", "topk:0.01,adam=5", "sign", "sign:adam=5", "int8", "powersgd:4",
+              "zero2 topk:0.01,adam=5", "zero2 sign:adam=5", "zero2 int8"],
     # DGC's and EF-SignSGD's setting: momentum SGD, with the momentum moved before compression
     # (momentum=, plain SGD) against error feedback alone under momentum SGD
-    "momentum": ["none", "topk:0.01,momentum=0.9,warmup=5", "topk:0.01,momentum=0.9", "topk:0.01",
-                 "topk:0.001,momentum=0.9", "sign:chunk=256,momentum=0.9", "sign:chunk=256", "int8", "powersgd:4"],
+    "momentum": ["none", "topk:0.01,momentum=0.9,warmup=5", "topk:0.01", "sign:chunk=256,momentum=0.9", "int8"],
 }
 LRS = {"adamw": LR, "momentum": 0.5}
 NAMES = {"adamw": NAME, "momentum": "compression_sgd"}
 TARGETS = {"topk:0.01": (50, 0.02), "sign": (25, 0.03), "int8": (3.5, 0.005)}
 """compressor (and its variants with options): (at least this many times fewer bytes, final val loss within)."""
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+ZERO2 = "zero2 "
+"""A contender named "zero2 SPEC" trains with memfit's ZeRO-2 (compressed reduce-scatter) instead of DDP."""
 
 
 def target_of(spec: str) -> tuple[float, float] | None:
-    head = spec.split(",")[0]
+    head = spec.removeprefix(ZERO2).split(",")[0]
     return TARGETS.get(head) or TARGETS.get(head.split(":")[0] if head.startswith(("sign", "int8")) else head)
 
 
@@ -77,9 +82,16 @@ class Contender:
         self.spec, self.lr = spec, lr
         self.model = parse_model(model_spec).build(seq=SEQ)
         extra = {"betas": (0.9, 0.95)} if optimizer == "adamw" else {}  # the default job's AdamW
-        self.opt = TrainingOptimizer(self.model, optimizer_for(spec, optimizer), lr=lr, clip=CLIP, **extra)
-        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.state = register_compression(self.ddp, spec)
+        self.zero = spec.startswith(ZERO2)
+        if self.zero:  # memfit's strategies sum gradients: each rank divides by the global token count
+            codec = spec[len(ZERO2):]
+            self.opt = distribute(self.model, "zero2", optimizer_for(codec, optimizer), lr=lr, clip=CLIP, **extra)
+            self.ddp = self.model
+            self.state = register_compression(self.opt, codec)
+        else:
+            self.opt = TrainingOptimizer(self.model, optimizer_for(spec, optimizer), lr=lr, clip=CLIP, **extra)
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+            self.state = register_compression(self.ddp, spec, optimizer=self.opt)
         self.sampler = WindowSampler(corpus.train, BATCH, SEQ, seed=1 + rank)  # same data per compressor
         self.losses, self.times, self.val = [], [], []
 
@@ -89,7 +101,7 @@ class Contender:
         x, y = self.sampler.next()
         t0 = time.perf_counter()
         _, loss, n = self.ddp(x, y)  # memfit GPT: (logits, summed loss, tokens)
-        self.opt.backward(loss / n, final=True)
+        self.opt.backward(loss / (n * WORLD if self.zero else n), final=True)
         self.opt.step()
         self.times.append(time.perf_counter() - t0)
         self.losses.append(float(loss.detach()) / int(n))
@@ -174,7 +186,7 @@ def plot(rows: list[dict], path: Path, optimizer: str = "adamw") -> None:
     ax.set_ylim(top=max(r["train_loss"][0] for r in rows) + 0.3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte): lines train (10-step mean), dots validation")
-    ax.set_title(f"2 gloo ranks, DDP + compression comm hooks, {optimizer}")
+    ax.set_title(f"2 gloo ranks, compressed gradient exchange (DDP hooks, ZeRO-2), {optimizer}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +242,8 @@ def render(result: dict) -> str:
     png = result.get("png", "compression_loss.png")
     command = result.get("command", f"bench/compression.py --steps {result['steps']}")
     lines = [
-        f"## {result.get('name', NAME)}: gradient bytes on the wire vs convergence (2 gloo ranks, DDP comm hooks, "
+        f"## {result.get('name', NAME)}: gradient bytes on the wire vs convergence (2 gloo ranks, DDP comm hooks"
+        f"{' and ZeRO-2' if any(r['compressor'].startswith(ZERO2) for r in result['rows']) else ''}, "
         f"{result.get('optimizer_name', 'adamw')})",
         "",
         f"`.venv/bin/python {command}`",
@@ -241,7 +254,10 @@ def render(result: dict) -> str:
         f"{result['seq']} bytes, {result['steps']} steps, {result['optimizer']}; every compressor trains "
         f"its own model from the same weights on the same data, all interleaved in one run (shuffled order "
         f"each step). Bytes = what each rank sends per step, counted at the collective calls (ring "
-        f"volumes); ratio vs fp32 all-reduce. Coding = encode+decode time as a share of step time "
+        f"volumes; all_to_all: what goes to the other rank), averaged over all steps, warm-up steps included; "
+        f"ratio vs fp32 all-reduce (rows `zero2 ...`: memfit's ZeRO-2, whose compressed reduce-scatter "
+        f"replaces an fp32 reduce-scatter, the ratio's baseline there; its weight all-gather is not "
+        f"gradient traffic and is left out). Coding = encode+decode time as a share of step time "
         f"(PowerSGD: its collectives are inside that time). Step time: median [quartiles] over all steps "
         f"of both ranks. Load average {a:.1f} before, {b:.1f} after, on {result['machine']['cores']} cores; "
         f"run took {result['wall_s']:.0f} s. Loss curves: [{png}]({png}).",

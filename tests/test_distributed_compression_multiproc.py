@@ -145,7 +145,7 @@ def test_first_step_gradient_matches_the_exact_mean(ranks, spec, min_cos):
 
 
 @pytest.mark.parametrize("spec, at_least, at_most", [
-    ("none", 1.0, 1.0), ("topk:1.0,values=fp32", 0.49, 0.51), ("topk:0.01", 50, 70), ("topk:0.001,momentum=0.9,warmup=2", 4, 700),
+    ("none", 1.0, 1.0), ("topk:1.0,values=fp32", 0.49, 0.67), ("topk:0.01", 50, 100), ("topk:0.001,momentum=0.9,warmup=2", 4, 700),
     ("int8", 3.5, 4.0), ("sign", 25, 32), ("bf16", 2.0, 2.0), ("fp16", 2.0, 2.0), ("powersgd:2,batched", 1.2, 60),
     ("powersgd:2", 1.2, 60),
 ])
@@ -156,11 +156,20 @@ def test_bytes_sent_are_counted_and_smaller(ranks, spec, at_least, at_most):
 
 
 def test_reduce_scatter_returns_the_shard_of_the_full_exchange(ranks):
+    """Codecs that reduce the whole buffer (all_reduce) return its shard. The gathered codecs encode
+    each shard's slice on its own and send it to that rank alone (all_to_all), so their shard is a
+    different approximation of the same mean: the same nonzero budget per slice for top-k."""
     for rank, r in enumerate(ranks):
         rs = r["reduce_scatter"]
-        for spec in ("none", "topk:1.0,values=fp32", "topk:0.1", "int8", "sign", "bf16", "powersgd:2,batched"):
+        for spec in ("none", "topk:1.0,values=fp32", "bf16", "powersgd:2,batched"):
             for shard, full in zip(rs[spec]["shards"], rs[spec]["fulls"]):
                 assert shard.numel() == 500 and torch.equal(shard, full.chunk(WORLD)[rank]), spec
+        for spec in ("topk:0.1", "int8", "sign"):
+            for shard, full in zip(rs[spec]["shards"], rs[spec]["fulls"]):
+                want = full.chunk(WORLD)[rank]
+                assert shard.numel() == 500 and _cos(shard, want) > 0.5, spec
+        for shard in rs["topk:0.1"]["shards"]:
+            assert int((shard != 0).sum()) <= WORLD * 50
 
 
 def test_reduce_scatter_uncompressed_is_the_exact_mean(ranks):
@@ -185,5 +194,5 @@ def test_reduce_scatter_error_feedback_semantics(ranks):
 def test_reduce_scatter_bytes_and_uneven_split(ranks):
     rs = ranks[0]["reduce_scatter"]
     assert rs["none"]["summary"]["ratio"] == pytest.approx(0.5)  # all-reduce-sized exchange vs reduce-scatter
-    assert rs["topk:0.1"]["summary"]["ratio"] > 3  # 10% at 6 bytes each, gathered, vs 4 bytes / 2
+    assert rs["topk:0.1"]["summary"]["ratio"] > 8  # 10% at 4 bytes each, half sent to the other rank, vs 4 bytes / 2
     assert "do not split evenly over 2 ranks" in rs["uneven_error"]

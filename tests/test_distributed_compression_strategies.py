@@ -125,11 +125,12 @@ def test_first_update_approximates_the_summed_gradient(ranks, strategy, spec, mi
 
 
 @pytest.mark.parametrize("strategy, spec, at_least, at_most", [
-    ("ddp", "none", 1.0, 1.0), ("ddp", "topk:0.01", 40, 70), ("ddp", "int8", 3.5, 4.0), ("ddp", "sign", 20, 32),
+    ("ddp", "none", 1.0, 1.0), ("ddp", "topk:0.01", 50, 100), ("ddp", "int8", 3.5, 4.0), ("ddp", "sign", 20, 32),
     ("ddp", "bf16", 2.0, 2.0), ("ddp", "powersgd:2", 1.2, 60),
-    # ZeRO's uncompressed baseline is a reduce-scatter: half an all-reduce's bytes
-    ("zero2", "none", 0.5, 0.5), ("zero2", "topk:0.01", 20, 35), ("zero2", "int8", 1.75, 2.0),
-    ("zero2", "sign", 10, 16), ("zero2", "bf16", 1.0, 1.0), ("zero1", "topk:0.01", 20, 35),
+    # ZeRO's uncompressed baseline is a reduce-scatter, half an all-reduce's bytes; the gathered
+    # codecs send each shard's payload to its rank alone (all_to_all), half a gathered payload
+    ("zero2", "none", 0.5, 0.5), ("zero2", "topk:0.01", 50, 100), ("zero2", "int8", 3.5, 4.0),
+    ("zero2", "sign", 20, 32), ("zero2", "bf16", 1.0, 1.0), ("zero1", "topk:0.01", 50, 100),
 ])
 def test_bytes_are_counted_where_the_collectives_run(ranks, strategy, spec, at_least, at_most):
     s = ranks[0][(strategy, spec)]["summary"]

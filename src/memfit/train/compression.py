@@ -4,11 +4,18 @@ The compressor is registered on what memfit.distributed.distribute returned (DDP
 ZeRO-1/2's reduce-scatter), so its counters see every collective that carries gradients. The
 report is rank 0's (every rank sends the same number of bytes): bytes per step, the ratio
 against the uncompressed reduction, and encode+decode time as a share of the run's step time.
-Error-feedback residuals live in memory only: a resumed run starts them from zero.
+
+Checkpoints: the compressor's state differs between ranks (each keeps its own residuals and local
+momentum), so every rank writes run_dir/compression-<step>/rank<r>.pt (atomically, before rank 0
+writes the checkpoint.pt that names the step) and reads its own back on --resume; the resumed run
+sends the same bits as an uninterrupted one.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+FOLDER = "compression"
 
 
 def attach(opt: Any, spec: str | None) -> Any:
@@ -38,3 +45,45 @@ def summary_line(s: dict[str, Any]) -> str:
     coding = f", encode+decode {100 * share:.1f}% of step time" if share is not None else ""
     return (f"  compress {s['compression']}: {format_bytes(s['bytes_sent_per_step'])}/step/rank sent, "
             f"{s['ratio']:.1f}x fewer than uncompressed{coding}")
+
+
+def _file(run_dir: Path, step: int, rank: int) -> Path:
+    return Path(run_dir) / f"{FOLDER}-{step}" / f"rank{rank}.pt"
+
+
+def save_state(opt: Any, run_dir: Path, step: int) -> None:
+    """Every rank: write this rank's compressor state for `step`; returns once all ranks have."""
+    state = getattr(opt, "compression", None)
+    if state is None or not hasattr(state, "state_dict"):
+        return
+    import torch.distributed as dist
+
+    from memfit.train.state import save_checkpoint
+
+    path = _file(run_dir, step, dist.get_rank())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, state.state_dict())
+    dist.barrier()  # checkpoint.pt (rank 0, next) may name this step only once every rank's file exists
+
+
+def load_state(opt: Any, run_dir: Path, step: int) -> None:
+    """Every rank, on --resume: this rank's compressor state of `step` (none saved: start from zero)."""
+    state = getattr(opt, "compression", None)
+    if state is None or not hasattr(state, "load_state_dict"):
+        return
+    import torch.distributed as dist
+
+    from memfit.train.state import load_checkpoint
+
+    path = _file(run_dir, step, dist.get_rank())
+    if path.exists():
+        state.load_state_dict(load_checkpoint(path))
+
+
+def prune(run_dir: Path, step: int) -> None:
+    """Rank 0, after checkpoint.pt names `step`: remove the compressor states of older steps."""
+    import shutil
+
+    for old in Path(run_dir).glob(f"{FOLDER}-*"):
+        if old.name != f"{FOLDER}-{step}":
+            shutil.rmtree(old, ignore_errors=True)

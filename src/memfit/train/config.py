@@ -109,7 +109,7 @@ class TrainConfig:
         if self.compress not in (None, "none"):
             from memfit.distributed.compression.spec import check_compression_strategy
 
-            check_compression_strategy(self.strategy, self.compress)  # a bad spec or strategy: one line
+            check_compression_strategy(self.strategy, self.compress, self.optimizer)  # a bad spec or strategy: one line
         if not isinstance(self.data, (list, tuple)) or not all(isinstance(d, str) for d in self.data):
             raise ConfigError(f"data must be a list of paths, got {self.data!r}")
 

@@ -202,6 +202,9 @@ def save_states(opt, model: nn.Module, run_dir: Path, step: int) -> dict[str, to
     it, names the folder, so a crash between the two leaves the previous pair intact); returns the
     full model state dict. checkpoint.pt holds it with rank 0's optimizer state: all of it for ddp
     and ps, whose rank 0 has the whole state."""
+    from memfit.train import compression
+
+    compression.save_state(opt, run_dir, step)  # --compress: each rank's residuals and momenta
     if hasattr(opt, "save_sharded"):  # pipeline, tensor: memfit.distributed.parallel_checkpoint
         opt.save_sharded(_fresh_folder(run_dir, step))
     elif getattr(opt, "engine", None) is not None:
@@ -237,6 +240,9 @@ def prune_sharded(run_dir: Path, step: int) -> None:
     """Rank 0, after checkpoint.pt names sharded-<step>: remove the older folders."""
     import shutil
 
+    from memfit.train import compression
+
+    compression.prune(run_dir, step)
     keep = complete_folder(run_dir, step)
     for old in run_dir.glob(f"{SHARDED}-*"):
         if old != keep:
@@ -246,6 +252,9 @@ def prune_sharded(run_dir: Path, step: int) -> None:
 def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
     """Resume: ZeRO reads weights and optimizer slices from the checkpoint's sharded-<step> folder
     (any world size); ddp and ps load checkpoint.pt's model and optimizer state on every rank."""
+    from memfit.train import compression
+
+    compression.load_state(opt, run_dir, checkpoint["step"])  # --compress: this rank's residuals
     sharded = hasattr(opt, "load_sharded")  # pipeline, tensor
     if sharded or getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import load_sharded

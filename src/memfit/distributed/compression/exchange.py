@@ -1,11 +1,13 @@
 """The collectives that move compressed gradients, with the bytes each rank sends counted at the call.
 
 Only collectives that both gloo and NCCL support are used: all_gather_single (formerly
-all_gather_into_tensor) of one packed uint8 payload per rank (top-k, int8, sign), and all_reduce
-in the wire dtype (casts, PowerSGD's P and Q, which are linear and so can be summed as sent).
+all_gather_into_tensor) of one packed uint8 payload per rank (top-k, int8, sign), all_to_all_single
+of per-shard payloads (ZeRO's compressed reduce-scatter), and all_reduce in the wire dtype (casts,
+PowerSGD's P and Q, which are linear and so can be summed as sent).
 
 Bytes sent per rank are the ring algorithm's volumes for the tensor handed to the collective:
-all_gather of B bytes per rank sends B * (N - 1); all_reduce of B bytes sends 2 * B * (N - 1) / N
+all_gather of B bytes per rank sends B * (N - 1); all_to_all sends what is addressed to other
+ranks; all_reduce of B bytes sends 2 * B * (N - 1) / N
 (the same formula as DDP's 2 Psi (N - 1) / N for uncompressed fp32 gradients).
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Traffic:
 
 
 # all_gather_into_tensor was renamed all_gather_single (the old name warns in newer torch)
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def allreduce_bytes(nbytes: int, world: int) -> int:
@@ -80,3 +82,18 @@ def all_reduce_sum(t: torch.Tensor, group, traffic: Traffic) -> torch.Tensor:
     dist.all_reduce(t, group=group)
     traffic.add("all_reduce", allreduce_bytes(t.numel() * t.element_size(), dist.get_world_size(group)))
     return t
+
+
+def scatter_parts(chunks: list[list[torch.Tensor]], group, traffic: Traffic, rank: int) -> list[list[torch.Tensor]]:
+    """A compressed reduce-scatter's exchange: chunks[j] (this rank's payload for rank j's shard)
+    goes to rank j; returns every rank's payload for this rank's shard, in rank order. Sends
+    the bytes of the other ranks' payloads only: (N - 1) / N of a whole-buffer payload."""
+    world = len(chunks)
+    bufs = [pack(p) for p in chunks]
+    splits = [b.numel() for b in bufs]
+    own = splits[rank]
+    out = torch.empty(world * own, dtype=torch.uint8, device=bufs[0].device)
+    dist.all_to_all_single(out, torch.cat(bufs), output_split_sizes=[own] * world, input_split_sizes=splits,
+                           group=group)
+    traffic.add("all_to_all", sum(splits) - own)
+    return [unpack(c, chunks[rank]) for c in out.chunk(world)]

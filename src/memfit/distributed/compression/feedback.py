@@ -48,8 +48,9 @@ class ErrorFeedback:
         return residual
 
     def state_dict(self) -> dict:
-        return {"residual": dict(self.residual), "velocity": dict(self.velocity)}
+        return {"residual": {k: v.clone() for k, v in self.residual.items()},
+                "velocity": {k: v.clone() for k, v in self.velocity.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.residual = dict(state["residual"])
-        self.velocity = dict(state["velocity"])
+        self.residual = {k: v.clone() for k, v in state["residual"].items()}
+        self.velocity = {k: v.clone() for k, v in state["velocity"].items()}

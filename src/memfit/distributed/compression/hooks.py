@@ -21,16 +21,31 @@ from memfit.distributed.compression.spec import CompressionSpec, check_compressi
 from memfit.distributed.compression.state import CompressionState
 
 
-def _bucket_key(bucket) -> int:
-    # Parameter identity, not bucket.index(): DDP rebuilds (reorders) its buckets after step 1.
-    return hash(tuple(id(p) for p in bucket.parameters()))
+def _canonical(state: CompressionState, bucket) -> tuple[tuple, list[int]]:
+    """The bucket's parameters in model order (positions) and the matching gradient order.
+
+    Not bucket.index() or the bucket's own order: DDP rebuilds (reorders) its buckets after step 1
+    and again in a resumed process, and residuals laid out in model order survive both."""
+    index = state.param_index or {}
+    ids = [index.get(id(p), id(p)) for p in bucket.parameters()]
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    return tuple(ids[i] for i in order), order
 
 
 def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's gradients averaged over ranks through `state`'s compressor."""
     buf = bucket.buffer()
-    sizes = [g.numel() for g in bucket.gradients()]  # per-tensor groups (layout.py)
-    buf.copy_(state.exchange(buf, _bucket_key(bucket), sizes))
+    grads = bucket.gradients()
+    key, order = _canonical(state, bucket)
+    sizes = [grads[i].numel() for i in order]  # per-tensor groups (layout.py)
+    if order == list(range(len(grads))) or sum(sizes) != buf.numel():
+        buf.copy_(state.exchange(buf, key, sizes))
+    else:  # exchange in model order, write back in the bucket's
+        out = state.exchange(torch.cat([grads[i].reshape(-1) for i in order]), key, sizes)
+        offset = 0
+        for i, n in zip(order, sizes):
+            grads[i].copy_(out[offset:offset + n].view_as(grads[i]))
+            offset += n
     if bucket.is_last():
         state.end_step()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -47,6 +62,23 @@ class TorchPowerSGDState:
         self.traffic = Traffic()
         self.encode_s = self.decode_s = 0.0
         self.steps = 0
+
+    def state_dict(self) -> dict:
+        """torch's PowerSGDState fields (error feedback, P/Q memories, rng), the counters."""
+        keep = [k for k in self.psgd.__slots__ if k not in ("process_group", "rng")]
+        name, key, pos, has_gauss, gauss = self.psgd.rng.get_state()  # numpy's: as a tensor for weights_only
+        return {"spec": str(self.spec), "steps": self.steps, "sent": self.traffic.sent,
+                "uncompressed": self.traffic.uncompressed, "psgd": {k: getattr(self.psgd, k) for k in keep},
+                "rng": [name, torch.from_numpy(key.copy()), pos, has_gauss, gauss]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["spec"] != str(self.spec):
+            raise ValueError(f"the saved compressor state is for {state['spec']}, this run compresses with {self.spec}")
+        self.steps, self.traffic.sent, self.traffic.uncompressed = state["steps"], state["sent"], state["uncompressed"]
+        for k, v in state["psgd"].items():
+            setattr(self.psgd, k, v)
+        name, key, pos, has_gauss, gauss = state["rng"]
+        self.psgd.rng.set_state((name, key.numpy(), pos, has_gauss, gauss))
 
     def summary(self) -> dict:
         out = CompressionState.summary(self)  # same fields
@@ -72,7 +104,7 @@ def torch_powersgd_hook(state: TorchPowerSGDState, bucket) -> torch.futures.Futu
     return done
 
 
-def register_compression(target, spec: str | CompressionSpec | None, group=None):
+def register_compression(target, spec: str | CompressionSpec | None, group=None, optimizer=None):
     """Compress the gradient reduction of `target`; returns the state holding the byte counters.
 
     target: a torch DistributedDataParallel model (gradients averaged, DDP's convention), or what
@@ -80,18 +112,23 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None)
     spec: "topk:0.01" | "int8" | "sign" | "bf16" | "fp16" | "powersgd:4" | "powersgd:4,batched" |
     "none" (an fp32 all-reduce through the same path: bitwise the uncompressed result). Raises
     ConfigError (one line) for a bad spec or a target whose reduction cannot carry it.
-    group: the process group of a torch DDP model (None = the default group)."""
+    group: the process group of a torch DDP model (None = the default group).
+    optimizer: for specs with adam= (frozen-variance Adam, onebit.py), the Adam(W) optimizer of a
+    torch DDP model; memfit's strategies bring their own."""
     engine = getattr(target, "engine", target)
     if hasattr(engine, "stage") and hasattr(engine, "compression"):  # memfit's ZeRO: ShardedOptimizer, ZeroEngine
         strategy = f"zero{engine.stage}"
         state = CompressionState(check_compression_strategy(strategy, spec), engine.group, average=False)
         state.per_call_steps = False  # the engine reports optimizer steps; micro-batches are not steps
+        _compressed_adam(state, optimizer or (target if target is not engine else None))
         if engine.stage < 3:  # zero3 passes the check only uncompressed ("none"): nothing to attach
             engine.compression = state
         return state
     memfit_ddp = getattr(target, "comm_hook", None)
     if memfit_ddp is not None:  # memfit's DDPOptimizer: its one hook dispatches to ours
         state, hook = _state_and_hook(check_compression_strategy("ddp", spec), memfit_ddp.group, average=False)
+        state.param_index, state.params = _positions(target.ddp.module)
+        _compressed_adam(state, optimizer or target)
         memfit_ddp.compression = functools.partial(hook, state)
         target.compression = state
         return state
@@ -100,12 +137,26 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None)
                           f"distribute() returned for ddp, zero1 or zero2, not {type(target).__name__}; "
                           "the parameter server and zero3 do not carry compression")
     state, hook = _state_and_hook(parse_compression(spec), group, average=True)
+    state.param_index, state.params = _positions(target.module)
+    _compressed_adam(state, optimizer)
     try:
         target.register_comm_hook(state, hook)
     except RuntimeError as exc:  # DDP takes one comm hook, once
         raise ConfigError(f"register_compression: this DDP model already has a comm hook ({exc}); "
                           "register compression on a fresh DistributedDataParallel") from None
     return state
+
+
+def _positions(model: torch.nn.Module) -> tuple[dict[int, int], list]:
+    params = list(model.parameters())
+    return {id(p): i for i, p in enumerate(params)}, params
+
+
+def _compressed_adam(state, optimizer) -> None:
+    if getattr(state.spec, "adam", None) is not None:
+        from memfit.distributed.compression.onebit import attach
+
+        attach(state, optimizer)
 
 
 def _state_and_hook(parsed: CompressionSpec, group, average: bool):

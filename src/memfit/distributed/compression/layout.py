@@ -41,3 +41,14 @@ def offsets(sizes: tuple[int, ...]) -> list[int]:
         out.append(total)
         total += n
     return out
+
+
+def split_segments(sizes: tuple[int, ...], numel: int, parts: int) -> list[tuple[int, ...]]:
+    """The segments of each of `parts` equal slices of the buffer (a ZeRO shard each): tensors cut
+    at the slice boundaries, so every slice can be encoded on its own."""
+    step, out = numel // parts, []
+    bounds = [(o, o + n) for o, n in zip(offsets(sizes), sizes)]
+    for j in range(parts):
+        lo, hi = j * step, (j + 1) * step
+        out.append(tuple(min(b, hi) - max(a, lo) for a, b in bounds if min(b, hi) > max(a, lo)))
+    return out

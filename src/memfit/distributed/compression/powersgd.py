@@ -63,6 +63,13 @@ class BatchedPowerSGD:
         self.feedback.update(key, x, approx)
         return approx
 
+    def state_dict(self) -> dict:
+        return {"feedback": self.feedback.state_dict(), "q": {k: v.clone() for k, v in self.q.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.feedback.load_state_dict(state["feedback"])
+        self.q = {k: v.clone() for k, v in state["q"].items()}
+
 
 def torch_powersgd_state(rank: int, start: int, group=None) -> _torch_psgd.PowerSGDState:
     """torch's PowerSGDState with error feedback and warm start on."""

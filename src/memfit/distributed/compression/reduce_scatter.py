@@ -40,7 +40,7 @@ def compressed_reduce_scatter(flat_grad: torch.Tensor, group, state: Compression
     if flat_grad.numel() % world:
         raise ConfigError(f"compressed_reduce_scatter: {flat_grad.numel()} elements do not split evenly over "
                           f"{world} ranks; pad the flat buffer to a multiple of the world size")
-    full = state.exchange(flat_grad, key, sizes)
+    shard = state.exchange(flat_grad, key, sizes, shard=rank)
     # uncompressed baseline for ZeRO is a reduce-scatter, not an all-reduce: half the bytes
     state.traffic.uncompressed -= flat_grad.numel() * flat_grad.element_size() * (world - 1) // world
-    return full.chunk(world)[rank].clone()
+    return shard.clone()

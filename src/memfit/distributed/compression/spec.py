@@ -8,6 +8,9 @@ A spec is a name, an optional main value after ":" and optional ",key=value" opt
     sign:chunk=1024                 1-bit sign, mean-|x| scale per chunk, error feedback
     powersgd:4                      torch's powerSGD_hook (per matrix), rank 4 (DDP only)
     powersgd:4,batched              memfit's batched PowerSGD (whole bucket as one square matrix)
+    sign:adam=0                     1-bit Adam: each rank's local Adam direction sent 1-bit with
+                                    error feedback, averaged into the update (onebit.py)
+    topk:0.01,adam=5                the same with top-k 1%, after 5 int8 warm-up steps of plain Adam
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from memfit.core.errors import ConfigError
 NAMES = ("none", "topk", "int8", "sign", "bf16", "fp16", "powersgd")
 STRATEGIES_WITH_COMPRESSION = ("ddp", "zero1", "zero2")
 _FLAGS = {"stochastic", "batched"}
-_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start"}
+_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start", "adam", "warm", "clip"}
+WARM_CODECS = ("int8", "fp32")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,15 @@ class CompressionSpec:
     start: int | None = None
     """Plain fp32 all-reduce for the first `start` steps (an uncompressed warm-up, as 1-bit Adam
     and PowerSGD use); None = 2 for PowerSGD (lets DDP rebuild its buckets), else 0."""
+    adam: int | None = None
+    """topk, sign: compressed Adam update. The first `adam` steps exchange the gradient through
+    `warm` and the optimizer runs plain Adam(W); after them each rank sends its error-compensated
+    local Adam direction and the mean is the update. Needs the optimizer: see onebit.py."""
+    warm: str = "int8"
+    """adam mode: the warm-up exchange, "int8" (4x fewer bytes than fp32) or "fp32"."""
+    clip: float | None = None
+    """Local gradient clipping (DGC): each rank scales its bucket's gradient to norm <= clip before
+    momentum and compression; None = off."""
 
     @property
     def dense_steps(self) -> int:
@@ -58,7 +71,8 @@ class CompressionSpec:
 
     def __str__(self) -> str:
         main = {"topk": f":{self.ratio:g}", "powersgd": f":{self.rank}"}.get(self.name, "")
-        return self.name + main + (",batched" if self.batched and self.name == "powersgd" else "")
+        adam = f",adam={self.adam}" + (",warm=fp32" if self.warm == "fp32" else "") if self.adam else ""
+        return self.name + main + (",batched" if self.batched and self.name == "powersgd" else "") + adam
 
 
 def _number(spec: str, key: str, text: str, kind: type):
@@ -93,7 +107,7 @@ def parse_compression(spec: str | CompressionSpec | None) -> CompressionSpec:
         if key in _FLAGS and not eq:
             fields[key] = True
         elif key in _OPTIONS and eq:
-            kinds = {"ratio": float, "momentum": float, "values": str}
+            kinds = {"ratio": float, "momentum": float, "values": str, "warm": str, "clip": float}
             if key == "ef":
                 fields[key] = value in ("1", "true", "on", "yes")
             else:
@@ -119,7 +133,24 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
         raise ConfigError(f"compression {spec!r}: values={s.values!r}; accepted: bf16, fp32")
     if s.momentum and (s.name not in ("topk", "sign") or not s.error_feedback):
         raise ConfigError(f"compression {spec!r}: momentum correction applies to topk and sign with error feedback")
+    if s.clip is not None and not s.clip > 0:
+        raise ConfigError(f"compression {spec!r}: clip={s.clip:g} must be a positive gradient norm")
+    if s.warm not in WARM_CODECS:
+        raise ConfigError(f"compression {spec!r}: warm={s.warm!r}; accepted: {', '.join(WARM_CODECS)}")
+    if s.adam is not None:
+        _validate_adam(s, spec)
     return s
+
+
+def _validate_adam(s: CompressionSpec, spec: str) -> None:
+    if s.name not in ("topk", "sign") or not s.error_feedback:
+        raise ConfigError(f"compression {spec!r}: adam= (compressed Adam update) applies to topk and sign "
+                          "with error feedback; e.g. sign:adam=12 or topk:0.01,adam=12")
+    if s.adam < 0:
+        raise ConfigError(f"compression {spec!r}: adam={s.adam} warm-up steps must be 0 or more")
+    if s.momentum or s.start:
+        raise ConfigError(f"compression {spec!r}: with adam= the momentum is the optimizer's beta1 and the "
+                          "warm-up is adam=N itself; leave out momentum= and start=")
 
 
 _WHY_NOT = {
@@ -139,9 +170,14 @@ _WHY_NOT = {
 }
 
 
-def check_compression_strategy(strategy: str, spec: str | CompressionSpec | None) -> CompressionSpec:
-    """Parse `spec` and check that `strategy` can carry it; ConfigError (one line) otherwise."""
+def check_compression_strategy(strategy: str, spec: str | CompressionSpec | None,
+                               optimizer: str | None = None) -> CompressionSpec:
+    """Parse `spec` and check that `strategy` (and `optimizer`, when given) can carry it; ConfigError
+    (one line) otherwise."""
     parsed = parse_compression(spec)
+    if parsed.adam is not None and optimizer is not None and optimizer not in ("adam", "adamw"):
+        raise ConfigError(f"--compress {spec}: adam= (compressed Adam update) works with the adam and adamw "
+                          f"optimizers, not {optimizer}; leave out adam= (momentum= suits SGD)")
     if parsed.name == "none" or strategy in STRATEGIES_WITH_COMPRESSION:
         if parsed.name == "powersgd" and not parsed.batched and strategy != "ddp":
             raise ConfigError(f"--compress {spec}: torch's powerSGD_hook is a DDP comm hook; with "
