@@ -49,6 +49,10 @@ def _retrack(t: torch.Tensor, category: int = tracker_mod.PARAMS) -> None:
             tr._check_peak()
 
 
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class ZeroEngine:
     def __init__(self, model: nn.Module, stage: int, group=None, prefetch: bool = True) -> None:
         self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
@@ -119,12 +123,14 @@ class ZeroEngine:
         for p in b.params:
             p.grad = None
         part = self._reduce_scatter(b, full)
-        del full
         if self.grads[b.index] is None:
+            # on gloo `part` is a view into `full`: keep the slice, not the bucket
+            part = part.clone() if _shares(part, full) else part
             self.grads[b.index] = part
             _retrack(part, tracker_mod.GRADS)
         else:
             self.grads[b.index].add_(part)
+        del full, part
         self._arrived[b.index] = 0
         if self.stage == 3:
             self._release(b.index)
@@ -145,7 +151,9 @@ class ZeroEngine:
         """The rank's summed gradient slices (stage 1 reduce-scatters them here)."""
         if self.stage == 1:
             for b, gflat in zip(self.layout.buckets, self.grad_flat):
-                self.grads[b.index].copy_(self._reduce_scatter(b, gflat))
+                part = self._reduce_scatter(b, gflat)  # on gloo: summed in place, `part` is the slice
+                if part.data_ptr() != self.grads[b.index].data_ptr():
+                    self.grads[b.index].copy_(part)
         for b in self.layout.buckets:  # a bucket no parameter of which got a gradient
             if self.grads[b.index] is None:
                 self.grads[b.index] = torch.zeros(b.slice, dtype=self.dtype, device=self.device)
@@ -154,13 +162,12 @@ class ZeroEngine:
         return self.grads
 
     def _reduce_scatter(self, b: Bucket, full: torch.Tensor) -> torch.Tensor:
-        """The rank's slice of the sum over ranks of `full` (b's padded flat gradient)."""
+        """The rank's slice of the sum over ranks of `full` (b's padded flat gradient, which this
+        may overwrite: on gloo the slice is a view into it)."""
         if self.compression is not None:  # top-k budgets and scales per parameter, padding apart
             sizes = [p.numel() for p in b.params] + ([b.padded - b.numel] if b.padded > b.numel else [])
             return compressed_reduce_scatter(full, self.group, self.compression, key=b.index, sizes=sizes)
-        part = torch.empty(b.slice, dtype=self.dtype, device=self.device)
-        comm.reduce_scatter(part, full, group=self.group)
-        return part
+        return comm.reduce_scatter_(full, group=self.group)
 
     def zero_grads(self) -> None:
         """Stage 1 zeroes its flat gradient buffers; stages 2-3 drop the gradient slices."""
@@ -179,8 +186,10 @@ class ZeroEngine:
         if self.stage < 3:
             with torch.no_grad():
                 for b, flat, s in zip(self.layout.buckets, self.flat, self.shards):
-                    part = s.detach().clone()  # the slice is a view of `flat`: do not gather in place
-                    comm.all_gather(flat, part, group=self.group)
+                    own = b.part(flat, self.rank)
+                    if own.data_ptr() != s.data_ptr():  # the slice is normally a view of `flat`
+                        own.copy_(s.detach())
+                    comm.all_gather_(flat, group=self.group)
         self.zero_grads()
 
     # ------------------------------------------------------------------ stage 3: weights
@@ -199,7 +208,9 @@ class ZeroEngine:
             flat = self.flat[i]
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             _retrack(flat)
-            work = comm.all_gather(flat, self.shards[i].detach(), group=self.group, async_op=True)
+            with torch.no_grad():
+                self.layout.buckets[i].part(flat, self.rank).copy_(self.shards[i].detach())
+            work = comm.all_gather_(flat, group=self.group, async_op=True)
         if wait:
             work.wait()
             self._gathered.add(i)
