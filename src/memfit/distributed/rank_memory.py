@@ -13,8 +13,10 @@ Figures are the bytes held at the step's peak (plain data, so a planner can rank
                of full gradients waiting for its reduce-scatter.
     optimizer  ddp, and ps's rank 0: all the state; ps's other ranks none; zero*: the rank's slices'
                state (master weights included in -master modes), plus torch's per-tensor step counters.
-    head_grads zero2/zero3: gradients of the rest bucket that exist when the last block's bucket is
-               reduce-scattered (final norm and head; a tied embedding's pending head contribution).
+    rest_grads zero*: the rest bucket's flat gradients (embeddings, final norm, head): made at the
+               head's first gradient, so they exist through all of backward.
+    head_grads zero*: a tied embedding's gradient from the head, which autograd holds until the
+               embedding's own use has been differentiated.
     grad_per_token  bytes per token of the gradient that flows between blocks (hidden x weight bytes).
     embeddings names of the embedding modules (their saved inputs live until the end of backward).
 
@@ -49,24 +51,23 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     blocks = [b.padded for b in layout.buckets if b.block is not None]
     rest = layout.rest.padded if layout.rest is not None else 0
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
-    head_grads = 0
-    if strategy in ("zero2", "zero3") and layout.rest is not None:
-        linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-        lookup = {id(m.weight) for m in embeddings.values()}
-        head_grads = w * sum(p.numel() for p in layout.rest.params if id(p) not in lookup or id(p) in linear)
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    tied = [m.weight for m in embeddings.values() if id(m.weight) in linear]
+    zero = strategy.startswith("zero")
+    head_grads = w * sum(p.numel() for p in tied) if zero else 0
+    rest_grads = w * rest if zero else 0
     hidden = max((m.embedding_dim for m in embeddings.values()), default=0)
     out = []
     for rank in range(world):
         row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0,
-               "head_grads": head_grads, "grad_per_token": w * hidden, "embeddings": sorted(embeddings)}
+               "head_grads": head_grads, "rest_grads": rest_grads, "grad_per_token": w * hidden, "embeddings": sorted(embeddings)}
         if strategy.startswith("zero"):
             stage, shard = int(strategy[-1]), layout.shard_numel
             row["params"] = w * (shard if stage == 3 else sum(b.padded for b in layout.buckets))
             if stage == 3:
                 row["gathered"] = w * (rest + sum(sorted(blocks)[-2:]))
             row["grads"] = w * (shard if stage >= 2 else sum(b.padded for b in layout.buckets))
-            if stage >= 2:
-                row["in_flight"] = w * max(blocks or [0])
+            row["in_flight"] = w * max(blocks or [0])
             row["optimizer"] = per_elem_opt * shard + counters * tensors
         else:
             holds = strategy == "ddp" or rank == 0
@@ -101,17 +102,21 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
     out = []
     for r in rows:
-        if r["strategy"] == "zero1":  # full gradients live between steps
-            states = r["params"] + r["grads"] + r["optimizer"]
-            total = states + one_device["activations"] + one_device["temporaries"]
-        elif r["strategy"].startswith("zero"):
-            at_peak = one_device["activations"] + one_device["temporaries"] + min(one_device["grads"], r["in_flight"])
-            if blocks:
-                before = sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r.get("embeddings", ()))
-            else:  # no per-block figures: everything saved stays
-                before = one_device["activations"]
-            at_rs = before + 2 * r["in_flight"] + r.get("head_grads", 0) + tokens * r.get("grad_per_token", 0)
-            total = r["params"] + r["gathered"] + r["optimizer"] + max(at_peak, at_rs, r["grads"])
+        if r["strategy"].startswith("zero"):
+            # the one-device peak moment (early in backward): the rest's and one block's flat gradients
+            filling = r["rest_grads"] + max(r["in_flight"], min(one_device["grads"], r["grads"]))
+            moving = one_device["activations"] + one_device["temporaries"] + filling
+            if r["strategy"] == "zero1":  # the end of backward: every flat gradient bucket
+                moving = max(moving, r["grads"] + tokens * r["grad_per_token"])
+            else:  # the last block's bucket is reduce-scattered
+                if blocks:
+                    before = sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"])
+                else:  # no per-block figures: everything saved stays
+                    before = one_device["activations"]
+                at_rs = (before + r["rest_grads"] + r["in_flight"] + r["head_grads"] + tokens * r["grad_per_token"]
+                         + r["in_flight"] // r["world"])
+                moving = max(moving, at_rs, r["grads"])
+            total = r["params"] + r["gathered"] + r["optimizer"] + moving
         else:
             total = one_device["total"] - one_device["optimizer"] + r["optimizer"]
             if r["strategy"] == "ddp":

@@ -74,26 +74,22 @@ class ZeroEngine:
             self.flat.append(flat)
         self.shard_module = ShardModule(slices)
         self.shards = list(self.shard_module.slices)
-        self.grad_flat: list[torch.Tensor] = []
-        # Stage 2/3: a slice's gradient exists from its bucket's first reduce-scatter to the step.
+        # A bucket's full gradients live in one flat buffer made when its first gradient arrives
+        # (the parameters' .grad become views into it) and dropped once reduce-scattered: at the
+        # bucket's last gradient (stages 2-3) or at the step (stage 1). No full gradients between steps.
+        self.grad_flat: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
+        self._slot = {id(p): (off, p.numel()) for b in self.layout.buckets for p, off in zip(b.params, b.offsets)}
+        # A slice's gradient exists from its bucket's reduce-scatter to the step.
         self.grads: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
-        if stage == 1:  # full gradients accumulate in place into one flat buffer per bucket
-            for b in self.layout.buckets:
-                gflat = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
-                self.grad_flat.append(gflat)
-                self.grads[b.index] = b.part(gflat, self.rank)
         self._arrived = [0] * len(self.layout.buckets)
         self._hooks = []
         self._pending: dict[int, object] = {}
         self._gathered: set[int] = set()
         self.compression = None
         """A CompressionState (memfit.distributed.compression.register_compression), stages 1-2 only."""
-        if stage == 1:
-            self._attach_full_grads()
-        else:
-            for p in model.parameters():
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for p in model.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         if stage == 3:
             for i in range(len(self.flat)):
                 self._release(i)
@@ -101,36 +97,48 @@ class ZeroEngine:
         self.attach_shard_grads()
 
     # ------------------------------------------------------------------ gradients
-    def _attach_full_grads(self) -> None:
-        for b, gflat in zip(self.layout.buckets, self.grad_flat):
-            for p, v in zip(b.params, b.views(gflat)):
-                p.grad = v
-
     def attach_shard_grads(self) -> None:
         """The shard gradients are the shard parameters' .grad (the memory tracker counts them as grads)."""
         for s, g in zip(self.shards, self.grads):
-            s.grad = g  # None until the slice's first reduce-scatter
+            s.grad = g  # None until the slice's reduce-scatter
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self.layout.by_param[id(p)]
+        gflat = self.grad_flat[b.index]
+        if gflat is None:
+            gflat = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
+            self.grad_flat[b.index] = gflat
+            _retrack(gflat, tracker_mod.GRADS)
+        off, n = self._slot[id(p)]
+        view = gflat[off:off + n].view(p.shape)
+        if p.grad.data_ptr() != view.data_ptr():  # autograd made a new tensor: move it into the bucket
+            view.copy_(p.grad)
+            p.grad = view
+        if self.stage == 1:
+            return  # later micro-batches accumulate into the views in place
         self._arrived[b.index] += 1
         if self._arrived[b.index] == len(b.params):
             self._reduce_bucket(b)
 
-    def _reduce_bucket(self, b: Bucket) -> None:
-        """Reduce-scatter this bucket's gradients into the rank's slice; drop the full ones."""
-        full = b.flatten([p.grad for p in b.params], self.dtype, self.device)
+    def _take_slice(self, b: Bucket) -> torch.Tensor:
+        """Reduce-scatter the bucket's flat gradients and drop them: the rank's summed slice."""
+        gflat = self.grad_flat[b.index]
+        self.grad_flat[b.index] = None
         for p in b.params:
             p.grad = None
-        part = self._reduce_scatter(b, full)
+        part = self._reduce_scatter(b, gflat)
+        # on gloo `part` is a view into the flat buffer: keep the slice, not the bucket
+        return part.clone() if _shares(part, gflat) and self.grads[b.index] is None else part
+
+    def _reduce_bucket(self, b: Bucket) -> None:
+        """Reduce-scatter this bucket's gradients into the rank's slice; drop the full ones."""
+        part = self._take_slice(b)
         if self.grads[b.index] is None:
-            # on gloo `part` is a view into `full`: keep the slice, not the bucket
-            part = part.clone() if _shares(part, full) else part
             self.grads[b.index] = part
             _retrack(part, tracker_mod.GRADS)
         else:
             self.grads[b.index].add_(part)
-        del full, part
+        del part
         self._arrived[b.index] = 0
         if self.stage == 3:
             self._release(b.index)
@@ -150,10 +158,10 @@ class ZeroEngine:
     def reduce_for_step(self) -> list[torch.Tensor]:
         """The rank's summed gradient slices (stage 1 reduce-scatters them here)."""
         if self.stage == 1:
-            for b, gflat in zip(self.layout.buckets, self.grad_flat):
-                part = self._reduce_scatter(b, gflat)  # on gloo: summed in place, `part` is the slice
-                if part.data_ptr() != self.grads[b.index].data_ptr():
-                    self.grads[b.index].copy_(part)
+            for b in self.layout.buckets:
+                if self.grad_flat[b.index] is not None:
+                    self.grads[b.index] = self._take_slice(b)
+                    _retrack(self.grads[b.index], tracker_mod.GRADS)
         for b in self.layout.buckets:  # a bucket no parameter of which got a gradient
             if self.grads[b.index] is None:
                 self.grads[b.index] = torch.zeros(b.slice, dtype=self.dtype, device=self.device)
@@ -170,15 +178,12 @@ class ZeroEngine:
         return comm.reduce_scatter_(full, group=self.group)
 
     def zero_grads(self) -> None:
-        """Stage 1 zeroes its flat gradient buffers; stages 2-3 drop the gradient slices."""
-        for gflat in self.grad_flat:
-            gflat.zero_()
-        if self.stage == 1:
-            self._attach_full_grads()
-        else:
-            self.grads = [None] * len(self.layout.buckets)
-            for p in self.model.parameters():
-                p.grad = None
+        """Drop the flat gradient buffers and the gradient slices."""
+        self.grad_flat = [None] * len(self.layout.buckets)
+        self.grads = [None] * len(self.layout.buckets)
+        self._arrived = [0] * len(self.layout.buckets)
+        for p in self.model.parameters():
+            p.grad = None
         self.attach_shard_grads()
 
     def after_step(self) -> None:
