@@ -1,9 +1,10 @@
 """ZeRO stages 1-3 over the flat layout (memfit.distributed.layout): who holds which bytes, and when
 gradients and weights travel.
 
-    stage 1  full weights and full gradients on every rank (gradients are views into one flat
-             buffer per bucket); at the step each bucket is reduce-scattered, the rank updates its
-             slice, and the slices are all-gathered back into the weights.
+    stage 1  full weights on every rank, and full gradients from backward to the step (autograd's
+             own tensors, none between steps); at the step each bucket's gradients are copied into
+             one flat buffer and reduce-scattered, the rank updates its slice, and the slices are
+             all-gathered back into the weights.
     stage 2  as 1, but each bucket's gradients are reduce-scattered as soon as backward has
              produced all of them and then dropped: a rank keeps only its slice (plus one bucket
              in flight).
@@ -74,14 +75,13 @@ class ZeroEngine:
             self.flat.append(flat)
         self.shard_module = ShardModule(slices)
         self.shards = list(self.shard_module.slices)
-        # A bucket's full gradients live in one flat buffer made when its first gradient arrives
-        # (the parameters' .grad become views into it) and dropped once reduce-scattered: at the
-        # bucket's last gradient (stages 2-3) or at the step (stage 1). No full gradients between steps.
-        self.grad_flat: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
-        self._slot = {id(p): (off, p.numel()) for b in self.layout.buckets for p, off in zip(b.params, b.offsets)}
+        # A bucket's gradients are autograd's own tensors until the bucket is reduce-scattered (at
+        # its last gradient in stages 2-3, at the step in stage 1): then they are copied into one
+        # flat buffer, freed one by one as they are copied, and the buffer is summed in place.
         # A slice's gradient exists from its bucket's reduce-scatter to the step.
         self.grads: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
         self._arrived = [0] * len(self.layout.buckets)
+        self._spare: torch.Tensor | None = None
         self._hooks = []
         self._pending: dict[int, object] = {}
         self._gathered: set[int] = set()
@@ -103,32 +103,38 @@ class ZeroEngine:
             s.grad = g  # None until the slice's reduce-scatter
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        b = self.layout.by_param[id(p)]
-        gflat = self.grad_flat[b.index]
-        if gflat is None:
-            gflat = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
-            self.grad_flat[b.index] = gflat
-            _retrack(gflat, tracker_mod.GRADS)
-        off, n = self._slot[id(p)]
-        view = gflat[off:off + n].view(p.shape)
-        if p.grad.data_ptr() != view.data_ptr():  # autograd made a new tensor: move it into the bucket
-            view.copy_(p.grad)
-            p.grad = view
         if self.stage == 1:
-            return  # later micro-batches accumulate into the views in place
+            return  # stage 1 keeps full gradients to the step
+        b = self.layout.by_param[id(p)]
         self._arrived[b.index] += 1
         if self._arrived[b.index] == len(b.params):
             self._reduce_bucket(b)
 
+    def _flat_grads(self, b: Bucket) -> torch.Tensor:
+        """b's gradients in one padded flat buffer; each .grad is freed once copied."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.numel() == b.padded:
+            flat = spare.zero_()  # the previous bucket's buffer (blocks are the same size)
+        else:
+            flat = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
+        del spare
+        for p, v in zip(b.params, b.views(flat)):
+            if p.grad is not None:
+                v.copy_(p.grad)
+                p.grad = None
+        return flat
+
     def _take_slice(self, b: Bucket) -> torch.Tensor:
-        """Reduce-scatter the bucket's flat gradients and drop them: the rank's summed slice."""
-        gflat = self.grad_flat[b.index]
-        self.grad_flat[b.index] = None
-        for p in b.params:
-            p.grad = None
+        """Reduce-scatter the bucket's gradients and drop them: the rank's summed slice."""
+        gflat = self._flat_grads(b)
         part = self._reduce_scatter(b, gflat)
         # on gloo `part` is a view into the flat buffer: keep the slice, not the bucket
-        return part.clone() if _shares(part, gflat) and self.grads[b.index] is None else part
+        part = part.clone() if _shares(part, gflat) and self.grads[b.index] is None else part
+        # The buffer is kept for the next bucket (or until the step): gloo's worker thread holds
+        # it a moment after the collective returns, and it would otherwise be freed there, where
+        # an allocator profile does not see it; reusing it also saves an allocation per bucket.
+        self._spare = gflat
+        return part
 
     def _reduce_bucket(self, b: Bucket) -> None:
         """Reduce-scatter this bucket's gradients into the rank's slice; drop the full ones."""
@@ -159,7 +165,7 @@ class ZeroEngine:
         """The rank's summed gradient slices (stage 1 reduce-scatters them here)."""
         if self.stage == 1:
             for b in self.layout.buckets:
-                if self.grad_flat[b.index] is not None:
+                if any(p.grad is not None for p in b.params):
                     self.grads[b.index] = self._take_slice(b)
                     _retrack(self.grads[b.index], tracker_mod.GRADS)
         for b in self.layout.buckets:  # a bucket no parameter of which got a gradient
@@ -178,9 +184,9 @@ class ZeroEngine:
         return comm.reduce_scatter_(full, group=self.group)
 
     def zero_grads(self) -> None:
-        """Drop the flat gradient buffers and the gradient slices."""
-        self.grad_flat = [None] * len(self.layout.buckets)
+        """Drop the gradients and the gradient slices."""
         self.grads = [None] * len(self.layout.buckets)
+        self._spare = None
         self._arrived = [0] * len(self.layout.buckets)
         for p in self.model.parameters():
             p.grad = None
