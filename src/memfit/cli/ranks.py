@@ -58,7 +58,7 @@ def print_per_rank(args: Any, est: Any) -> int:
         print(f"\n  tp {rows[0]['tp']} x dp {rows[0]['dp']}: weights, gradients and optimizer state of the attention and "
               "MLP projections sharded over tp")
     else:
-        print("\n  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO's gradient bucket being filled")
+        print("\n  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO's flat gradient bucket for a reduce-scatter")
     if budget is not None:
         worst = max(r["total"] for r in rows)
         verdict = "fits" if worst <= budget else "does not fit"
