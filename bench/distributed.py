@@ -273,7 +273,7 @@ def main() -> None:
         "command": "PYTHONPATH=src python bench/distributed.py " + f"--rounds {args.rounds} --steps {args.steps}",
         "deepspeed": None if skipped else __import__("deepspeed").__version__,
         "model": MODEL, "params": n_params, "batch_per_rank": BATCH, "world": 2, "rounds": args.rounds,
-        "load_before": load0, "load_after": os.getloadavg(), "results": summary, "raw": ranks,
+        "load_before": load0, "load_after": os.getloadavg(), "cores": os.cpu_count(), "results": summary, "raw": ranks,
         "skipped": {name: skipped for name in DEEPSPEED} if skipped else {},
     })
     print(render(__import__("json").loads(path.read_text())))
@@ -293,7 +293,16 @@ def render(result: dict) -> str:
         + (f" DeepSpeed {result['deepspeed']} (DS_ACCELERATOR=cpu, its own venv: bench/setup_deepspeed.sh), "
            "buckets of one block's elements; its bytes are counted at torch.distributed's Python collectives "
            "(all-reduce included), a lower bound where it calls others." if result.get("deepspeed") else ""), "",
-        "| contender | peak per rank | tracked | RSS growth | step time (range) | bytes sent / step / rank |",
+    ]
+    cores = result.get("cores") or os.cpu_count() or 1
+    busy = max(result["load_before"][0], result["load_after"][0]) > cores
+    if busy:
+        lines += [f"The machine was busy (load average above its {cores} cores, other jobs running): the memory "
+                  "and byte figures are what count; the step times are marked busy and are not a speed "
+                  "comparison.", ""]
+    lines += [
+        "| contender | peak per rank | tracked | RSS growth | step time" + (" (busy)" if busy else "")
+        + " (range) | bytes sent / step / rank |",
         "|---|---|---|---|---|---|",
     ]
     for name, ranks in result["results"].items():

@@ -130,12 +130,15 @@ def test_per_rank_memory_shows_the_shards(world32):
         mem = {s: world32[rank][s, 1][2] for s in STRATEGIES}
         assert mem["ddp"]["optimizer"] == single["optimizer"] >= 2 * psi  # Adam: two fp32 moments
         assert mem["zero1"]["optimizer"] <= 0.51 * mem["ddp"]["optimizer"]
-        assert mem["zero1"]["grads"] == psi  # full gradients, one flat buffer per bucket
+        # full gradients only from a bucket's first gradient to the step: at the peak (early in
+        # backward) the head's and the last block's buckets, not all of them
+        assert 0 < mem["zero1"]["grads"] <= rest + block
         assert mem["zero2"]["grads"] <= 0.51 * psi + block  # the rank's slice plus one bucket in flight
         assert mem["zero2"]["params"] == psi
         # ZeRO-3 at its peak: the rank's slice + the rest + the running and the prefetched block.
         assert mem["zero3"]["params"] == psi // 2 + rest + 2 * block
-        assert mem["zero3"]["total"] < mem["zero2"]["total"] < mem["zero1"]["total"] < single["total"]
+        assert mem["zero3"]["total"] < mem["zero2"]["total"] < single["total"]
+        assert mem["zero1"]["total"] < single["total"]
     assert world32[1]["ps", 1][2]["optimizer"] == 0  # workers hold no optimizer state
     assert world32[0]["ps", 1][2]["optimizer"] >= 2 * _psi_bytes()
 
@@ -163,8 +166,8 @@ def test_per_rank_estimate_within_3_percent_of_the_measured_peak(world32):
     one = estimate(spec, batch=GLOBAL_BATCH // 2, seq=CFG["seq"], precision="32-true", optimizer="adamw")
     model = GPT(GPTConfig(**CFG))
     for strategy in ("zero1", "zero2", "zero3", "ps"):  # ddp: the tracker cannot see its buckets at the peak
-        blocks = max(v for k, v in one.module_activations.items() if k.startswith("blocks.") and k.count(".") == 1)
-        rows = rank_totals(rank_model_state(model, strategy, 2), one.per_device, blocks, one.module_activations["GPT"])
+        rows = rank_totals(rank_model_state(model, strategy, 2), one.per_device, one.module_activations,
+                           GLOBAL_BATCH // 2 * CFG["seq"])
         for rank in range(2):
             measured = world32[rank][strategy, 1][2]["total"]
             assert rows[rank]["total"] == pytest.approx(measured, rel=0.03), (strategy, rank)

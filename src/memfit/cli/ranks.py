@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from memfit.cli.options import model_of
@@ -33,9 +32,7 @@ def per_rank(args: Any, est: Any) -> list[dict]:
             return pipeline_ranks(spec, est.batch, est.seq, args.world, args.microbatches, args.schedule, **common)
         return tensor_ranks(spec, est.batch, est.seq, args.world, args.tp, **common)
     rows = rank_model_state(spec.on_meta(est.seq), args.strategy, args.world, args.precision, args.optimizer)
-    blocks = [v for k, v in est.module_activations.items() if re.fullmatch(r"[A-Za-z_]+\.\d+", k)]
-    root = next(iter(est.module_activations.values()), 0)  # the model itself comes first
-    return rank_totals(rows, est.per_device, max(blocks, default=0), root)
+    return rank_totals(rows, est.per_device, est.module_activations, est.batch * est.seq)
 
 
 def print_per_rank(args: Any, est: Any) -> int:
@@ -61,7 +58,7 @@ def print_per_rank(args: Any, est: Any) -> int:
         print(f"\n  tp {rows[0]['tp']} x dp {rows[0]['dp']}: weights, gradients and optimizer state of the attention and "
               "MLP projections sharded over tp")
     else:
-        print("\n  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO-2/3's gradient bucket")
+        print("\n  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO's flat gradient bucket for a reduce-scatter")
     if budget is not None:
         worst = max(r["total"] for r in rows)
         verdict = "fits" if worst <= budget else "does not fit"

@@ -12,6 +12,15 @@ payload and N ranks:
 
 These are the volumes the ZeRO paper compares (DDP 2Ψ(N-1)/N per rank and step, ZeRO-3 1.5x).
 Scalar control messages (token counts, overflow flags) are counted apart as "control".
+
+`reduce_scatter_` and `all_gather_` work in place on a flat buffer whose chunk r is rank r's. On
+gloo, torch's reduce-scatter clones its whole input and all-reduces the clone, and its all-gather
+stages the output in a temporary of the output's size: one bucket more per collective, freed by
+gloo's worker thread. memfit's flat buffers are its own to overwrite, so on gloo it all-reduces
+the buffer in place (the same traffic as gloo's reduce-scatter, without the clone) and gathers with
+one in-place broadcast per rank's chunk (each rank sends its chunk to the N-1 others: the ring
+all-gather's M (N-1)/N). Both are counted with the reduce-scatter's and all-gather's formulas, as
+on NCCL, where the native collectives are used.
 """
 from __future__ import annotations
 
@@ -73,6 +82,50 @@ def all_gather(full: torch.Tensor, part: torch.Tensor, group=None, async_op: boo
     n = _n(group)
     TRAFFIC.add("all_gather", _nbytes(full) * (n - 1) / n)
     return dist.all_gather_single(full, part, group=group, async_op=async_op)
+
+
+def _gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+class _Works:
+    """Several async collectives waited on as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def reduce_scatter_(full: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's chunk of the sum over ranks of `full` (a flat tensor, N equal chunks). On gloo
+    the result is a view into `full`, which the call overwrites; elsewhere a new tensor."""
+    n, r = _n(group), dist.get_rank(group)
+    TRAFFIC.add("reduce_scatter", _nbytes(full) * (n - 1) / n)
+    if _gloo(group):
+        dist.all_reduce(full, group=group)
+        return full.view(n, -1)[r]
+    out = torch.empty(full.numel() // n, dtype=full.dtype, device=full.device)
+    dist.reduce_scatter_single(out, full, group=group)
+    return out
+
+
+def all_gather_(flat: torch.Tensor, group=None, async_op: bool = False):
+    """Fill `flat` (N equal chunks) with every rank's chunk; this rank's chunk is already in place."""
+    n, r = _n(group), dist.get_rank(group)
+    TRAFFIC.add("all_gather", _nbytes(flat) * (n - 1) / n)
+    chunks = flat.view(n, -1)
+    if _gloo(group):
+        work = _Works([dist.broadcast(chunks[k], group=group, group_src=k, async_op=True) for k in range(n)])
+    else:
+        work = dist.all_gather_single(flat, chunks[r].clone(), group=group, async_op=True)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def reduce(t: torch.Tensor, dst: int = 0, group=None):

@@ -8,15 +8,22 @@ Figures are the bytes held at the step's peak (plain data, so a planner can rank
     params     ddp/ps/zero1/zero2: every weight. zero3: the rank's slices, plus `gathered`: the rest
                (embeddings, head, norms: held from forward to their backward) and two blocks (the
                running one and the prefetched one).
-    grads      ddp/ps/zero1: every gradient. zero2/zero3: the rank's slices (they exist from their
-               bucket's first reduce-scatter to the step), plus `in_flight`: one bucket (a block)
-               of full gradients waiting for its reduce-scatter.
+    grads      ddp/ps/zero1: every gradient (zero1: from backward to the step). zero2/zero3: the
+               rank's slices (they exist from their bucket's first reduce-scatter to the step).
+    in_flight  zero*: one bucket's flat copy of its full gradients for the reduce-scatter (a block
+               in zero2/3, during backward; the largest bucket in zero1, at the step).
     optimizer  ddp, and ps's rank 0: all the state; ps's other ranks none; zero*: the rank's slices'
                state (master weights included in -master modes), plus torch's per-tensor step counters.
+    head_grads zero2/zero3: gradients of the rest bucket that exist when the last block's bucket is
+               reduce-scattered (final norm and head; a tied embedding's pending head contribution).
+    grad_per_token  bytes per token of the gradient that flows between blocks (hidden x weight bytes).
+    embeddings names of the embedding modules (their saved inputs live until the end of backward).
 
 The model may live on the meta device (nothing is allocated). Ranks differ only for ps.
 """
 from __future__ import annotations
+
+import re
 
 import torch.nn as nn
 
@@ -42,17 +49,25 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     tensors = len(layout.buckets) if strategy.startswith("zero") else sum(len(b.params) for b in layout.buckets)
     blocks = [b.padded for b in layout.buckets if b.block is not None]
     rest = layout.rest.padded if layout.rest is not None else 0
+    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    head_grads = 0
+    if strategy in ("zero2", "zero3") and layout.rest is not None:
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+        lookup = {id(m.weight) for m in embeddings.values()}
+        head_grads = w * sum(p.numel() for p in layout.rest.params if id(p) not in lookup or id(p) in linear)
+    hidden = max((m.embedding_dim for m in embeddings.values()), default=0)
     out = []
     for rank in range(world):
-        row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0}
+        row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0,
+               "head_grads": head_grads, "grad_per_token": w * hidden, "embeddings": sorted(embeddings)}
         if strategy.startswith("zero"):
             stage, shard = int(strategy[-1]), layout.shard_numel
             row["params"] = w * (shard if stage == 3 else sum(b.padded for b in layout.buckets))
             if stage == 3:
                 row["gathered"] = w * (rest + sum(sorted(blocks)[-2:]))
             row["grads"] = w * (shard if stage >= 2 else sum(b.padded for b in layout.buckets))
-            if stage >= 2:
-                row["in_flight"] = w * max(blocks or [0])
+            # the bucket whose full gradients are copied into a flat buffer for the collective
+            row["in_flight"] = w * (max(blocks or [0]) if stage >= 2 else max(b.padded for b in layout.buckets))
             row["optimizer"] = per_elem_opt * shard + counters * tensors
         else:
             holds = strategy == "ddp" or rank == 0
@@ -62,29 +77,45 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     return out
 
 
-def rank_totals(rows: list[dict], one_device: dict[str, int], block_activations: int = 0,
-                saved_for_backward: int = 0) -> list[dict]:
-    """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
-    (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total").
+_BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?\d+")
+"""A repeated block's name in module_activations: a ModuleList's child (blocks.3, model.layers.3)."""
 
-    zero1: the states held (full gradients between steps) plus the trace's activations and
-    temporaries. zero2/3 hold no full gradients, so their peak moves into backward, the larger of:
-    its start (everything saved for backward, `saved_for_backward`, and the temporaries), and the
-    first bucket's reduce-scatter (one block's activations, `block_activations`, freed; that
-    block's gradients and their flat copy for the collective, 2 x `in_flight`, added). ps and ddp
-    hold the gradients as one process does, so their peak is the one-device peak with the rank's
-    optimizer state in place of the full one; ddp adds its gradient buckets, which live between
-    steps (gradient_as_bucket_view). The figures to pass are Estimate.module_activations' root and
-    largest block (0: unknown, the trace's activations and no block freed)."""
+
+def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, int] | None = None,
+                tokens: int = 0) -> list[dict]:
+    """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
+    (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total"; `saved`: its
+    module_activations, bytes saved for backward per module; `tokens`: batch x seq per rank).
+
+    zero1: full gradients exist from backward to the step, so the peak is the one-device peak's
+    (activations, temporaries, the gradients made so far) or the step's (every gradient and the
+    flat buffer of the bucket being reduce-scattered). zero2/3 hold at most one bucket of full
+    gradients, so their peak is the larger of two moments in backward: the one-device peak with at
+    most one bucket of gradients, and the first bucket's reduce-scatter, when the last block's backward has
+    just finished. There, what is still saved for backward is the other blocks' and the
+    embeddings' (the head's and the last block's are freed); the bucket's gradients and their
+    flat copy for the collective (2 x `in_flight`), the head's gradients (`head_grads`) and the
+    gradient flowing into the next block (tokens x `grad_per_token`) are added. ps and ddp hold the
+    gradients as one process does, so their peak is the one-device peak with the rank's optimizer
+    state in place of the full one; ddp adds its gradient buckets, which live between steps
+    (gradient_as_bucket_view)."""
+    saved = saved or {}
+    blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
     out = []
     for r in rows:
-        if r["strategy"] == "zero1":  # full gradients live between steps
-            states = r["params"] + r["grads"] + r["optimizer"]
-            total = states + one_device["activations"] + one_device["temporaries"]
+        if r["strategy"] == "zero1":  # full gradients from backward to the step, none between steps
+            moving = max(one_device["activations"] + one_device["temporaries"] + one_device["grads"],
+                         r["grads"] + r["in_flight"])  # the step: every gradient and one flat bucket
+            total = r["params"] + r["optimizer"] + moving
         elif r["strategy"].startswith("zero"):
-            saved, temps = max(one_device["activations"], saved_for_backward), one_device["temporaries"]
-            moving = max(saved + temps, saved - block_activations + 2 * r["in_flight"] + temps, r["grads"])
-            total = r["params"] + r["gathered"] + r["optimizer"] + moving
+            # the one-device peak moment, with at most one bucket of gradients not yet reduced
+            at_peak = one_device["activations"] + one_device["temporaries"] + min(one_device["grads"], r["in_flight"])
+            if blocks:
+                before = sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"])
+            else:  # no per-block figures: everything saved stays
+                before = one_device["activations"]
+            at_rs = before + 2 * r["in_flight"] + r["head_grads"] + tokens * r["grad_per_token"]
+            total = r["params"] + r["gathered"] + r["optimizer"] + max(at_peak, at_rs, r["grads"])
         else:
             total = one_device["total"] - one_device["optimizer"] + r["optimizer"]
             if r["strategy"] == "ddp":

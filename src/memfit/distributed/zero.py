@@ -1,9 +1,10 @@
 """ZeRO stages 1-3 over the flat layout (memfit.distributed.layout): who holds which bytes, and when
 gradients and weights travel.
 
-    stage 1  full weights and full gradients on every rank (gradients are views into one flat
-             buffer per bucket); at the step each bucket is reduce-scattered, the rank updates its
-             slice, and the slices are all-gathered back into the weights.
+    stage 1  full weights on every rank, and full gradients from backward to the step (autograd's
+             own tensors, none between steps); at the step each bucket's gradients are copied into
+             one flat buffer and reduce-scattered, the rank updates its slice, and the slices are
+             all-gathered back into the weights.
     stage 2  as 1, but each bucket's gradients are reduce-scattered as soon as backward has
              produced all of them and then dropped: a rank keeps only its slice (plus one bucket
              in flight).
@@ -49,6 +50,10 @@ def _retrack(t: torch.Tensor, category: int = tracker_mod.PARAMS) -> None:
             tr._check_peak()
 
 
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class ZeroEngine:
     def __init__(self, model: nn.Module, stage: int, group=None, prefetch: bool = True) -> None:
         self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
@@ -70,26 +75,21 @@ class ZeroEngine:
             self.flat.append(flat)
         self.shard_module = ShardModule(slices)
         self.shards = list(self.shard_module.slices)
-        self.grad_flat: list[torch.Tensor] = []
-        # Stage 2/3: a slice's gradient exists from its bucket's first reduce-scatter to the step.
+        # A bucket's gradients are autograd's own tensors until the bucket is reduce-scattered (at
+        # its last gradient in stages 2-3, at the step in stage 1): then they are copied into one
+        # flat buffer, freed one by one as they are copied, and the buffer is summed in place.
+        # A slice's gradient exists from its bucket's reduce-scatter to the step.
         self.grads: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
-        if stage == 1:  # full gradients accumulate in place into one flat buffer per bucket
-            for b in self.layout.buckets:
-                gflat = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
-                self.grad_flat.append(gflat)
-                self.grads[b.index] = b.part(gflat, self.rank)
         self._arrived = [0] * len(self.layout.buckets)
+        self._spare: torch.Tensor | None = None
         self._hooks = []
         self._pending: dict[int, object] = {}
         self._gathered: set[int] = set()
         self.compression = None
         """A CompressionState (memfit.distributed.compression.register_compression), stages 1-2 only."""
-        if stage == 1:
-            self._attach_full_grads()
-        else:
-            for p in model.parameters():
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for p in model.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         if stage == 3:
             for i in range(len(self.flat)):
                 self._release(i)
@@ -97,34 +97,54 @@ class ZeroEngine:
         self.attach_shard_grads()
 
     # ------------------------------------------------------------------ gradients
-    def _attach_full_grads(self) -> None:
-        for b, gflat in zip(self.layout.buckets, self.grad_flat):
-            for p, v in zip(b.params, b.views(gflat)):
-                p.grad = v
-
     def attach_shard_grads(self) -> None:
         """The shard gradients are the shard parameters' .grad (the memory tracker counts them as grads)."""
         for s, g in zip(self.shards, self.grads):
-            s.grad = g  # None until the slice's first reduce-scatter
+            s.grad = g  # None until the slice's reduce-scatter
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self.stage == 1:
+            return  # stage 1 keeps full gradients to the step
         b = self.layout.by_param[id(p)]
         self._arrived[b.index] += 1
         if self._arrived[b.index] == len(b.params):
             self._reduce_bucket(b)
 
+    def _flat_grads(self, b: Bucket) -> torch.Tensor:
+        """b's gradients in one padded flat buffer; each .grad is freed once copied."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.numel() == b.padded:
+            flat = spare.zero_()  # the previous bucket's buffer (blocks are the same size)
+        else:
+            flat = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
+        del spare
+        for p, v in zip(b.params, b.views(flat)):
+            if p.grad is not None:
+                v.copy_(p.grad)
+                p.grad = None
+        return flat
+
+    def _take_slice(self, b: Bucket) -> torch.Tensor:
+        """Reduce-scatter the bucket's gradients and drop them: the rank's summed slice."""
+        gflat = self._flat_grads(b)
+        part = self._reduce_scatter(b, gflat)
+        # on gloo `part` is a view into the flat buffer: keep the slice, not the bucket
+        part = part.clone() if _shares(part, gflat) and self.grads[b.index] is None else part
+        # The buffer is kept for the next bucket (or until the step): gloo's worker thread holds
+        # it a moment after the collective returns, and it would otherwise be freed there, where
+        # an allocator profile does not see it; reusing it also saves an allocation per bucket.
+        self._spare = gflat
+        return part
+
     def _reduce_bucket(self, b: Bucket) -> None:
         """Reduce-scatter this bucket's gradients into the rank's slice; drop the full ones."""
-        full = b.flatten([p.grad for p in b.params], self.dtype, self.device)
-        for p in b.params:
-            p.grad = None
-        part = self._reduce_scatter(b, full)
-        del full
+        part = self._take_slice(b)
         if self.grads[b.index] is None:
             self.grads[b.index] = part
             _retrack(part, tracker_mod.GRADS)
         else:
             self.grads[b.index].add_(part)
+        del part
         self._arrived[b.index] = 0
         if self.stage == 3:
             self._release(b.index)
@@ -144,8 +164,10 @@ class ZeroEngine:
     def reduce_for_step(self) -> list[torch.Tensor]:
         """The rank's summed gradient slices (stage 1 reduce-scatters them here)."""
         if self.stage == 1:
-            for b, gflat in zip(self.layout.buckets, self.grad_flat):
-                self.grads[b.index].copy_(self._reduce_scatter(b, gflat))
+            for b in self.layout.buckets:
+                if any(p.grad is not None for p in b.params):
+                    self.grads[b.index] = self._take_slice(b)
+                    _retrack(self.grads[b.index], tracker_mod.GRADS)
         for b in self.layout.buckets:  # a bucket no parameter of which got a gradient
             if self.grads[b.index] is None:
                 self.grads[b.index] = torch.zeros(b.slice, dtype=self.dtype, device=self.device)
@@ -154,24 +176,20 @@ class ZeroEngine:
         return self.grads
 
     def _reduce_scatter(self, b: Bucket, full: torch.Tensor) -> torch.Tensor:
-        """The rank's slice of the sum over ranks of `full` (b's padded flat gradient)."""
+        """The rank's slice of the sum over ranks of `full` (b's padded flat gradient, which this
+        may overwrite: on gloo the slice is a view into it)."""
         if self.compression is not None:  # top-k budgets and scales per parameter, padding apart
             sizes = [p.numel() for p in b.params] + ([b.padded - b.numel] if b.padded > b.numel else [])
             return compressed_reduce_scatter(full, self.group, self.compression, key=b.index, sizes=sizes)
-        part = torch.empty(b.slice, dtype=self.dtype, device=self.device)
-        comm.reduce_scatter(part, full, group=self.group)
-        return part
+        return comm.reduce_scatter_(full, group=self.group)
 
     def zero_grads(self) -> None:
-        """Stage 1 zeroes its flat gradient buffers; stages 2-3 drop the gradient slices."""
-        for gflat in self.grad_flat:
-            gflat.zero_()
-        if self.stage == 1:
-            self._attach_full_grads()
-        else:
-            self.grads = [None] * len(self.layout.buckets)
-            for p in self.model.parameters():
-                p.grad = None
+        """Drop the gradients and the gradient slices."""
+        self.grads = [None] * len(self.layout.buckets)
+        self._spare = None
+        self._arrived = [0] * len(self.layout.buckets)
+        for p in self.model.parameters():
+            p.grad = None
         self.attach_shard_grads()
 
     def after_step(self) -> None:
@@ -179,8 +197,10 @@ class ZeroEngine:
         if self.stage < 3:
             with torch.no_grad():
                 for b, flat, s in zip(self.layout.buckets, self.flat, self.shards):
-                    part = s.detach().clone()  # the slice is a view of `flat`: do not gather in place
-                    comm.all_gather(flat, part, group=self.group)
+                    own = b.part(flat, self.rank)
+                    if own.data_ptr() != s.data_ptr():  # the slice is normally a view of `flat`
+                        own.copy_(s.detach())
+                    comm.all_gather_(flat, group=self.group)
         self.zero_grads()
 
     # ------------------------------------------------------------------ stage 3: weights
@@ -199,7 +219,9 @@ class ZeroEngine:
             flat = self.flat[i]
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             _retrack(flat)
-            work = comm.all_gather(flat, self.shards[i].detach(), group=self.group, async_op=True)
+            with torch.no_grad():
+                self.layout.buckets[i].part(flat, self.rank).copy_(self.shards[i].detach())
+            work = comm.all_gather_(flat, group=self.group, async_op=True)
         if wait:
             work.wait()
             self._gathered.add(i)
