@@ -25,15 +25,36 @@ _NAME = "torch._dynamo"
 _MARK = "__dynamo_disable"  # where torch._compile._disable_dynamo caches the wrapped function
 
 
-class _Placeholder(types.ModuleType):
-    def __init__(self) -> None:
-        super().__init__(_NAME)
-        spec = importlib.util.find_spec(_NAME)
+class _Bare(types.ModuleType):
+    """A package whose submodules load from its real folder, without running its __init__."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        spec = importlib.util.find_spec(name)
         assert spec is not None and spec.submodule_search_locations is not None
         self.__spec__ = spec
         self.__path__ = list(spec.submodule_search_locations)
         self.__file__ = spec.origin
-        self.__package__ = _NAME
+        self.__package__ = name
+
+
+def _bare_import(package: str, sub: str) -> None:
+    """Import package.sub without package's __init__ (when neither is imported yet)."""
+    if package in sys.modules or f"{package}.{sub}" in sys.modules:
+        return
+    bare = _Bare(package)
+    sys.modules[package] = bare
+    try:
+        importlib.import_module(f"{package}.{sub}")
+    finally:
+        if sys.modules.get(package) is bare:
+            del sys.modules[package]
+            _reattach_later(package)
+
+
+class _Placeholder(_Bare):
+    def __init__(self) -> None:
+        super().__init__(_NAME)
         self._handed_back: list[Any] = []
         # ModTracker (the tracker's module stack) asks this in every forward hook; nothing is compiled.
         self.eval_frame = types.SimpleNamespace(_is_in_optimized_module=lambda: False)
@@ -63,6 +84,9 @@ def _real() -> types.ModuleType:
 def no_dynamo() -> Iterator[None]:
     import torch
 
+    # The tracker's ModTracker, without torch.distributed._tools' __init__ (which imports inductor,
+    # FSDP and DTensor: a second more).
+    _bare_import("torch.distributed._tools", "mod_tracker")
     if _NAME in sys.modules:
         yield
         return
@@ -71,6 +95,8 @@ def no_dynamo() -> Iterator[None]:
     try:
         import torch._dynamo.config  # noqa: F401  (from the real folder, into the placeholder)
 
+        ph.config = sys.modules[_NAME + ".config"]
+
         yield
     finally:
         for fn in ph._handed_back:
@@ -78,18 +104,26 @@ def no_dynamo() -> Iterator[None]:
                 delattr(fn, _MARK)
         if sys.modules.get(_NAME) is ph:
             del sys.modules[_NAME]
-            sys.meta_path.insert(0, _ReattachSubmodules())
+            _reattach_later(_NAME)
         if torch.__dict__.get("_dynamo") is ph:
             delattr(torch, "_dynamo")
 
 
+def _reattach_later(package: str) -> None:
+    if not any(isinstance(f, _ReattachSubmodules) and f.package == package for f in sys.meta_path):
+        sys.meta_path.insert(0, _ReattachSubmodules(package))
+
+
 class _ReattachSubmodules(importlib.abc.MetaPathFinder):
-    """When the real torch._dynamo is imported later, bind the submodules the placeholder loaded as its
-    attributes first (an import finds them in sys.modules and would not), so `torch._dynamo.utils`
-    resolves and no submodule exists twice."""
+    """When the real package is imported later, bind the submodules loaded without it as its attributes
+    first (an import finds them in sys.modules and would not), so `torch._dynamo.utils` resolves and no
+    submodule exists twice."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != _NAME:
+        if name != self.package:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -98,8 +132,9 @@ class _ReattachSubmodules(importlib.abc.MetaPathFinder):
         run = spec.loader.exec_module
 
         def exec_module(module: types.ModuleType) -> None:
+            depth = name.count(".") + 1
             for full, sub in list(sys.modules.items()):
-                if full.startswith(_NAME + ".") and full.count(".") == 2:
+                if full.startswith(name + ".") and full.count(".") == depth:
                     setattr(module, full.rsplit(".", 1)[1], sub)
             run(module)
 
