@@ -11,10 +11,28 @@ third chain [kind, keep, keep] with the kind first only.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from memfit.apply.policy import BlockAction
+from memfit.apply.policy import BlockAction, segments
 from memfit.measure.timeline import ZERO, Stretch, StepStretches, vadd, vscale, vsub
+
+
+def base_of(a: BlockAction) -> BlockAction:
+    return replace(a, segment=None)
+
+
+def fwd_kinds(actions: Sequence[BlockAction]) -> list[str]:
+    kinds: list[str] = [""] * len(actions)
+    for region in segments(actions):
+        key = str(base_of(actions[region[0]]))
+        if len(region) == 1:
+            kinds[region[0]] = key
+        else:
+            kinds[region[0]] = key + "|first"
+            for i in region[1:]:
+                kinds[i] = key + "|rest"
+    return kinds
+
 
 BEFORE = ("pre_fwd", "pre_bwd")
 AROUND = ("pre_fwd", "post_fwd", "post_bwd", "pre_bwd", "opt")
@@ -25,8 +43,6 @@ def end_corrections(trace: Callable[[list[BlockAction]], StepStretches], bases, 
     """first, last (per kind: forward and backward stretch differences) and first_around, last_around
     (per kind: differences of the stretches around the blocks). `ctx` holds the profile's fwd, bwd,
     seg_extra, around parts, per-block slope, per-kind deferred frees and traced length."""
-    from memfit.measure.compose import fwd_kinds
-
     fwd, bwd, seg_extra = ctx["fwd"], ctx["bwd"], ctx["seg_extra"]
     first = {"keep": (a.fwd[0] - fwd["keep"], a.bwd[0] - bwd["keep"])}
     last = {"keep": (a.fwd[-1] - fwd["keep"], a.bwd[-1] - bwd["keep"])}
@@ -104,8 +120,6 @@ def around_corrections(t: StepStretches, kinds: list[str], a: StepStretches,
 
 def own_end_corrections(pattern, a: StepStretches, fwd, bwd, seg_extra, n_head: int, n_tail: int) -> tuple[dict, dict]:
     """First and last corrections when the main trace's ends are the composed list's own end regions."""
-    from memfit.measure.compose import base_of, fwd_kinds
-
     kinds = fwd_kinds(pattern)
     key_h, key_t = str(base_of(pattern[0])), str(base_of(pattern[-1]))
     bw_first = bwd[key_h] if n_head == 1 else bwd[key_h + "|rest"]

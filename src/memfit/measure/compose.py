@@ -24,16 +24,12 @@ from typing import Any, Callable, Sequence
 import torch.nn as nn
 
 from memfit.apply.policy import BlockAction, segments
-from memfit.measure.chain_ends import end_corrections, own_end_corrections
+from memfit.measure.chain_ends import base_of, end_corrections, fwd_kinds, own_end_corrections
 from memfit.measure.timeline import (ZERO, Stretch, StepStretches, TimelineTracker, Vec, stretches, vadd,
                                      vscale, vsub)
 
 AROUND = ("pre_fwd", "post_fwd", "post_bwd", "pre_bwd", "opt")
 BASE_ACTIONS = (BlockAction("keep"), BlockAction("selective"), BlockAction("recompute"))
-
-
-def base_of(a: BlockAction) -> BlockAction:
-    return replace(a, segment=None)
 
 
 @dataclass
@@ -192,19 +188,6 @@ def _where(j: int, n: int) -> str:
         return f"block {2 * n + 2 - j} backward"
     return {0: "before the blocks", n + 1: "head and loss", n + 2: "head backward",
             2 * n + 3: "backward before the blocks", 2 * n + 4: "optimizer step"}[j]
-
-
-def fwd_kinds(actions: Sequence[BlockAction]) -> list[str]:
-    kinds: list[str] = [""] * len(actions)
-    for region in segments(actions):
-        key = str(base_of(actions[region[0]]))
-        if len(region) == 1:
-            kinds[region[0]] = key
-        else:
-            kinds[region[0]] = key + "|first"
-            for i in region[1:]:
-                kinds[i] = key + "|rest"
-    return kinds
 
 
 def _without_deferred(st: StepStretches, kinds: list[str]) -> tuple[dict[str, Stretch], dict[str, dict[str, Vec]]]:
