@@ -108,7 +108,7 @@ def _table(d: dict) -> str:
     """Intro line and table, from bench/results/planner_speed.json."""
     e, c = d["estimate"], d["chain"]
     cpu, inner = e["process_cpu_s"], e["in_process_estimate_s"]
-    cw = c["timing"]["wall"]
+    cw, cc = c["timing"]["wall"], c["timing"]["cpu"]
     n = c["calls_per_compose_timing"]
 
     def rng(s: dict, scale: float = 1.0, digits: int = 2) -> str:
@@ -127,9 +127,9 @@ def _table(d: dict) -> str:
     | the same, chain profile from the disk cache | {rng(e['timing']['wall']['estimate, cached chain profile'])} s wall, {rng(cpu['cached'])} s CPU, {rng(inner['cached'])} s in process |
     | `python -c "import torch"` (the floor of any estimate) | {rng(e['timing']['wall']['import torch'])} s wall, {rng(cpu['import floor'])} s CPU |
     | `python -c "import torch, torch._dynamo"` (what the trace imported before) | {rng(e['timing']['wall']['import torch + torch._dynamo'])} s wall, {rng(cpu['import dynamo'])} s CPU |
-    | one composed evaluation, 100 blocks, `sqrt` | {rng(cw[f'compose x{n} (sqrt)'], 1e3 / n)} ms |
-    | one composed evaluation, 100 blocks, random mix of {len(c['actions'])} actions | {rng(cw[f'compose x{n} (mixed actions)'], 1e3 / n)} ms |
-    | one solve, 100 blocks, {len(c['actions'])} actions + segments up to 16, budget halfway | {rng(cw['solve (budget halfway)'], 1e3, 0)} ms |
+    | one composed evaluation, 100 blocks, `sqrt` | {rng(cw[f'compose x{n} (sqrt)'], 1e3 / n)} ms wall, {rng(cc[f'compose x{n} (sqrt)'], 1e3 / n)} ms CPU |
+    | one composed evaluation, 100 blocks, random mix of {len(c['actions'])} actions | {rng(cw[f'compose x{n} (mixed actions)'], 1e3 / n)} ms wall, {rng(cc[f'compose x{n} (mixed actions)'], 1e3 / n)} ms CPU |
+    | one solve, 100 blocks, {len(c['actions'])} actions + segments up to 16, budget halfway | {rng(cw['solve (budget halfway)'], 1e3, 0)} ms wall, {rng(cc['solve (budget halfway)'], 1e3, 0)} ms CPU |
     """)
 
 
