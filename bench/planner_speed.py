@@ -6,8 +6,8 @@ solve on a 100-block chain.
 Contenders run interleaved in shuffled order (bench/common.py), 5 rounds, median and spread, with the
 machine's load. The estimate is timed as a fresh process (what a user waits for), traced and with its chain
 profile read from the disk cache (memfit.measure.chain_cache), beside the import floor every such
-process pays (torch, and torch._dynamo, which FakeTensorMode imports), with CPU seconds and the
-estimate's own in-process seconds from its JSON. The chain is a 100-block GPT (hidden 64, batch 8 x
+process pays (torch) and what importing torch._dynamo would add (the trace no longer imports it:
+memfit.measure.lazy_dynamo), with CPU seconds and the estimate's own in-process seconds from its JSON. The chain is a 100-block GPT (hidden 64, batch 8 x
 seq 128); a composed evaluation is `ChainProfile.compose` of a 100-entry action list.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def estimate_cli() -> dict:
     """Wall seconds of fresh processes, and their CPU seconds (less sensitive to a loaded machine): traced
     (MEMFIT_NO_CACHE=1), with the chain profile read from the disk cache, and the import floor."""
     inner: dict[str, list[float]] = {"traced": [], "cached": []}
-    cpu: dict[str, list[float]] = {"traced": [], "cached": [], "import floor": []}
+    cpu: dict[str, list[float]] = {"traced": [], "cached": [], "import floor": [], "import dynamo": []}
 
     def timed(name: str, argv: list[str], env: dict | None = None) -> str:
         c0 = _child_cpu()
@@ -52,11 +52,14 @@ def estimate_cli() -> dict:
         return lambda: inner[name].append(json.loads(timed(name, ESTIMATE, env))["trace_seconds"])
 
     def floor() -> None:
-        timed("import floor", ["-c", "import torch, torch._dynamo"])
+        timed("import floor", ["-c", "import torch"])
+
+    def dynamo() -> None:
+        timed("import dynamo", ["-c", "import torch, torch._dynamo"])
 
     timing = interleaved({"estimate, traced": run("traced", {"MEMFIT_NO_CACHE": "1"}),
                           "estimate, cached chain profile": run("cached"),
-                          "import torch + torch._dynamo": floor}, rounds=ROUNDS)
+                          "import torch": floor, "import torch + torch._dynamo": dynamo}, rounds=ROUNDS)
     # The first call of each is the warm-up (it also fills the cache).
     return {"command": "memfit " + " ".join(ESTIMATE[2:]), "timing": timing,
             "in_process_estimate_s": {k: spread(v[1:]) for k, v in inner.items()},
@@ -105,26 +108,28 @@ def _table(d: dict) -> str:
     """Intro line and table, from bench/results/planner_speed.json."""
     e, c = d["estimate"], d["chain"]
     cpu, inner = e["process_cpu_s"], e["in_process_estimate_s"]
-    cw = c["timing"]["wall"]
+    cw, cc = c["timing"]["wall"], c["timing"]["cpu"]
     n = c["calls_per_compose_timing"]
 
     def rng(s: dict, scale: float = 1.0, digits: int = 2) -> str:
         return f"{s['median']*scale:.{digits}f} ({s['min']*scale:.{digits}f}-{s['max']*scale:.{digits}f})"
 
     load = f"{e['timing']['load_before'][0]:.1f} before and {e['timing']['load_after'][0]:.1f} after"
+    busy = " The machine was busy with other jobs (load above its core count)." if e["timing"]["load_before"][0] > d["machine"]["cores"] else ""
     return textwrap.dedent(f"""\
     From `python bench/planner_speed.py`, run {d['date']} (5 interleaved rounds, median (min-max);
     {d['machine']['cores']} cores, 1-minute load {load} the estimate rounds; on a busy machine wall
-    times are mostly waiting and CPU seconds are the better guide).
+    times are mostly waiting and CPU seconds are the better guide).{busy}
 
     | what | median (min-max) |
     |---|---|
     | `memfit estimate llama-2-70b --zero 3 --world 64 --checkpoint full`, traced (`MEMFIT_NO_CACHE=1`) | {rng(e['timing']['wall']['estimate, traced'])} s wall, {rng(cpu['traced'])} s CPU, {rng(inner['traced'])} s in process |
     | the same, chain profile from the disk cache | {rng(e['timing']['wall']['estimate, cached chain profile'])} s wall, {rng(cpu['cached'])} s CPU, {rng(inner['cached'])} s in process |
-    | `python -c "import torch, torch._dynamo"` (the floor of any traced estimate) | {rng(e['timing']['wall']['import torch + torch._dynamo'])} s wall, {rng(cpu['import floor'])} s CPU |
-    | one composed evaluation, 100 blocks, `sqrt` | {rng(cw[f'compose x{n} (sqrt)'], 1e3 / n)} ms |
-    | one composed evaluation, 100 blocks, random mix of {len(c['actions'])} actions | {rng(cw[f'compose x{n} (mixed actions)'], 1e3 / n)} ms |
-    | one solve, 100 blocks, {len(c['actions'])} actions + segments up to 16, budget halfway | {rng(cw['solve (budget halfway)'], 1e3, 0)} ms |
+    | `python -c "import torch"` (the floor of any estimate) | {rng(e['timing']['wall']['import torch'])} s wall, {rng(cpu['import floor'])} s CPU |
+    | `python -c "import torch, torch._dynamo"` (what the trace imported before) | {rng(e['timing']['wall']['import torch + torch._dynamo'])} s wall, {rng(cpu['import dynamo'])} s CPU |
+    | one composed evaluation, 100 blocks, `sqrt` | {rng(cw[f'compose x{n} (sqrt)'], 1e3 / n)} ms wall, {rng(cc[f'compose x{n} (sqrt)'], 1e3 / n)} ms CPU |
+    | one composed evaluation, 100 blocks, random mix of {len(c['actions'])} actions | {rng(cw[f'compose x{n} (mixed actions)'], 1e3 / n)} ms wall, {rng(cc[f'compose x{n} (mixed actions)'], 1e3 / n)} ms CPU |
+    | one solve, 100 blocks, {len(c['actions'])} actions + segments up to 16, budget halfway | {rng(cw['solve (budget halfway)'], 1e3, 0)} ms wall, {rng(cc['solve (budget halfway)'], 1e3, 0)} ms CPU |
     """)
 
 
@@ -147,8 +152,9 @@ def main() -> None:
     for name, key in (("estimate, traced", "traced"), ("estimate, cached chain profile", "cached")):
         print(f"{name}: {w[name]['median']:.2f} s wall, {c[key]['median']:.2f} s CPU, "
               f"{inner[key]['median']:.2f} s in process")
-    print(f"import floor: {w['import torch + torch._dynamo']['median']:.2f} s wall, "
-          f"{c['import floor']['median']:.2f} s CPU")
+    print(f"import torch: {w['import torch']['median']:.2f} s wall, {c['import floor']['median']:.2f} s CPU")
+    print(f"import torch + torch._dynamo: {w['import torch + torch._dynamo']['median']:.2f} s wall, "
+          f"{c['import dynamo']['median']:.2f} s CPU")
     for name, s in ch["timing"]["wall"].items():
         scale = 1e3 / CALLS if name.startswith("compose") else 1e3
         print(f"{name}: {s['median'] * scale:.2f} ms" + (" per call" if name.startswith("compose") else ""))

@@ -79,11 +79,14 @@ def truncate(model: nn.Module, k: int) -> nn.Module:
 def spec_source(spec: Any, batch: int, seq: int) -> ChainSource:
     """A memfit GPT spec (built directly with k layers) or a Hugging Face config (built, then cut)."""
     from memfit.measure.trace import _train_step, _vocab
-    from memfit.models.spec import ModelSpec
+    from memfit.models.spec import ModelSpec, _no_init
 
     if spec.config is not None:
         def build_k(k: int) -> nn.Module:
-            return ModelSpec(spec.name, config=replace(spec.config, layers=k)).build(seq=seq)
+            # Fake weights hold no values: torch's init functions (nn.Embedding's normal_, which under
+            # FakeTensorMode runs through torch._refs and imports DTensor, a second) are skipped.
+            with _no_init():
+                return ModelSpec(spec.name, config=replace(spec.config, layers=k)).build(seq=seq)
         n = spec.config.layers
     else:
         import transformers  # noqa: F401  (imported before tracing, as trace_step does)

@@ -66,6 +66,9 @@ def to_json(p: ChainProfile) -> dict[str, Any]:
         d[name] = {k: s.to_json() for k, s in getattr(p, name).items()}
     for name in ("first", "last"):
         d[name] = {k: [a.to_json(), b.to_json()] for k, (a, b) in getattr(p, name).items()}
+    for name in ("first_around", "last_around"):
+        d[name] = {k: {n: s.to_json() for n, s in v.items()} for k, v in getattr(p, name).items()}
+    d["first_ckpt"] = None if p.first_ckpt is None else [s.to_json() for s in p.first_ckpt]
     return d
 
 
@@ -75,6 +78,10 @@ def from_json(d: dict[str, Any]) -> ChainProfile:
         kw[name] = {k: Stretch.from_json(s) for k, s in d[name].items()}
     for name in ("first", "last"):
         kw[name] = {k: (Stretch.from_json(a), Stretch.from_json(b)) for k, (a, b) in d[name].items()}
+    for name in ("first_around", "last_around"):
+        kw[name] = {k: {n: Stretch.from_json(s) for n, s in v.items()} for k, v in d[name].items()}
+    fc = d["first_ckpt"]
+    kw["first_ckpt"] = None if fc is None else (Stretch.from_json(fc[0]), Stretch.from_json(fc[1]))
     return ChainProfile(
         n_blocks=d["n_blocks"], start=tuple(d["start"]), start_per_block=tuple(d["start_per_block"]),
         deferred={k: {kk: tuple(v) for kk, v in dv.items()} for k, dv in d["deferred"].items()},

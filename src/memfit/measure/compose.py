@@ -24,15 +24,12 @@ from typing import Any, Callable, Sequence
 import torch.nn as nn
 
 from memfit.apply.policy import BlockAction, segments
+from memfit.measure.chain_ends import base_of, end_corrections, fwd_kinds, own_end_corrections
 from memfit.measure.timeline import (ZERO, Stretch, StepStretches, TimelineTracker, Vec, stretches, vadd,
                                      vscale, vsub)
 
 AROUND = ("pre_fwd", "post_fwd", "post_bwd", "pre_bwd", "opt")
 BASE_ACTIONS = (BlockAction("keep"), BlockAction("selective"), BlockAction("recompute"))
-
-
-def base_of(a: BlockAction) -> BlockAction:
-    return replace(a, segment=None)
 
 
 @dataclass
@@ -70,6 +67,15 @@ class ChainProfile:
     first: dict[str, tuple[Stretch, Stretch]] = field(default_factory=dict)
     """Per forward kind: what the first block's forward and backward stretches differ by from a middle block's."""
     last: dict[str, tuple[Stretch, Stretch]] = field(default_factory=dict)
+    first_around: dict[str, dict[str, Stretch]] = field(default_factory=dict)
+    """Per kind of the first block: what the stretches around the blocks differ by from a kept first
+    block's (e.g. the embedding output a checkpointed first block holds); `last_around` likewise
+    (the head's stretches after a recomputed last block)."""
+    last_around: dict[str, dict[str, Stretch]] = field(default_factory=dict)
+    first_ckpt: tuple[Stretch, Stretch] | None = None
+    """What the first checkpointed block's forward and backward differ by from another one of its kind
+    when a kept block precedes it: the inputs every checkpointed block captures from the model (HF
+    position ids) are freed in the lowest one's backward."""
     bw_temps: int = 0
     plain: "ChainProfile | None" = None
     """For models that change behaviour once any block is checkpointed (Hugging Face models switch
@@ -112,14 +118,19 @@ class ChainProfile:
         fwd[0], bwd[0] = fwd[0] + f, bwd[0] + b
         f, b = self.last[kinds[-1]]
         fwd[-1], bwd[-1] = fwd[-1] + f, bwd[-1] + b
+        if self.first_ckpt is not None:
+            i = next((j for j, a in enumerate(actions) if a.mode != "keep"), 0)
+            if i > 0:
+                fwd[i], bwd[i] = fwd[i] + self.first_ckpt[0], bwd[i] + self.first_ckpt[1]
         extra = n - self.traced_blocks
         start = vadd(self.start, vscale(self.start_per_block, extra))
         counts: dict[str, int] = {}
         for k in kinds:
             counts[k] = counts.get(k, 0) + 1
-        seq = [self._part("pre_fwd", extra, counts), *fwd, self._part("post_fwd", extra, counts),
-               self._part("post_bwd", extra, counts), *bwd[::-1], self._part("pre_bwd", extra, counts),
-               self._part("opt", extra, counts)]
+        fa, la = self.first_around.get(kinds[0]), self.last_around.get(kinds[-1])
+        seq = [self._part("pre_fwd", extra, counts, fa, la), *fwd, self._part("post_fwd", extra, counts, fa, la),
+               self._part("post_bwd", extra, counts, fa, la), *bwd[::-1],
+               self._part("pre_bwd", extra, counts, fa, la), self._part("opt", extra, counts, fa, la)]
         # The walk on totals only (the hot loop of the planner); categories are rebuilt for the peak.
         total = sum(start)
         best, best_j = total, -1
@@ -137,9 +148,14 @@ class ChainProfile:
             total += st.net_bytes
         return Composed(best, self._at(start, seq, best_j, n), block_peaks, _where(best_j, n))
 
-    def _part(self, name: str, extra: int, counts: dict[str, int]) -> Stretch:
-        """A stretch around the blocks for this chain length, less the deferred frees of its blocks' kinds."""
+    def _part(self, name: str, extra: int, counts: dict[str, int], fa: dict | None = None,
+              la: dict | None = None) -> Stretch:
+        """A stretch around the blocks for this chain length, less the deferred frees of its blocks'
+        kinds, plus what the end blocks' kinds change in it."""
         s = getattr(self, name) + self.per_block[name].scaled(extra)
+        for corr in (fa, la):
+            if corr and name in corr:
+                s = s + corr[name]
         d = self.deferred.get(name)
         if d:
             freed = ZERO
@@ -174,19 +190,6 @@ def _where(j: int, n: int) -> str:
             2 * n + 3: "backward before the blocks", 2 * n + 4: "optimizer step"}[j]
 
 
-def fwd_kinds(actions: Sequence[BlockAction]) -> list[str]:
-    kinds: list[str] = [""] * len(actions)
-    for region in segments(actions):
-        key = str(base_of(actions[region[0]]))
-        if len(region) == 1:
-            kinds[region[0]] = key
-        else:
-            kinds[region[0]] = key + "|first"
-            for i in region[1:]:
-                kinds[i] = key + "|rest"
-    return kinds
-
-
 def _without_deferred(st: StepStretches, kinds: list[str]) -> tuple[dict[str, Stretch], dict[str, dict[str, Vec]]]:
     """The stretches around the blocks with the middle blocks' deferred frees added back, and those
     frees per forward kind. The first and last block's frees beyond their kind's (the last block's
@@ -206,31 +209,6 @@ def _without_deferred(st: StepStretches, kinds: list[str]) -> tuple[dict[str, St
         parts[name] = Stretch(s.peak, vadd(s.net, back))
         per_kind[name] = kd
     return parts, per_kind
-
-
-def _ends(build_k, step, bases, with_segments, fwd, bwd, seg_extra, a: StepStretches, *run) -> tuple[dict, dict]:
-    """First- and last-position corrections per forward kind: each kind traced at both ends of a
-    short chain [kind, keep, kind] (the kept sentinels of the main trace give keep's)."""
-    first = {"keep": (a.fwd[0] - fwd["keep"], a.bwd[0] - bwd["keep"])}
-    last = {"keep": (a.fwd[-1] - fwd["keep"], a.bwd[-1] - bwd["keep"])}
-    keep = BlockAction("keep")
-    for b in bases:
-        if b == keep:
-            continue
-        ends = [[b]]
-        if b.mode == "recompute" and with_segments:
-            ends.append([replace(b, segment=0)] * 2)
-        for end in ends:
-            tail = [replace(x, segment=1) if x.segment is not None else x for x in end]
-            pattern = end + [keep] + tail
-            t = _trace(build_k, len(pattern), step, pattern, *run)
-            kf, kl = fwd_kinds(pattern)[0], fwd_kinds(pattern)[-1]
-            key = str(b)
-            bw_first = bwd[key] if len(end) == 1 else bwd[key + "|rest"]
-            bw_last = bwd[key] if len(end) == 1 else bwd[key] + seg_extra[key]
-            first[kf] = (t.fwd[0] - fwd[kf], t.bwd[0] - bw_first)
-            last[kl] = (t.fwd[-1] - fwd[kl], t.bwd[-1] - bw_last)
-    return first, last
 
 
 def _parse_key(key: str) -> BlockAction:
@@ -269,8 +247,10 @@ def _tracker_factory(holder: dict) -> Callable[..., TimelineTracker]:
 def _trace(build_k: Callable[[int], nn.Module], k: int, step, pattern, precision, optimizer, device) -> StepStretches:
     from memfit.measure.anymodel import fake_mode, run_steps
 
+    from memfit.measure.lazy_dynamo import no_dynamo
+
     holder: dict = {}
-    with fake_mode():
+    with no_dynamo(), fake_mode():
         run_steps(lambda: build_k(k), step, precision, optimizer, list(pattern), device,
                   tracker=_tracker_factory(holder))
     return stretches(holder["t"], k)
@@ -297,7 +277,11 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
     head, tail = ends if ends is not None else ([keep], [keep])
     head = [replace(a, segment=1000) if a.segment is not None else a for a in head]
     tail = [replace(a, segment=1001) if a.segment is not None else a for a in tail]
-    pattern = head + pattern_for(bases, with_segments) + tail
+    # After a kept first block, one checkpointed block more: the lowest checkpointed block frees what
+    # all of them captured (measured here once), so the kinds after it are measured without it.
+    ckpt = next((replace(b, segment=None) for b in bases if b.mode != "keep"), None)
+    lead = [ckpt] if ckpt is not None and head[0].mode == "keep" else []
+    pattern = head + lead + pattern_for(bases, with_segments) + tail
     k = len(pattern)
     a = _trace(build_k, k, step, pattern, precision, optimizer, device)
     more = pattern + pattern[-1:]
@@ -305,7 +289,7 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
     fwd: dict[str, Stretch] = {}
     bwd: dict[str, Stretch] = {}
     seg_extra: dict[str, Stretch] = {}
-    for region in segments(pattern)[1:-1]:
+    for region in segments(pattern)[1 + len(lead):-1]:
         key = str(base_of(pattern[region[0]]))
         if len(region) == 1:
             fwd[key], bwd[key] = a.fwd[region[0]], a.bwd[region[0]]
@@ -313,25 +297,24 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
             fwd[key + "|first"], fwd[key + "|rest"] = a.fwd[region[0]], a.fwd[region[1]]
             bwd[key + "|rest"] = a.bwd[region[0]]
             seg_extra[key] = a.bwd[region[1]] - a.bwd[region[0] - 1]  # the single-block stretch precedes it
+    first_ckpt = None
+    if lead:
+        i = len(head)
+        first_ckpt = (a.fwd[i] - fwd[str(ckpt)], a.bwd[i] - bwd[str(ckpt)])
     pa, deferred = _without_deferred(a, fwd_kinds(pattern))
     pb, _ = _without_deferred(b, fwd_kinds(more))
+    per_block = {p: pb[p] - pa[p] for p in AROUND}
+    fa: dict = {}
+    la: dict = {}
     if ends is None:
-        first, last = _ends(build_k, step, bases, with_segments, fwd, bwd, seg_extra, a, precision, optimizer, device)
+        ctx = dict(fwd=fwd, bwd=bwd, seg_extra=seg_extra, parts=pa, per_block=per_block, deferred=deferred, traced=k)
+        trace = lambda p: _trace(build_k, len(p), step, p, precision, optimizer, device)  # noqa: E731
+        first, last, fa, la = end_corrections(trace, bases, with_segments, ctx, a)
     else:
-        first, last = _end_corrections(pattern, a, fwd, bwd, seg_extra, len(head), len(tail))
+        first, last = own_end_corrections(pattern, a, fwd, bwd, seg_extra, len(head), len(tail))
     return ChainProfile(
         n_blocks=n_blocks, start=a.start, start_per_block=vsub(b.start, a.start), **pa,
-        per_block={p: pb[p] - pa[p] for p in AROUND}, deferred=deferred, fwd=fwd, bwd=bwd, seg_extra=seg_extra,
-        traced_blocks=k, first=first, last=last, bw_temps=a.bw_temps, plain=plain,
+        per_block=per_block, deferred=deferred, fwd=fwd, bwd=bwd, seg_extra=seg_extra, traced_blocks=k,
+        first=first, last=last, first_around=fa, last_around=la, first_ckpt=first_ckpt, bw_temps=a.bw_temps, plain=plain,
         seconds=time.perf_counter() - t0,
     )
-
-
-def _end_corrections(pattern, a: StepStretches, fwd, bwd, seg_extra, n_head: int, n_tail: int) -> tuple[dict, dict]:
-    kinds = fwd_kinds(pattern)
-    key_h, key_t = str(base_of(pattern[0])), str(base_of(pattern[-1]))
-    bw_first = bwd[key_h] if n_head == 1 else bwd[key_h + "|rest"]
-    bw_last = bwd[key_t] if n_tail == 1 else bwd[key_t] + seg_extra[key_t].scaled(n_tail - 1)
-    first = {kinds[0]: (a.fwd[0] - fwd[kinds[0]], a.bwd[0] - bw_first)}
-    last = {kinds[-1]: (a.fwd[-1] - fwd[kinds[-1]], a.bwd[-1] - bw_last)}
-    return first, last
