@@ -247,10 +247,8 @@ def _tracker_factory(holder: dict) -> Callable[..., TimelineTracker]:
 def _trace(build_k: Callable[[int], nn.Module], k: int, step, pattern, precision, optimizer, device) -> StepStretches:
     from memfit.measure.anymodel import fake_mode, run_steps
 
-    from memfit.measure.lazy_dynamo import no_dynamo
-
     holder: dict = {}
-    with no_dynamo(), fake_mode():
+    with fake_mode():
         run_steps(lambda: build_k(k), step, precision, optimizer, list(pattern), device,
                   tracker=_tracker_factory(holder))
     return stretches(holder["t"], k)

@@ -80,9 +80,7 @@ def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true"
     from memfit.measure.hf_masks import unpadded_masks
     from memfit.measure.moe import fake_experts
 
-    from memfit.measure.lazy_dynamo import no_dynamo
-
-    with no_dynamo(), FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), unpadded_masks(), \
+    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), unpadded_masks(), \
             fake_experts():
         result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps, window=None,
                       offload=offload_optimizer)
