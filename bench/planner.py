@@ -113,9 +113,10 @@ def _predictor(src, prof, prof_costs, tokens: int):
     from memfit.plan.head import head_seconds
 
     costs = prof_costs.blocks
-    t_fwd, t_sel, seg = measured(costs, 1.0)
+    flop_fwd = _block_seconds(prof, tokens)
+    t_fwd, t_sel, seg = measured(costs, 1.0, flop_fwd)
     cost = _cost(t_fwd, t_sel, prof, costs.bandwidth, seg)
-    speed = t_fwd / max(_block_seconds(prof, tokens), 1e-12) if t_fwd > 0 else 1.0
+    speed = t_fwd / max(flop_fwd, 1e-12)
 
     def predict(actions, chunks: int | None) -> float:
         head = head_cost(costs, 1.0, chunks, lambda k: head_seconds(src, tokens, k, speed)) if chunks else 0.0
@@ -168,6 +169,7 @@ def run_case(case: dict, quick: bool, rounds: int) -> dict:
     n = len(find_blocks(eager.model))
     predict = _predictor(src, prof, prof_costs, batch * seq)
     measured = {}
+    eager.step()  # AdamW creates its state on the first step: peaks are of a steady step, not that one
     for p in UNIFORM:  # the tracked step doubles as the contender's first warm step
         eager.policy(p)
         measured[p] = eager.peak()

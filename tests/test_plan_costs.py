@@ -46,8 +46,13 @@ def test_head_cost_offsets_the_measured_count_by_the_time_model():
 
 def test_measured_scales_to_the_micro_batch():
     costs = SimpleNamespace(recompute_s=0.2, selective_s=0.04, segment_s={"4": 0.1})
-    rec, sel, seg = measured(costs, 0.5)
+    rec, sel, seg = measured(costs, 0.5, 9.0)
     assert (rec, sel, seg) == (pytest.approx(0.1), pytest.approx(0.02), {"4": pytest.approx(0.05)})
+    # A figure at or below zero is noise: the FLOP model's forward, selective's share, no segment figure.
+    noisy = SimpleNamespace(recompute_s=-0.2, selective_s=0.0, segment_s={"4": -0.1})
+    assert measured(noisy, 0.5, 9.0) == (9.0, None, {})
+    # A head timed faster than the plain one is noise too: the time model prices it.
+    assert head_cost(SimpleNamespace(head_s={"8": -0.1}), 1.0, 8, lambda k: 0.1 * k) == pytest.approx(0.8)
 
 
 SPEC = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=32"
@@ -60,14 +65,16 @@ def _costs(**kw):
     return BlockCosts(**(base | kw))
 
 
-def test_a_policy_measured_faster_than_keeping_everything_is_planned(monkeypatch):
+def test_a_measured_saving_from_recomputing_is_treated_as_noise(monkeypatch):
     from memfit.plan.fit import fit
 
     monkeypatch.setenv("MEMFIT_NO_CACHE", "1")
     kw = dict(budget="1GiB", batch=2, seq=16, allow=("recompute", "selective"), verify=False)
     assert {a.mode for a in fit(SPEC, costs=_costs(), **kw).actions} == {"keep"}
-    # Measured costs are signed: selective timed faster than keeping everything wins even with room to spare.
-    assert {a.mode for a in fit(SPEC, costs=_costs(selective_s=-0.001), **kw).actions} == {"selective"}
+    # Recomputing adds work: a profile that timed it faster than keeping everything measured noise, and
+    # with room to spare the plan still keeps everything (the FLOP model prices the action instead).
+    for bad in (dict(selective_s=-0.001), dict(recompute_s=-0.001), dict(selective_s=0.0, recompute_s=0.0)):
+        assert {a.mode for a in fit(SPEC, costs=_costs(**bad), **kw).actions} == {"keep"}
 
 
 def test_measured_segment_costs_decide_between_segments_and_single_blocks():

@@ -79,11 +79,16 @@ def _segment_seconds(t_fwd: float, segment_s: dict[str, float] | None) -> Callab
     return per_block
 
 
-def measured(costs: Any, scale: float) -> tuple[float, float, dict[str, float]]:
+def measured(costs: Any, scale: float, flop_fwd: float) -> tuple[float, float | None, dict[str, float]]:
     """(recompute, selective, segment seconds by length) per block from a memfit.profile BlockCosts
-    measured at the full batch, scaled to a micro-batch (`scale` = micro / batch)."""
-    seg = {k: v * scale for k, v in (getattr(costs, "segment_s", None) or {}).items()}
-    return costs.recompute_s * scale, costs.selective_s * scale, seg
+    measured at the full batch, scaled to a micro-batch (`scale` = micro / batch).
+
+    Recomputing adds work, so a figure at or below zero is the profile's noise, not a saving: recompute
+    then falls back to `flop_fwd` (the FLOP model's forward), selective to None (its share of a forward),
+    and such segment figures are dropped (priced from the one-block figure)."""
+    seg = {k: v * scale for k, v in (getattr(costs, "segment_s", None) or {}).items() if v > 0}
+    rec, sel = costs.recompute_s * scale, costs.selective_s * scale
+    return (rec if rec > 0 else flop_fwd), (sel if sel > 0 else None), seg
 
 
 def head_cost(costs: Any, scale: float, chunks: int, model: Callable[[int], float]) -> float:
@@ -95,6 +100,8 @@ def head_cost(costs: Any, scale: float, chunks: int, model: Callable[[int], floa
     if not got:
         return model(chunks)
     k0, t0 = next((int(k), v) for k, v in got.items())
+    if t0 <= 0:  # chunking adds GEMM work: a measured saving is the profile's noise; use the model
+        return model(chunks)
     return t0 * scale + model(chunks) - model(k0)
 
 

@@ -75,8 +75,8 @@ def _problem_cost(problem, prof, micro: int) -> tuple:
     costs = getattr(problem, "costs", None)
     if costs is not None:  # measured on this machine (memfit profile), scaled to this micro-batch
         flop_fwd = t_fwd
-        t_fwd, t_sel, seg = measured(costs, micro / problem.batch)
-        speed = t_fwd / max(flop_fwd, 1e-12) if t_fwd > 0 else 1.0  # (measured costs are signed)
+        t_fwd, t_sel, seg = measured(costs, micro / problem.batch, flop_fwd)
+        speed = t_fwd / max(flop_fwd, 1e-12)
     return _cost(t_fwd, t_sel, prof, getattr(costs, "bandwidth", None), seg), t_fwd, speed, costs
 
 

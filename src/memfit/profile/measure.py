@@ -170,8 +170,7 @@ def profile(model: str, batch: int = 1, seq: int | None = None, precision: str =
     if _head_chunks_fit(src):
         variants[f"head:{HEAD_CHUNKS}"] = ("none", HEAD_CHUNKS)
     steps = _median_steps(spec, variants, batch, seq, precision, rounds, optimizer)
-    # Signed: on CPU a step that keeps less can be faster than keeping everything (less memory to fault in
-    # and touch); the planner then uses that. fwd_s, the descriptive figure, is clamped.
+    # Raw differences (signed); memfit.plan.search treats a figure at or below zero as noise.
     rec = (steps["full"] - steps["none"]) / n
     sel = (steps["selective"] - steps["none"]) / n
     saved = {k: chain.fwd[k].net_bytes for k in ("keep", "selective", "recompute")}
