@@ -97,3 +97,12 @@ def test_measured_segment_costs_decide_between_segments_and_single_blocks():
     # recomputed one by one).
     assert any(segmented(0.001, b) for b in budgets)
     assert not any(segmented(0.05, b) for b in budgets)
+
+
+def test_a_measured_head_offers_chunk_counts_from_the_timed_one_up():
+    from memfit.plan.search import _measured_counts
+
+    counts = [2, 4, 8, 16, 32]
+    assert _measured_counts(counts, None) == counts  # no profile: every count, the model prices them
+    assert _measured_counts(counts, SimpleNamespace(head_s={"8": 0.1})) == [8, 16, 32]
+    assert _measured_counts([2, 4], SimpleNamespace(head_s={"8": 0.1})) == [4]  # (a small vocabulary)
