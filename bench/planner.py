@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
-from common import ROOT, paired_ratio, save  # noqa: E402
+from common import RESULTS, ROOT, paired_ratio, save  # noqa: E402
 from planner_contenders import Bench, CompileTuner, sac_ilp_attempt, timed_rounds  # noqa: E402
 from planner_render import plot, render, snippets  # noqa: E402,F401  (render/snippets: bench/render.py)
 
@@ -285,9 +285,16 @@ def main() -> None:
         result["solve_100_blocks_s"] = solve_100_blocks(case)
         print(f"    {case['key']}: {result['wall_s']:.0f} s", flush=True)
         out["models"].append(result)
-    path = save("planner", out)
     import json
 
+    if args.only:  # one model rerun: the other models' entries of the last full run stay as they were
+        old = RESULTS / "planner.json"
+        kept = json.loads(old.read_text()).get("models", []) if old.exists() else []
+        order = [c["key"] for c in cases(args.quick)]
+        out["models"] = sorted([m for m in kept if m["key"] != args.only] + out["models"],
+                               key=lambda m: order.index(m["key"]) if m["key"] in order else len(order))
+        out["rerun"] = {"only": args.only, "date": time.strftime("%Y-%m-%d")}
+    path = save("planner", out)
     saved = json.loads(path.read_text())
     plot(saved, ROOT / "docs" / "planner_frontier.png")
     print(render(saved))
