@@ -42,6 +42,27 @@ class Composed:
     """Which stretch holds the peak (e.g. "block 3 backward", "head backward")."""
 
 
+def walk(start: Sequence[int], seq: Sequence[Stretch], n: int) -> tuple[int, int, list[int]]:
+    """The step's walk over its stretches (around the blocks, n forward, around, n backward, around) on
+    totals only, the hot loop of the planner: (peak, index of the stretch it is in or -1 for the start,
+    each block's highest point in forward or backward). Categories are rebuilt for the peak only."""
+    total = sum(start)
+    best, best_j = total, -1
+    block_peaks = [0] * n
+    for j, st in enumerate(seq):
+        cand = total + st.peak_bytes
+        if cand > best:
+            best, best_j = cand, j
+        if 0 < j <= n:
+            block_peaks[j - 1] = cand
+        elif n + 2 < j < 2 * n + 3:
+            i = 2 * n + 2 - j
+            if cand > block_peaks[i]:
+                block_peaks[i] = cand
+        total += st.net_bytes
+    return best, best_j, block_peaks
+
+
 @dataclass
 class ChainProfile:
     """Per-stretch memory of one model shape, batch, precision and optimizer (bytes, exact)."""
@@ -131,21 +152,7 @@ class ChainProfile:
         seq = [self._part("pre_fwd", extra, counts, fa, la), *fwd, self._part("post_fwd", extra, counts, fa, la),
                self._part("post_bwd", extra, counts, fa, la), *bwd[::-1],
                self._part("pre_bwd", extra, counts, fa, la), self._part("opt", extra, counts, fa, la)]
-        # The walk on totals only (the hot loop of the planner); categories are rebuilt for the peak.
-        total = sum(start)
-        best, best_j = total, -1
-        block_peaks = [0] * n
-        for j, st in enumerate(seq):
-            cand = total + st.peak_bytes
-            if cand > best:
-                best, best_j = cand, j
-            if 0 < j <= n:
-                block_peaks[j - 1] = cand
-            elif n + 2 < j < 2 * n + 3:
-                i = 2 * n + 2 - j
-                if cand > block_peaks[i]:
-                    block_peaks[i] = cand
-            total += st.net_bytes
+        best, best_j, block_peaks = walk(start, seq, n)
         return Composed(best, self._at(start, seq, best_j, n), block_peaks, _where(best_j, n))
 
     def _part(self, name: str, extra: int, counts: dict[str, int], fa: dict | None = None,

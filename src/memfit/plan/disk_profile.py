@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from memfit.apply.policy import BlockAction, segments
-from memfit.measure.compose import ChainProfile, Composed, _where, base_of, fwd_kinds
+from memfit.measure.compose import ChainProfile, Composed, _where, base_of, fwd_kinds, walk
 from memfit.measure.timeline import Stretch, vadd, vscale
 
 KEEP = BlockAction("keep")
@@ -137,18 +137,7 @@ class DiskProfile:
         seq = [base._part("pre_fwd", extra, counts), *fwd, base._part("post_fwd", extra, counts),
                base._part("post_bwd", extra, counts), *bwd[::-1], base._part("pre_bwd", extra, counts),
                base._part("opt", extra, counts)]
-        total = sum(start)
-        best, best_j = total, -1
-        block_peaks = [0] * n
-        for j, st in enumerate(seq):
-            cand = total + st.peak_bytes
-            if cand > best:
-                best, best_j = cand, j
-            if 0 < j <= n:
-                block_peaks[j - 1] = cand
-            elif n + 2 < j < 2 * n + 3:
-                block_peaks[2 * n + 2 - j] = max(block_peaks[2 * n + 2 - j], cand)
-            total += st.net_bytes
+        best, best_j, block_peaks = walk(start, seq, n)
         return Composed(best, base._at(start, seq, best_j, n), block_peaks, _where(best_j, n))
 
     def peak_of(self, actions: Sequence[BlockAction]) -> int:
