@@ -70,6 +70,8 @@ def test_precisions_and_offload_match_one_process(strategy):
     # machine the host is the device: this is the tracker's accounting, not a drop in process RSS.
     for r in (0, 1):
         kept, gone = ranks[r]["32-true", None][1], ranks[r]["32-true", "cpu"][1]
+        print(f"{strategy} rank {r}: optimizer {kept['optimizer']:,} -> {gone['optimizer']:,} B, "
+              f"peak {kept['total']:,} -> {gone['total']:,} B")  # docs/distributed.md's table (-s)
         assert kept["optimizer"] > 0 and gone["optimizer"] == 0, (strategy, r, kept, gone)
         assert gone["total"] <= kept["total"] - 0.9 * kept["optimizer"], (strategy, r, kept, gone)
 
