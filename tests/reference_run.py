@@ -36,3 +36,15 @@ def single_losses(cfg: dict, batches: list[list[torch.Tensor]], policy: str | No
             opt.step()
             losses.append(run / tot)
     return losses
+
+
+def train_rank(rank, world, cfg: dict, stop_at, resume_dir):
+    """One rank of `memfit train` (the loop in process): fresh with cfg up to stop_at, or resumed from
+    resume_dir; its per-step losses."""
+    from memfit.train import loop
+
+    if resume_dir is not None:
+        result = loop.train(*loop.resume_config(resume_dir, {}), progress=False)
+    else:
+        result = loop.train(loop.TrainConfig(**cfg), stop_at=stop_at, progress=False)
+    return result.metrics["steps"]["loss"]

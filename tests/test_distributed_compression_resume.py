@@ -7,19 +7,10 @@ import shutil
 
 import pytest
 import torch
+from reference_run import train_rank
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 TINY = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
-
-
-def _train_rank(rank, world, cfg: dict, stop_at, resume_dir):
-    from memfit.train import loop
-
-    if resume_dir is not None:
-        result = loop.train(*loop.resume_config(resume_dir, {}), progress=False)
-    else:
-        result = loop.train(loop.TrainConfig(**cfg), stop_at=stop_at, progress=False)
-    return result.metrics["steps"]["loss"]
 
 
 def _weights(run_dir) -> dict:
@@ -34,16 +25,16 @@ def test_resumed_compressed_run_is_bitwise_the_uninterrupted_one(tmp_path, strat
 
     cfg = dict(model=TINY, seq=32, batch=2, steps=6, warmup=1, eval_batches=1, save_every=100,
                strategy=strategy, compress=spec)
-    whole = run_world(_train_rank, 2, args=({**cfg, "out": str(tmp_path / "whole")}, None, None), timeout_s=300)
+    whole = run_world(train_rank, 2, args=({**cfg, "out": str(tmp_path / "whole")}, None, None), timeout_s=300)
     part = tmp_path / "part"
-    run_world(_train_rank, 2, args=({**cfg, "out": str(part)}, 4, None), timeout_s=300)  # past the freeze
+    run_world(train_rank, 2, args=({**cfg, "out": str(part)}, 4, None), timeout_s=300)  # past the freeze
     assert sorted(p.name for p in (part / "compression-4").iterdir()) == ["rank0.pt", "rank1.pt"]
     bare = tmp_path / "bare"  # the same checkpoint without the compressor state: a control that must differ
     shutil.copytree(part, bare)
     shutil.rmtree(bare / "compression-4")
-    resumed = run_world(_train_rank, 2, args=(cfg, None, str(part)), timeout_s=300)
+    resumed = run_world(train_rank, 2, args=(cfg, None, str(part)), timeout_s=300)
     assert resumed[0] == whole[0] and resumed[1] == whole[1]
     a, b = _weights(tmp_path / "whole"), _weights(part)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    restarted = run_world(_train_rank, 2, args=(cfg, None, str(bare)), timeout_s=300)
+    restarted = run_world(train_rank, 2, args=(cfg, None, str(bare)), timeout_s=300)
     assert restarted[0][:4] == whole[0][:4] and restarted[0][4:] != whole[0][4:]

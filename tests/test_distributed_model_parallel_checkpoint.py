@@ -15,7 +15,7 @@ import torch
 
 from memfit.distributed.spawn import run_world
 from memfit.models.gpt import GPT, GPTConfig
-from reference_run import global_batches, single_losses
+from reference_run import global_batches, single_losses, train_rank
 
 pytestmark = pytest.mark.multiproc
 
@@ -75,16 +75,6 @@ def test_checkpoint_loads_into_another_layout(tmp_path, writer, precision, reade
             assert scale == (2.0**16 if precision == "16-master" else None)  # the loss scaler's state came back
 
 
-def _train_rank(rank, world, cfg: dict, stop_at, resume_dir):
-    from memfit.train import loop
-
-    if resume_dir is not None:
-        result = loop.train(*loop.resume_config(resume_dir, {}), progress=False)
-    else:
-        result = loop.train(loop.TrainConfig(**cfg), stop_at=stop_at, progress=False)
-    return result.metrics["steps"]["loss"]
-
-
 TINY = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
 
 
@@ -94,9 +84,9 @@ TINY = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
 def test_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, strategy, extra):
     cfg = dict(model=TINY, seq=32, batch=2, steps=4, warmup=1, eval_batches=2, save_every=2, strategy=strategy,
                **extra)
-    whole = run_world(_train_rank, 2, args=({**cfg, "out": str(tmp_path / "whole")}, None, None), timeout_s=300)
+    whole = run_world(train_rank, 2, args=({**cfg, "out": str(tmp_path / "whole")}, None, None), timeout_s=300)
     part = tmp_path / "part"
-    run_world(_train_rank, 2, args=({**cfg, "out": str(part)}, 2, None), timeout_s=300)
+    run_world(train_rank, 2, args=({**cfg, "out": str(part)}, 2, None), timeout_s=300)
     assert json.loads((part / "metrics.json").read_text())["steps"]["step"][-1] == 2
     # The periodic and the final save at step 2 went to two folders (never one over the other); the
     # newest complete one is kept. A save that died half-way (no .metadata: DCP renames it into place
@@ -109,7 +99,7 @@ def test_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, strategy, 
         shutil.copytree(good, part / torn)
         next(p for p in (part / torn).iterdir() if p.suffix == ".distcp").write_bytes(b"torn")
     (part / "sharded-2.9" / ".metadata").unlink()
-    resumed = run_world(_train_rank, 2, args=(cfg, None, str(part)), timeout_s=300)
+    resumed = run_world(train_rank, 2, args=(cfg, None, str(part)), timeout_s=300)
     assert len(whole[0]) == len(resumed[0]) == 4
     # The same arithmetic in the same order on the same ranks: equal up to float printing.
     assert resumed[0] == pytest.approx(whole[0], rel=1e-6)

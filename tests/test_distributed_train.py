@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from memfit.cli import main
+from reference_run import train_rank
 
 TINY = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
 FAST = ["--model", TINY, "--seq", "32", "--eval-batches", "2", "--quiet", "--warmup", "1", "--steps", "3"]
@@ -73,16 +74,6 @@ def test_estimate_per_rank_lists_differing_ranks(capsys):
 
 
 
-def _train_rank(rank, world, cfg: dict, stop_at, resume_dir):
-    from memfit.train import loop
-
-    if resume_dir is not None:
-        result = loop.train(*loop.resume_config(resume_dir, {}), progress=False)
-    else:
-        result = loop.train(loop.TrainConfig(**cfg), stop_at=stop_at, progress=False)
-    return result.metrics["steps"]["loss"]
-
-
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
@@ -90,10 +81,10 @@ def test_resumed_strategy_run_continues_the_trajectory(tmp_path, strategy):
     from memfit.distributed.spawn import run_world
 
     cfg = dict(model=TINY, seq=32, batch=2, steps=4, warmup=1, eval_batches=2, save_every=2, strategy=strategy)
-    whole = run_world(_train_rank, 2, args=({**cfg, "out": str(tmp_path / "whole")}, None, None), timeout_s=300)
+    whole = run_world(train_rank, 2, args=({**cfg, "out": str(tmp_path / "whole")}, None, None), timeout_s=300)
     part = str(tmp_path / "part")
-    run_world(_train_rank, 2, args=({**cfg, "out": part}, 2, None), timeout_s=300)
-    resumed = run_world(_train_rank, 2, args=(cfg, None, part), timeout_s=300)
+    run_world(train_rank, 2, args=({**cfg, "out": part}, 2, None), timeout_s=300)
+    resumed = run_world(train_rank, 2, args=(cfg, None, part), timeout_s=300)
     assert len(whole[0]) == len(resumed[0]) == 4
     assert resumed[0] == pytest.approx(whole[0], rel=1e-6)
 
