@@ -236,3 +236,41 @@ def test_accumulated_micro_batches_with_a_chunked_head_match_the_plain_model_bit
     for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
         assert torch.equal(p.grad, q.grad), name
     assert not calls  # each micro-batch's gradient wrt the hidden states came from its forward
+
+
+@pytest.mark.parametrize("n,h,v", [(384, 48, 1001), (616, 33, 4099), (1024, 64, 3000)])
+@pytest.mark.parametrize("reduction,ignore", [("mean", -100), ("sum", -1)])
+def test_weight_gradient_summed_in_the_forward_is_bit_identical(monkeypatch, n, h, v, reduction, ignore):
+    """With at least two GEMM reduction blocks of tokens, fp32 and no bias, the forward sums dW over its
+    token chunks (backward's vocabulary pass never runs) and still equals the unchunked head bit for bit."""
+    import memfit.apply.chunked_head as ch
+    from memfit.apply.gemm_blocking import cpu_k_block
+
+    block = cpu_k_block()
+    if block is None or n < 2 * block:
+        pytest.skip(f"this BLAS's reduction block ({block}) leaves no bitwise fused path at {n} tokens")
+    calls = []
+    real = ch._grad_weight
+    monkeypatch.setattr(ch, "_grad_weight", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(n + v)
+    x = torch.randn(n, h, requires_grad=True)
+    w = (torch.randn(v, h) * 0.05).requires_grad_()
+    y = torch.randint(0, v, (n,))
+    y[torch.rand(n) < 0.2] = ignore
+    count = (y != ignore).sum() if reduction == "sum" else 1  # a summed loss is divided by its count
+    ref = reference_cross_entropy(x, w, y, ignore_index=ignore, reduction=reduction)
+    want = _grads(ref / count, [x, w])
+    for chunks in (1, 2, 3, 8):
+        loss = chunked_cross_entropy(x, w, y, chunks=chunks, ignore_index=ignore, reduction=reduction)
+        got = _grads(loss / count, [x, w])
+        assert torch.equal(loss, ref)
+        for a, c in zip(want, got):
+            assert torch.equal(a, c), (chunks, (a - c).abs().max())
+    assert calls == []
+    # another upstream gradient than the forward summed under: backward's vocabulary pass redoes dW
+    loss = chunked_cross_entropy(x, w, y, chunks=3, ignore_index=ignore, reduction=reduction)
+    got = _grads(loss * 3.0, [x, w])
+    assert calls == [1]
+    ref = reference_cross_entropy(x, w, y, ignore_index=ignore, reduction=reduction)
+    for a, c in zip(_grads(ref * 3.0, [x, w]), got):
+        assert torch.equal(a, c)

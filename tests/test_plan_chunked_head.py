@@ -133,3 +133,21 @@ def test_memfit_train_runs_a_saved_plan_with_its_head_chunks_within_budget(tmp_p
     budget = json.loads((out / "metrics.json").read_text())["budget"]
     assert budget["plan"]["head_chunks"] == plan.head_chunks
     assert budget["measured_peak_bytes"] <= BUDGET
+
+
+def test_time_model_prices_the_forward_summed_weight_gradient_as_no_extra_gemm():
+    """In fp32 the chunked head runs the plain head's three GEMMs (the weight gradient summed in the forward),
+    so the model adds only the per-chunk term; in bf16 it adds one head GEMM more."""
+    from memfit.apply.gemm_blocking import cpu_k_block
+    from memfit.measure.blocks import spec_source
+    from memfit.models.spec import parse_model
+    from memfit.plan.costs import FLOPS
+    from memfit.plan.head import head_seconds
+
+    if cpu_k_block() is None:
+        pytest.skip("no bitwise GEMM reduction block on this BLAS: the forward does not sum the weight gradient")
+    src = spec_source(parse_model("gpt:layers=2,hidden=64,heads=4,vocab=8192,seq=512"), 2, 512)
+    fp32, bf16 = (head_seconds(src, 1024, 4, precision=p) for p in ("32-true", "bf16-mixed"))
+    one_gemm = 2 * 8192 * 64 * 1024 / FLOPS
+    assert bf16 - fp32 == pytest.approx(one_gemm, rel=0.5)
+    assert fp32 < 0.5 * one_gemm

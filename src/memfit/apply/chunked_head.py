@@ -8,9 +8,10 @@ gradients, bit for bit (tests/test_apply_chunked_head.py checks with torch.equal
 * Everything per token (logits, log-softmax, the loss picked at the target, the softmax backward)
   is computed by the same aten kernels on a chunk of rows; those kernels work row by row, so a row's
   figures do not depend on which rows share its call.
-* The GEMMs are sliced, never split along their reduction: logits and grad wrt hidden over token
-  rows (a row block of A @ B is the same dot products as the full product's rows), the weight
-  gradient over vocabulary columns (dW[v0:v1] sums over *all* tokens, as the unchunked GEMM does).
+* The GEMMs are sliced, never split along their reduction except at the BLAS's own reduction blocks:
+  logits and grad wrt hidden over token rows (a row block of A @ B is the same dot products as the full
+  product's rows), the weight gradient over reduction blocks of tokens (below) or over vocabulary
+  columns (dW[v0:v1] sums over *all* tokens, as the unchunked GEMM does).
   MKL may take another kernel for blocks under 12 rows or columns, with another summation order: every
   chunk here has at least MIN_CHUNK rows/columns (or is the whole).
 * The weight gradient's vocabulary slice needs the softmax of every token on those columns. The
@@ -26,16 +27,23 @@ gradients, bit for bit (tests/test_apply_chunked_head.py checks with torch.equal
   1/count for a summed loss divided by its token count, as memfit's training step does); backward
   uses it only if the gradient it receives equals that one bit for bit, and otherwise recomputes it
   over token chunks (as exact, one pass more).
+* The weight gradient, when nothing stands in the way (fp32, no bias, a known GEMM reduction block),
+  is summed in the forward's token pass too: dW = sum over token chunks of g_c.T @ h_c, one GEMM per
+  reduction block of the BLAS (`gemm_blocking`: 192 tokens for MKL's AVX2 sgemm, measured at first use),
+  with chunks starting at multiples of it. The single GEMM adds the same block sums into dW in the same
+  order, so this is bitwise too. Otherwise backward computes it over vocabulary chunks: every token's
+  softmax on the chunk's columns, rebuilt from m and l (one more pass over the logits).
 
-Cost: the logits are computed twice (the forward's token pass, the backward's vocabulary pass): four
-head GEMMs against the unchunked head's three (five when the upstream gradient was not the expected
-one). Scratch buffers are allocated once per pass and reused by every chunk (the kernels write into
-them), so no chunk allocates (and page-faults) fresh N x vocab memory, as the unchunked head does for
-each of its logits, log-probabilities and their gradients (bench/chunked_head.py times both).
-Memory: about 2 x (N / chunks) x vocab floats at once plus N x hidden for the early gradient, instead
-of several N x vocab. With autocast (bf16) the GEMMs run in the autocast dtype as an unchunked
+Cost: with the weight gradient summed in the forward, three head GEMMs, as the unchunked head; else
+four (five when the upstream gradient was not the expected one). Scratch buffers are allocated once per
+pass and reused by every chunk (the kernels write into them), so no chunk allocates (and page-faults)
+fresh N x vocab memory, as the unchunked head does for each of its logits, log-probabilities and their
+gradients (bench/chunked_head.py times both).
+Memory: about 2 x (N / chunks) x vocab floats at once plus N x hidden for the early gradient (and, when
+summed early, the weight gradient, which the unchunked head allocates at backward's start anyway),
+instead of several N x vocab. With autocast (bf16) the GEMMs run in the autocast dtype as an unchunked
 head's would; bitwise equality is then not claimed (oneDNN's bf16 kernels are not checked slice by
-slice).
+slice), nor on CUDA.
 """
 from __future__ import annotations
 
@@ -132,24 +140,29 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 else:
                     expect = unit * expect
             dh = None if expect is None else torch.empty_like(hc)
-            m, lse, picked = _token_pass(hc, wc, bc, y, ignore_index, red, chunks, total, expect, dh)
+            block = _fused_block(hc, w, b, expect, ctx.needs_input_grad[1])
+            dw = None if block is None else torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            m, lse, picked = _token_pass(hc, wc, bc, y, ignore_index, red, chunks, total, expect, dh, dw, block)
             loss, total = torch.ops.aten.nll_loss_forward(picked, one, None, red, ignore_index)
-        ctx.save_for_backward(h, w, b, y, m, lse, total, expect, dh)
+        ctx.save_for_backward(h, w, b, y, m, lse, total, expect, dh, dw)
         ctx.opts = (ignore_index, red, chunks, dt)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        h, w, b, y, m, lse, total, expect, dh = ctx.saved_tensors
+        h, w, b, y, m, lse, total, expect, dh, dw = ctx.saved_tensors
         ignore_index, red, chunks, dt = ctx.opts
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dt), w.to(dt)
             bc = None if b is None else b.to(dt)
-            if need_h and (dh is None or not (_fake(grad) or torch.equal(grad.float(), expect))):
+            expected = expect is not None and (_fake(grad) or torch.equal(grad.float(), expect))
+            if need_h and (dh is None or not expected):
                 dh = _grad_hidden(hc, wc, bc, y, grad, total, ignore_index, red, chunks)  # unexpected grad: recompute
-            dw = db = None
-            if need_w or (need_b and b is not None):
+            db = None
+            if dw is not None and not expected:
+                dw = None  # computed under another upstream gradient: the vocabulary pass below redoes it
+            if dw is None and (need_w or (need_b and b is not None)):
                 dw, db = _grad_weight(hc, wc, bc, y, m, lse, grad, total, ignore_index, red, chunks)
         dh = None if dh is None or not need_h else dh.to(h.dtype)
         dw = None if dw is None or not need_w else dw.to(w.dtype)
@@ -157,11 +170,37 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None
 
 
-def _token_pass(hc, wc, bc, y, ignore_index: int, red: int, chunks: int, total, expect, dh):
+def early_weight_grad_block(tokens: int, device_type: str, fp32: bool, bias: bool) -> int | None:
+    """The token alignment under which the forward also sums the weight gradient over its token chunks
+    (None: backward's vocabulary pass computes it). On CPU that is the GEMM's measured reduction block,
+    which keeps the sum bitwise the single GEMM's, given at least two blocks of tokens (MKL halves a
+    reduction between one and two blocks long); fp32 only (a 16-bit sum over chunks would round at every
+    chunk), no bias (its column sum over chunks would add in another order). Other devices sum over
+    chunks unaligned (1): bitwise equality is not claimed there."""
+    if not fp32 or bias:
+        return None
+    if device_type in ("cpu", "meta"):
+        from memfit.apply.gemm_blocking import cpu_k_block
+
+        block = cpu_k_block()
+        return block if block is not None and tokens >= 2 * block else None
+    return 1
+
+
+def _fused_block(hc, w, b, expect, need_w: bool) -> int | None:
+    if expect is None or not need_w:
+        return None
+    fp32 = hc.dtype == torch.float32 and w.dtype == torch.float32
+    return early_weight_grad_block(hc.shape[0], hc.device.type, fp32, b is not None)
+
+
+def _token_pass(hc, wc, bc, y, ignore_index: int, red: int, chunks: int, total, expect, dh, dw=None,
+                block: int | None = None):
     """Over token chunks: logits, per-token max m and log-sum-exp l, the log-probability at the target and,
-    with `expect`, the softmax backward under that upstream gradient and g @ w into dh."""
+    with `expect`, the softmax backward under that upstream gradient and g @ w into dh; with `dw`, also
+    g.T @ h summed into dw over reduction blocks of `block` tokens (chunks then start at its multiples)."""
     n, vocab = hc.shape[0], wc.shape[0]
-    parts = spans(n, chunks)
+    parts = spans(n, chunks, align=block or 1)
     rows = max(r1 - r0 for r0, r1 in parts)
     bufs = [torch.empty(rows * vocab, dtype=torch.float32, device=hc.device) for _ in range(1 if dh is None else 2)]
     m = torch.empty(n, dtype=torch.float32, device=hc.device)
@@ -178,7 +217,20 @@ def _token_pass(hc, wc, bc, y, ignore_index: int, red: int, chunks: int, total, 
                                                             grad_input=_view(bufs[1], r1 - r0, vocab))
             g = torch.ops.aten._log_softmax_backward_data.out(g, logp, 1, torch.float32, out=logp)
             torch.mm(g.to(dh.dtype), wc, out=dh[r0:r1])
+            if dw is not None:
+                _sum_weight_grad(dw, g, hc, r0, r1, block)
     return m, lse, picked
+
+
+def _sum_weight_grad(dw, g, hc, r0: int, r1: int, block: int) -> None:
+    """dw (+)= g.T @ h[r0:r1], one GEMM per reduction block (the first one writes, the rest add)."""
+    from memfit.apply.gemm_blocking import k_ranges
+
+    for k0, k1 in k_ranges(r0, r1, block) if block > 1 else [(r0, r1)]:
+        if k0 == 0:
+            torch.mm(g[k0 - r0:k1 - r0].t(), hc[k0:k1], out=dw)
+        else:
+            dw.addmm_(g[k0 - r0:k1 - r0].t(), hc[k0:k1])
 
 
 def _grad_hidden(hc, wc, bc, y, grad, total, ignore_index: int, red: int, chunks: int) -> torch.Tensor:

@@ -117,6 +117,7 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
         check_example(example)
     problem = _Problem(model, example, loss_fn, batch, seq)
     problem.costs = costs  # memfit.profile BlockCosts measured at the full batch, or None for the FLOP model
+    problem.device = device
     plan = search(problem, limit, allowed, optimizer, precision, verify)
     plan.device = device
     if allow is None and device == "cpu":

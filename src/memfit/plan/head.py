@@ -7,15 +7,16 @@ chunked head changes in a short all-keep chain: two short traces per chunk count
 plain model shared by all counts, instead of tracing every action again. The chosen plan is checked
 with a full trace of the step with its head installed (memfit.plan.search._verify).
 
-Time (head_seconds): the chunked head runs one head GEMM more than the plain one (the backward's
-vocabulary pass recomputes the logits; memfit.apply.chunked_head) plus the softmax work once more,
-and saves the plain head's fresh N x vocab allocations: EXTRA_GEMMS of a head GEMM in all. Each
-token chunk streams the whole head weight through two GEMMs again: CHUNK_TOKENS tokens' worth of a
-head GEMM per chunk, which ranks fewer chunks first among plans that are otherwise the same. Both
-constants are fitted to the process CPU times of bench/chunked_head.py (docs/planner.md), counted in
-head GEMMs at the rate the plain head's GEMMs ran there; the FLOP model gives a head GEMM's seconds,
-scaled to this machine by `speed` when a profile is given. A profile that times the chunked head
-itself anchors the figure at its measurement (this model then gives the difference between counts).
+Time (head_seconds): in fp32 without a bias, the chunked head sums the weight gradient in its forward
+(memfit.apply.chunked_head.early_weight_grad_block) and runs the plain head's three GEMMs; otherwise
+backward's vocabulary pass recomputes the logits: one head GEMM more (EXTRA_GEMMS) plus the softmax work
+once more. Both save the plain head's fresh N x vocab allocations. Each token chunk streams the whole
+head weight through two GEMMs again: CHUNK_TOKENS tokens' worth of a head GEMM per chunk, which ranks
+fewer chunks first among plans that are otherwise the same. Both constants are fitted to the process
+CPU times of bench/chunked_head.py (docs/planner.md), counted in head GEMMs at the rate the plain head's
+GEMMs ran there; the FLOP model gives a head GEMM's seconds, scaled to this machine by `speed` when a
+profile is given. A profile that times the chunked head itself anchors the figure at its measurement
+(this model then gives the difference between counts).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from memfit.apply.chunked_head import MIN_CHUNK
+from memfit.apply.chunked_head import MIN_CHUNK, early_weight_grad_block, spans
 from memfit.apply.head_swap import chunk_head, head_weight
 from memfit.apply.policy import BlockAction
 from memfit.measure.blocks import ChainSource, chain_profile
@@ -33,7 +34,8 @@ from memfit.plan.costs import FLOPS
 HEAD_CHUNKS = (2, 4, 8, 16, 32, 64)
 """Chunk counts the search tries, fewest first."""
 EXTRA_GEMMS = 1.0
-"""Head GEMMs' worth of time the chunked head adds over the plain one, apart from its chunk count."""
+"""Head GEMMs' worth of time the chunked head adds over the plain one, apart from its chunk count, when
+backward computes the weight gradient (none when the forward sums it)."""
 CHUNK_TOKENS = 40
 """Tokens' worth of one head GEMM that each chunk adds (two more passes of the head weight)."""
 
@@ -55,17 +57,19 @@ def head_counts(src: ChainSource) -> list[int]:
     return [k for k in HEAD_CHUNKS if k * MIN_CHUNK <= vocab]
 
 
-_SIZES: dict[tuple, tuple[int, int]] = {}
+_SIZES: dict[tuple, tuple[int, int, bool]] = {}
 
 
 def head_size(src: ChainSource) -> tuple[int, int]:
-    """(vocab, hidden) of the model's LM head, from a one-block build on the meta device (cached)."""
+    """(vocab, hidden) of the model's LM head, from a one-block build on the meta device (cached with
+    whether the head has a bias)."""
     if src.key not in _SIZES:
         with torch.device("meta"):
             model = src.build_k(1)
-        v, h = head_weight(model).shape
-        _SIZES[src.key] = (int(v), int(h))
-    return _SIZES[src.key]
+        w = head_weight(model)
+        bias = any(getattr(m, "weight", None) is w and getattr(m, "bias", None) is not None for m in model.modules())
+        _SIZES[src.key] = (int(w.shape[0]), int(w.shape[1]), bias)
+    return _SIZES[src.key][:2]
 
 
 def head_profile(src: ChainSource, prof: ChainProfile, chunks: int, precision: str, optimizer: str) -> ChainProfile:
@@ -85,9 +89,13 @@ def _graft(prof: ChainProfile, plain: ChainProfile, chunked: ChainProfile) -> Ch
     return out
 
 
-def head_seconds(src: ChainSource, tokens: int, chunks: int, speed: float = 1.0) -> float:
+def head_seconds(src: ChainSource, tokens: int, chunks: int, speed: float = 1.0, precision: str = "32-true",
+                 device: str = "cpu") -> float:
     """Extra seconds of a chunked head over the plain one in the time model (`speed` scales the FLOP
     model to measured block times when a profile is given)."""
     vocab, hidden = head_size(src)
     per_token = 2 * vocab * hidden / FLOPS  # one head GEMM, per token
-    return (EXTRA_GEMMS * tokens + chunks * CHUNK_TOKENS) * per_token * speed
+    block = early_weight_grad_block(tokens, device, precision == "32-true", _SIZES[src.key][2])
+    extra = 0.0 if block is not None else EXTRA_GEMMS
+    passes = len(spans(tokens, chunks, align=block or 1))  # token chunks actually run
+    return (extra * tokens + passes * CHUNK_TOKENS) * per_token * speed

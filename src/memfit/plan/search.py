@@ -91,6 +91,7 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     bw = getattr(costs, "bandwidth", None)
     relief = _opt_bytes(prof, n) if off else 0
     accum = problem.batch // micro
+    device = getattr(problem, "device", "cpu")
 
     def row(chunks: int | None, p) -> tuple:
         cost = _problem_cost(problem, p, micro)[0]
@@ -100,7 +101,7 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
         head = head_cost(costs, micro / problem.batch, chunks,
-                         lambda k: head_seconds(src, tokens, k, speed)) if chunks else 0.0
+                         lambda k: head_seconds(src, tokens, k, speed, prec, device)) if chunks else 0.0
         time = accum * (3 * n * t_fwd + choice.time + head) + 2 * relief / HOST_BW
         return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
                          chunks), choice, p, n

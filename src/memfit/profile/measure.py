@@ -69,7 +69,7 @@ class Profile:
 
 HEAD_CHUNKS = 8
 """Chunk count at which the profile times the chunked LM head (memfit.plan.costs scales it to others)."""
-VERSION = 2
+VERSION = 3
 """Bumped when what a profile holds changes: older cached profiles are measured again."""
 
 
