@@ -9,8 +9,10 @@ measured on a real step. Time: the head and loss alone (forward + backward of th
 and the head weight) at the planner bench's head shapes (GPT-2 small: 1024 tokens x 768 x 50257; its
 HF Llama: 1024 x 256 x 32000), plain against chunked, interleaved in shuffled order (bench/common.py),
 on `--threads` threads (1 by default: the figures then depend less on what else the machine runs).
-"k chunks, recomputed" is the path backward takes when the loss's upstream gradient is not the one
-the forward expected (`expect_grad`). Writes bench/results/chunked_head.json.
+"k chunks" sum the weight gradient in the forward (fp32, three head GEMMs); "weight gradient in
+backward" is the four-GEMM path (`early_weight_grad=False`, taken in 16-bit or with a bias); "k chunks,
+recomputed" is the path backward takes when the loss's upstream gradient is not the one the forward
+expected (`expect_grad`). Writes bench/results/chunked_head.json.
 """
 from __future__ import annotations
 
@@ -57,15 +59,15 @@ def head_times(n: int, h: int, v: int, rounds: int) -> dict:
     w = (torch.randn(v, h) * 0.02).requires_grad_()
     y = torch.randint(0, v, (n,))
 
-    def run(chunks, expect="auto"):
+    def run(chunks, expect="auto", early=True):
         def go():
             loss = reference_cross_entropy(x, w, y) if chunks is None else \
-                chunked_cross_entropy(x, w, y, chunks=chunks, expect_grad=expect)
+                chunked_cross_entropy(x, w, y, chunks=chunks, expect_grad=expect, early_weight_grad=early)
             torch.autograd.grad(loss, [x, w])
         return go
 
     contenders = {"plain": run(None), **{f"{k} chunks": run(k) for k in TIMED},
-                  "8 chunks, recomputed": run(8, None)}
+                  "8 chunks, weight gradient in backward": run(8, early=False), "8 chunks, recomputed": run(8, None)}
     res = interleaved(contenders, rounds=rounds)
     ratios = {kind: {k: paired_ratio(res, k, "plain", kind) for k in contenders if k != "plain"}
               for kind in ("wall", "cpu")}

@@ -120,7 +120,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     upstream gradient will be `expect`), grad wrt w and b in vocabulary chunks. See the module docstring."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, ignore_index: int, reduction: str, chunks: int, expect):
+    def forward(ctx, h, w, b, y, ignore_index: int, reduction: str, chunks: int, expect, early_dw: bool = True):
         dt = _compute_dtype(h)
         red = _REDUCTIONS[reduction]
         with torch.autocast(h.device.type, enabled=False):
@@ -140,7 +140,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 else:
                     expect = unit * expect
             dh = None if expect is None else torch.empty_like(hc)
-            block = _fused_block(hc, w, b, expect, ctx.needs_input_grad[1])
+            block = _fused_block(hc, w, b, expect, ctx.needs_input_grad[1] and early_dw)
             dw = None if block is None else torch.empty(w.shape, dtype=w.dtype, device=w.device)
             m, lse, picked = _token_pass(hc, wc, bc, y, ignore_index, red, chunks, total, expect, dh, dw, block)
             loss, total = torch.ops.aten.nll_loss_forward(picked, one, None, red, ignore_index)
@@ -167,7 +167,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         dh = None if dh is None or not need_h else dh.to(h.dtype)
         dw = None if dw is None or not need_w else dw.to(w.dtype)
         db = None if db is None or not need_b else db.to(b.dtype)
-        return dh, dw, db, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None
 
 
 def early_weight_grad_block(tokens: int, device_type: str, fp32: bool, bias: bool) -> int | None:
@@ -287,7 +287,8 @@ def _grad_weight(hc, wc, bc, y, m, lse, grad, total, ignore_index: int, red: int
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                           bias: torch.Tensor | None = None, *, chunks: int = 8, ignore_index: int = -100,
-                          reduction: str = "mean", expect_grad: "float | str | None" = "auto") -> torch.Tensor:
+                          reduction: str = "mean", expect_grad: "float | str | None" = "auto",
+                          early_weight_grad: bool = True) -> torch.Tensor:
     """F.cross_entropy(hidden @ weight.T + bias, target, ...) computed in `chunks` chunks.
 
     hidden: (..., H), flattened to (N, H); target: N class indices (`ignore_index` marks padding).
@@ -296,7 +297,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: to
     wrt `hidden` as well (one pass over the logits fewer); if backward receives another, it recomputes it
     (slower, as exact). "auto": 1.0 for "mean" and 1/(counted tokens) for "sum" (the loss divided by its
     token count, as memfit's training step does; inside `summed_loss_divisor(count)`, 1/count); None:
-    always recompute."""
+    always recompute.
+    early_weight_grad: sum the weight gradient in the forward where that stays exact (fp32, no bias, a
+    known GEMM reduction block; `early_weight_grad_block`); False leaves it to backward's vocabulary pass
+    (one head GEMM more)."""
     from memfit.core.errors import ConfigError
 
     if reduction not in _REDUCTIONS:
@@ -310,7 +314,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: to
     if expect_grad is not None and expect_grad != "auto" and not isinstance(expect_grad, (int, float)):
         raise ConfigError(f"expect_grad must be a number, 'auto' or None, got {expect_grad!r}")
     expect = expect_grad if torch.is_grad_enabled() and hidden.requires_grad else None
-    return ChunkedCrossEntropy.apply(h, weight, bias, y, ignore_index, reduction, chunks, expect)
+    return ChunkedCrossEntropy.apply(h, weight, bias, y, ignore_index, reduction, chunks, expect, early_weight_grad)
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
