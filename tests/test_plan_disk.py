@@ -197,3 +197,35 @@ def test_solver_on_a_traced_profile_matches_exhaustive_search():
         assert got.time == pytest.approx(min(t for p, t in scored if p <= budget), abs=1e-12)
         disk_chosen += any(a.offload == "disk" for a in got.actions)
     assert disk_chosen >= 3
+
+
+@pytest.mark.slow
+def test_disk_blocks_with_a_chunked_head_compose_exactly_and_are_planned():
+    """The disk stretches are traced on the plain chain and serve a profile with a chunked head grafted on:
+    the composition equals the full trace of the chunked model, and fit() plans both together."""
+    from memfit.apply.head_swap import chunk_head
+    from memfit.plan.head import head_profile
+
+    spec = parse_model("gpt:layers=4,hidden=64,heads=4,vocab=2048,seq=128")
+    src = spec_source(spec, 8, 128)
+    allow = ("recompute", "offload-disk")
+    base = chain_profile(src, "32-true", "adamw", bases=_bases(allow))
+    dp = trace_disk(src, head_profile(src, base, 4, "32-true", "adamw"), disk_bases(allow), "32-true", "adamw")
+    rng, kinds = random.Random(1), _bases(allow) + disk_bases(allow)
+    checked = 0
+    while checked < 3:
+        acts = [rng.choice(kinds) for _ in range(4)]
+        if not any(a.offload == "disk" for a in acts) or not dp.supports(acts):
+            continue
+        full = trace_step(lambda: chunk_head(spec.build(seq=128), 4), batch=8, seq=128, checkpoint=acts).peak
+        assert dp.peak_of(acts) == full, to_string(acts)
+        checked += 1
+    chunked = trace_step(lambda: chunk_head(spec.build(seq=128), 8), batch=8, seq=128, checkpoint="none").peak
+    on_disk = trace_step(lambda: chunk_head(spec.build(seq=128), 8), batch=8, seq=128,
+                         checkpoint="none+offload:disk").peak
+    plain_disk = trace_step(spec, batch=8, seq=128, checkpoint="none+offload:disk").peak
+    budget = (chunked + on_disk) // 2
+    assert budget < min(chunked, plain_disk)  # neither technique alone fits
+    plan = fit(spec.name, budget=budget, batch=8, seq=128, allow=("offload-disk", "chunked-head"))
+    assert plan.head_chunks and any(a.offload == "disk" for a in plan.actions), plan.summary()
+    assert plan.measured_peak == plan.predicted_peak <= budget

@@ -206,12 +206,14 @@ def trace_disk(src, base: ChainProfile, disk: Sequence[BlockAction], precision: 
 
 
 def disk_profile(src, base: ChainProfile, disk: Sequence[BlockAction], precision: str, optimizer: str) -> DiskProfile:
-    """`trace_disk`, cached in this process per chain source and disk kinds."""
-    key = src.key + (precision, optimizer, tuple(str(d) for d in disk), id(base))
+    """`trace_disk`, cached in this process per chain source and disk kinds. The disk stretches are traced
+    on the chain source alone, so one trace serves every base profile of it with the same cpu kinds (a
+    base with a chunked head grafted on included: the head's stretches are the base's)."""
+    key = src.key + (precision, optimizer, tuple(str(d) for d in disk), tuple(sorted(base.fwd)))
     got = _CACHE.get(key)
-    if got is None or got.base is not base:
+    if got is None:
         got = _CACHE[key] = trace_disk(src, base, disk, precision, optimizer)
-    return got
+    return got if got.base is base else replace(got, base=base)
 
 
 _CACHE: dict[tuple, DiskProfile] = {}

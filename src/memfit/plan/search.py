@@ -96,8 +96,7 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     def row(chunks: int | None, p) -> tuple:
         cost = _problem_cost(problem, p, micro)[0]
         choice = solve_any(p, limit + relief, bases, cost, n_blocks=n, max_segment=min(n, 16))
-        if chunks is None:  # disk kinds are traced with the plain head
-            choice, p, _ = with_disk(src, p, choice, limit + relief, bases, disk, cost, t_fwd, bw, prec, optimizer, n)
+        choice, p, _ = with_disk(src, p, choice, limit + relief, bases, disk, cost, t_fwd, bw, prec, optimizer, n)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
         head = head_cost(costs, micro / problem.batch, chunks,
