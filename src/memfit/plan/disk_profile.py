@@ -134,9 +134,12 @@ class DiskProfile:
         for k in kinds:  # autocast's deferred frees (weight casts, never saved): a disk kind's are its mode's
             k = k.replace("+offload:disk", "")
             counts[k] = counts.get(k, 0) + 1
-        seq = [base._part("pre_fwd", extra, counts), *fwd, base._part("post_fwd", extra, counts),
-               base._part("post_bwd", extra, counts), *bwd[::-1], base._part("pre_bwd", extra, counts),
-               base._part("opt", extra, counts)]
+        # what the end blocks' kinds change around the blocks (a disk end's own is traced with it)
+        fa = None if is_disk(actions[0]) else base.first_around.get(kinds[0])
+        la = None if is_disk(actions[-1]) else base.last_around.get(kinds[-1])
+        seq = [base._part(name, extra, counts, fa, la) for name in ("pre_fwd", "post_fwd")]
+        seq = [seq[0], *fwd, seq[1], base._part("post_bwd", extra, counts, fa, la), *bwd[::-1],
+               *(base._part(name, extra, counts, fa, la) for name in ("pre_bwd", "opt"))]
         best, best_j, block_peaks = walk(start, seq, n)
         return Composed(best, base._at(start, seq, best_j, n), block_peaks, _where(best_j, n))
 
