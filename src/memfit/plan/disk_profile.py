@@ -21,9 +21,11 @@ from typing import Sequence
 
 from memfit.apply.policy import BlockAction, segments
 from memfit.measure.compose import ChainProfile, Composed, _where, base_of, fwd_kinds, walk
-from memfit.measure.timeline import Stretch, vadd, vscale
+from memfit.measure.chain_ends import AROUND
+from memfit.measure.timeline import ZERO, Stretch, vadd, vscale
 
 KEEP = BlockAction("keep")
+_NONE = Stretch(ZERO, ZERO)
 
 
 def is_disk(a: BlockAction) -> bool:
@@ -69,6 +71,10 @@ class DiskProfile:
     last: dict[str, tuple[Stretch, Stretch]]
     restore: dict[str, int] = field(default_factory=dict)
     """R per disk kind: bytes its read-back allocates (live from the read-ahead to its own backward)."""
+    first_around: dict[tuple[str, bool], dict[str, Stretch]] = field(default_factory=dict)
+    """Per disk kind first (and read ahead or not): what the stretches around the blocks differ by from
+    the base composition's; `last_around` likewise per disk kind last (as ChainProfile's)."""
+    last_around: dict[str, dict[str, Stretch]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def __getattr__(self, name: str):
@@ -134,9 +140,10 @@ class DiskProfile:
         for k in kinds:  # autocast's deferred frees (weight casts, never saved): a disk kind's are its mode's
             k = k.replace("+offload:disk", "")
             counts[k] = counts.get(k, 0) + 1
-        # what the end blocks' kinds change around the blocks (a disk end's own is traced with it)
-        fa = None if is_disk(actions[0]) else base.first_around.get(kinds[0])
-        la = None if is_disk(actions[-1]) else base.last_around.get(kinds[-1])
+        # what the end blocks' kinds change around the blocks
+        fa = self.first_around.get((kinds[0], coupling(actions)[0][0])) if is_disk(actions[0]) else \
+            base.first_around.get(kinds[0])
+        la = self.last_around.get(kinds[-1]) if is_disk(actions[-1]) else base.last_around.get(kinds[-1])
         seq = [base._part(name, extra, counts, fa, la) for name in ("pre_fwd", "post_fwd")]
         seq = [seq[0], *fwd, seq[1], base._part("post_bwd", extra, counts, fa, la), *bwd[::-1],
                *(base._part(name, extra, counts, fa, la) for name in ("pre_bwd", "opt"))]
@@ -196,7 +203,7 @@ def trace_disk(src, base: ChainProfile, disk: Sequence[BlockAction], precision: 
             fwd.setdefault(key[0], t.fwd[i + 1])
             if is_disk(walk[i]) or key[2] is not None:
                 bwd.setdefault(key, t.bwd[i + 1])
-    first, last = {}, {}
+    first, last, fa, la = {}, {}, {}, {}
     for d in disk:
         key = str(d)
         lazy = _trace(src.build_k, 3, src.step, [d, KEEP, KEEP], *run)
@@ -204,8 +211,26 @@ def trace_disk(src, base: ChainProfile, disk: Sequence[BlockAction], precision: 
         pair = _trace(src.build_k, 3, src.step, [d, KEEP, d], *run)
         first[(key, True)] = (pair.fwd[0] - fwd[key], pair.bwd[0] - bwd[(key, True, None)])
         last[key] = (pair.fwd[-1] - fwd[key], pair.bwd[-1] - bwd[(key, False, key)])
+        # Around the blocks: a disk end changes the embedding's or the head's stretches (the lone
+        # trace has its disk block first only, a third one last only; the pair splits by difference).
+        fa[(key, False)] = _around(base, lazy, [d, KEEP, KEEP])
+        la[key] = _around(base, _trace(src.build_k, 3, src.step, [KEEP, KEEP, d], *run), [KEEP, KEEP, d])
+        both = _around(base, pair, [d, KEEP, d])
+        fa[(key, True)] = {n: both.get(n, _NONE) - la[key].get(n, _NONE) for n in set(both) | set(la[key])}
     restore = {str(d): bwd[(str(d), False, None)].net_bytes - bwd[(str(d), True, None)].net_bytes for d in disk}
-    return DiskProfile(base, fwd, bwd, first, last, restore, time.perf_counter() - t0)
+    return DiskProfile(base, fwd, bwd, first, last, restore, fa, la, time.perf_counter() - t0)
+
+
+def _around(base: ChainProfile, t, actions: Sequence[BlockAction]) -> dict[str, Stretch]:
+    """What trace t's stretches around the blocks differ by from the base composition's for `actions`
+    (disk kinds counted as their mode for the deferred frees, as DiskProfile.compose counts them)."""
+    counts: dict[str, int] = {}
+    for k in fwd_kinds(actions):
+        k = k.replace("+offload:disk", "")
+        counts[k] = counts.get(k, 0) + 1
+    extra = len(actions) - base.traced_blocks
+    out = {name: getattr(t, name) - base._part(name, extra, counts) for name in AROUND}
+    return {n: s for n, s in out.items() if s != _NONE}
 
 
 def disk_profile(src, base: ChainProfile, disk: Sequence[BlockAction], precision: str, optimizer: str) -> DiskProfile:
