@@ -54,7 +54,10 @@ def batch_second_moment(m_hat: torch.Tensor, v_hat: torch.Tensor, world: int, be
     free: E[m^2] = mu^2 + c s2 with c = (1 - b1) / (1 + b1) (the EMA's own noise), E[v] = mu^2 + s2,
     so s2 = (v - m^2) / (1 - c) and mu^2 + s2 / N = m^2 + k (v - m^2), k = (1 / N - c) / (1 - c).
     N = 1 gives v back; the result lies between m^2 and v, so |m| / sqrt(result) stays bounded.
+    Without momentum (b1 = 0) m is the gradient itself and holds no estimate of mu: v as it is.
     """
+    if world <= 1 or beta1 <= 0:
+        return v_hat
     c = (1 - beta1) / (1 + beta1)
     k = max(0.0, (1 / world - c) / (1 - c))
     m2 = m_hat * m_hat
