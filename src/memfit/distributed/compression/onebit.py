@@ -21,12 +21,14 @@ rank.
 
 The update is linear in what is sent, so error feedback is exact in sum, and every replica
 applies the same s. The directions differ from Adam on the mean gradient only in that each rank's
-v sees its own batch (at N ranks, the noise of 1/N of the batch). The cost is memory: m_r, v_r
-and the residual are full-size fp32 buffers per rank, also under ZeRO-2.
+v sees its own batch (at N ranks, the noise of 1/N of the batch); var=batch divides by an
+estimate of the batch's v instead (batch_second_moment). The cost is memory: m_r, v_r and the
+residual are full-size fp32 buffers per rank, also under ZeRO-2.
 
 s reaches the optimizer as the parameters' .grad scaled by 2^-20 (exact in binary floating point),
-so a gradient-norm clip in the optimizer (1.0 in the default job) does not bind on it; clip the
-local gradient with the spec's clip= instead (DGC's local gradient clipping).
+so a gradient-norm clip in the optimizer (1.0 in the default job) does not bind on it. The local
+gradient is clipped instead before it enters m_r and v_r, at the optimizer's clip norm unless the
+spec's clip= names another (clip=inf: off); unclipped early gradients leave v_r too large.
 
 The optimizer is a torch Adam or AdamW whose state sits beside its parameters (what
 TrainingOptimizer, memfit's DDP and the ZeRO-1/2 shard optimizer hold without offload or master

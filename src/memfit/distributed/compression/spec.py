@@ -11,6 +11,7 @@ A spec is a name, an optional main value after ":" and optional ",key=value" opt
     sign:adam=0                     1-bit Adam: each rank's local Adam direction sent 1-bit with
                                     error feedback, averaged into the update (onebit.py)
     topk:0.01,adam=5                the same with top-k 1%, after 5 int8 warm-up steps of plain Adam
+    sign:adam=5,var=batch           adam mode dividing by the batch's estimated second moment
 """
 from __future__ import annotations
 
