@@ -21,12 +21,14 @@ rank.
 
 The update is linear in what is sent, so error feedback is exact in sum, and every replica
 applies the same s. The directions differ from Adam on the mean gradient only in that each rank's
-v sees its own batch (at N ranks, the noise of 1/N of the batch). The cost is memory: m_r, v_r
-and the residual are full-size fp32 buffers per rank, also under ZeRO-2.
+v sees its own batch (at N ranks, the noise of 1/N of the batch); var=batch divides by an
+estimate of the batch's v instead (batch_second_moment). The cost is memory: m_r, v_r and the
+residual are full-size fp32 buffers per rank, also under ZeRO-2.
 
 s reaches the optimizer as the parameters' .grad scaled by 2^-20 (exact in binary floating point),
-so a gradient-norm clip in the optimizer (1.0 in the default job) does not bind on it; clip the
-local gradient with the spec's clip= instead (DGC's local gradient clipping).
+so a gradient-norm clip in the optimizer (1.0 in the default job) does not bind on it. The local
+gradient is clipped instead before it enters m_r and v_r, at the optimizer's clip norm unless the
+spec's clip= names another (clip=inf: off); unclipped early gradients leave v_r too large.
 
 The optimizer is a torch Adam or AdamW whose state sits beside its parameters (what
 TrainingOptimizer, memfit's DDP and the ZeRO-1/2 shard optimizer hold without offload or master
@@ -45,17 +47,40 @@ WIRE_SCALE = 2.0 ** -20
 """s is handed over as s * 2^-20: far below any gradient-norm clip, and undone exactly."""
 
 
+def batch_second_moment(m_hat: torch.Tensor, v_hat: torch.Tensor, world: int, beta1: float) -> torch.Tensor:
+    """The second moment Adam would see on the mean gradient of `world` ranks, from one rank's moments.
+
+    A rank's gradient is g = mu + noise of variance s2 (its 1/N of the batch); the mean over N
+    ranks has E[g^2] = mu^2 + s2 / N, while the rank's own v estimates mu^2 + s2: up to N times
+    larger where noise dominates, which shrinks the steps. Adam's moments give both parts for
+    free: E[m^2] = mu^2 + c s2 with c = (1 - b1) / (1 + b1) (the EMA's own noise), E[v] = mu^2 + s2,
+    so s2 = (v - m^2) / (1 - c) and mu^2 + s2 / N = m^2 + k (v - m^2), k = (1 / N - c) / (1 - c).
+    N = 1 gives v back; the result lies between m^2 and v, so |m| / sqrt(result) stays bounded.
+    Without momentum (b1 = 0) m is the gradient itself and holds no estimate of mu: v as it is.
+    """
+    if world <= 1 or beta1 <= 0:
+        return v_hat
+    c = (1 - beta1) / (1 + beta1)
+    k = max(0.0, (1 / world - c) / (1 - c))
+    m2 = m_hat * m_hat
+    return m2.add_((v_hat - m2).mul_(k))
+
+
 class LocalAdam:
     """Each rank's Adam moments of its own gradients, per exchanged buffer (keyed like residuals)."""
 
-    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        self.betas, self.eps = betas, eps
+    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 batch_variance: bool = True) -> None:
+        self.betas, self.eps, self.batch_variance = betas, eps, batch_variance
         self.m: dict = {}
         self.v: dict = {}
         self.t: dict = {}
 
-    def direction(self, key, g: torch.Tensor) -> torch.Tensor:
-        """Fold g into the moments of `key`; Adam's bias-corrected direction (a new tensor)."""
+    def direction(self, key, g: torch.Tensor, world: int = 1) -> torch.Tensor:
+        """Fold g into the moments of `key`; Adam's bias-corrected direction (a new tensor).
+
+        world: the ranks whose directions are averaged; above 1 (and batch_variance on), the
+        denominator estimates the whole batch's second moment (batch_second_moment)."""
         b1, b2 = self.betas
         m, v = self.m.get(key), self.v.get(key)
         if m is None or m.shape != g.shape:
@@ -65,7 +90,10 @@ class LocalAdam:
         self.m[key], self.v[key] = m, v
         self.t[key] += 1
         t = self.t[key]
-        return (m / (1 - b1 ** t)).div_((v / (1 - b2 ** t)).sqrt_().add_(self.eps))
+        m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        if world > 1 and self.batch_variance:
+            v_hat = batch_second_moment(m_hat, v_hat, world, b1)
+        return m_hat.div_(v_hat.sqrt_().add_(self.eps))
 
     def state_dict(self) -> dict:
         return {"m": {k: x.clone() for k, x in self.m.items()}, "v": {k: x.clone() for k, x in self.v.items()},
@@ -120,8 +148,14 @@ class CompressedAdamStep:
 
 
 def attach(state: Any, optimizer: Any) -> CompressedAdamStep:
-    """Bind `state` (spec with adam=) to the Adam(W) behind `optimizer`; ConfigError if it cannot."""
+    """Bind `state` (spec with adam=) to the Adam(W) behind `optimizer`; ConfigError if it cannot.
+
+    Without clip= in the spec, the local gradient is clipped at the optimizer's own clip norm
+    (memfit's optimizers and strategies keep it as `.clip`): that clip cannot act on the update."""
     if optimizer is None:
         raise ConfigError(f"compression {state.spec}: adam= needs the optimizer; pass "
                           "register_compression(model, spec, optimizer=opt)")
-    return CompressedAdamStep(state, torch_optimizer_of(optimizer))
+    step = CompressedAdamStep(state, torch_optimizer_of(optimizer))
+    if state.spec.clip is None:
+        state.clip = getattr(optimizer, "clip", getattr(getattr(optimizer, "inner", None), "clip", None))
+    return step

@@ -11,6 +11,7 @@ A spec is a name, an optional main value after ":" and optional ",key=value" opt
     sign:adam=0                     1-bit Adam: each rank's local Adam direction sent 1-bit with
                                     error feedback, averaged into the update (onebit.py)
     topk:0.01,adam=5                the same with top-k 1%, after 5 int8 warm-up steps of plain Adam
+    sign:adam=5,var=batch           adam mode dividing by the batch's estimated second moment
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from memfit.core.errors import ConfigError
 NAMES = ("none", "topk", "int8", "sign", "bf16", "fp16", "powersgd")
 STRATEGIES_WITH_COMPRESSION = ("ddp", "zero1", "zero2")
 _FLAGS = {"stochastic", "batched"}
-_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start", "adam", "warm", "clip"}
+_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start", "adam", "warm", "clip", "var"}
 WARM_CODECS = ("int8", "fp32")
+VARIANCES = ("batch", "rank")
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,23 @@ class CompressionSpec:
     local Adam direction and the mean is the update. Needs the optimizer: see onebit.py."""
     warm: str = "int8"
     """adam mode: the warm-up exchange, "int8" (4x fewer bytes than fp32) or "fp32"."""
+    var: str | None = None
+    """adam mode: the second moment in each rank's Adam direction. "rank": the rank's own v, which
+    counts its 1/N of the batch's noise N times; "batch": an estimate of the v Adam would see on the
+    whole batch's mean gradient, from the rank's own moments (no bytes; onebit.batch_second_moment).
+    None = the measured better one: "batch" for top-k, "rank" for sign (docs/compression.md)."""
     clip: float | None = None
     """Local gradient clipping (DGC): each rank scales its bucket's gradient to norm <= clip before
-    momentum and compression; None = off."""
+    momentum and compression; None = off (adam mode: the optimizer's clip norm; clip=inf for off)."""
 
     @property
     def dense_steps(self) -> int:
         return self.start if self.start is not None else (2 if self.name == "powersgd" else 0)
+
+    @property
+    def variance(self) -> str:
+        """adam mode's second moment: `var`, or the compressor's default."""
+        return self.var or ("batch" if self.name == "topk" else "rank")
 
     @property
     def error_feedback(self) -> bool:
@@ -71,7 +83,8 @@ class CompressionSpec:
 
     def __str__(self) -> str:
         main = {"topk": f":{self.ratio:g}", "powersgd": f":{self.rank}"}.get(self.name, "")
-        adam = f",adam={self.adam}" + (",warm=fp32" if self.warm == "fp32" else "") if self.adam else ""
+        adam = (f",adam={self.adam}" + (",warm=fp32" if self.warm == "fp32" else "")
+                + (f",var={self.var}" if self.var else "")) if self.adam is not None else ""
         return self.name + main + (",batched" if self.batched and self.name == "powersgd" else "") + adam
 
 
@@ -107,11 +120,12 @@ def parse_compression(spec: str | CompressionSpec | None) -> CompressionSpec:
         if key in _FLAGS and not eq:
             fields[key] = True
         elif key in _OPTIONS and eq:
-            kinds = {"ratio": float, "momentum": float, "values": str, "warm": str, "clip": float}
+            kinds = {"ratio": float, "momentum": float, "values": str, "warm": str, "clip": float, "var": str}
             if key == "ef":
                 fields[key] = value in ("1", "true", "on", "yes")
             else:
-                fields[key] = value if kinds.get(key) is str else _number(spec, key, value, kinds.get(key, int))
+                kind = kinds.get(key, int)
+                fields[key] = value if kind is str else _number(spec, key, value, kind)
         else:
             raise ConfigError(f"compression {spec!r}: unknown option {opt!r}; options are key=value among "
                               f"{', '.join(sorted(_OPTIONS))} or the flags {', '.join(sorted(_FLAGS))}")
@@ -137,8 +151,14 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
         raise ConfigError(f"compression {spec!r}: clip={s.clip:g} must be a positive gradient norm")
     if s.warm not in WARM_CODECS:
         raise ConfigError(f"compression {spec!r}: warm={s.warm!r}; accepted: {', '.join(WARM_CODECS)}")
+    if s.var is not None and s.var not in VARIANCES:
+        raise ConfigError(f"compression {spec!r}: var={s.var!r}; accepted: {', '.join(VARIANCES)} "
+                          "(adam mode's second moment: the whole batch's estimate, or the rank's own)")
     if s.adam is not None:
         _validate_adam(s, spec)
+    elif s.var:
+        raise ConfigError(f"compression {spec!r}: var= is adam mode's option; add adam=W "
+                          f"(e.g. {s.name}:adam=5,var=rank) or leave it out")
     return s
 
 

@@ -62,12 +62,15 @@ class CompressionState:
         self.params: list | None = None
         """The model's parameters by position (DDP keys are tuples of positions)."""
         self.local_adam: LocalAdam | None = None
+        self.clip = self.spec.clip
+        """Local gradient clip norm (adam mode without clip=: the optimizer's, set by onebit.attach)."""
         if self.spec.name == "powersgd":
             self.powersgd = BatchedPowerSGD(self.spec.rank, self.spec.dense_steps, self.spec.seed)
         else:
             self.codec = make_codec(self.spec, dist.get_rank(group) if dist.is_initialized() else 0)
             if self.spec.adam is not None:  # betas and eps come from the optimizer (onebit.attach)
-                self.local_adam, self.feedback = LocalAdam(), ErrorFeedback()
+                self.local_adam = LocalAdam(batch_variance=self.spec.variance == "batch")
+                self.feedback = ErrorFeedback()
                 self.warm_codec = Int8(1024) if self.spec.warm == "int8" else None
             elif self.spec.error_feedback:
                 self.feedback = ErrorFeedback(self.spec.momentum, mask=self.spec.name == "topk")
@@ -105,11 +108,10 @@ class CompressionState:
             out = self.powersgd.exchange(flat, key, step, self.group, self.traffic)
             self.encode_s += time.perf_counter() - t0  # includes its two all-reduces
             return (out if self.average else out * world).to(flat.dtype)
-        if self.spec.clip is not None:  # DGC's local gradient clipping, before momentum and compression
-            flat = flat.detach().float()
-            flat = flat * min(1.0, self.spec.clip / (float(flat.norm()) + 1e-6))
         if self.spec.adam is not None:
             return self._adam(flat, key, step, world, sizes)
+        if self.clip is not None:  # DGC's local gradient clipping, before momentum and compression
+            flat = self._clipped(flat.detach().float())
         if step < self.spec.dense_steps:  # uncompressed warm-up: plain fp32, residuals untouched
             out = all_reduce_sum(flat.detach().float().clone(), self.group, self.traffic)
             return (out / world if self.average else out).to(flat.dtype)
@@ -117,10 +119,11 @@ class CompressionState:
             return self._allreduce(flat, key, step, world)
         return self._gather(flat, key, step, world, sizes)
 
-    def _encode(self, x: torch.Tensor, key, step: int, scale: float = 1.0, sizes=None) -> list[torch.Tensor]:
-        parts = self.codec.encode(x if scale == 1.0 else x / scale, step, sizes)
+    def _encode(self, x: torch.Tensor, key, step: int, scale: float = 1.0, sizes=None, codec=None) -> list[torch.Tensor]:
+        codec = codec or self.codec
+        parts = codec.encode(x if scale == 1.0 else x / scale, step, sizes)
         if self.feedback is not None:
-            sent = self.codec.decode(parts, x.numel(), sizes)
+            sent = codec.decode(parts, x.numel(), sizes)
             self.feedback.update(key, x, sent if scale == 1.0 else sent * scale)
         return parts
 
@@ -136,7 +139,8 @@ class CompressionState:
         self.seen[key] = step
         # the rank's mean gradient: memfit's strategies hand over 1/N of it (summed over ranks)
         g = flat.detach().float() if self.average else flat.detach().float() * world
-        y = self.local_adam.direction(key, g)
+        # the local moments see the clipped gradient; the warm-up exchange leaves clipping to the optimizer
+        y = self.local_adam.direction(key, self._clipped(g) if self.clip is not None else g, world)
         self.update_phase = step >= self.spec.adam
         if not self.update_phase:  # warm-up: plain Adam on the exchanged gradient
             return self._warm(flat, world, sizes)
@@ -144,27 +148,28 @@ class CompressionState:
         out = out if self.average else out / world  # the update is the mean of the ranks' directions
         return (out * WIRE_SCALE).to(flat.dtype)
 
+    def _clipped(self, g: torch.Tensor) -> torch.Tensor:
+        return g * min(1.0, self.clip / (float(g.norm()) + 1e-6))
+
     def _warm(self, flat: torch.Tensor, world: int, sizes) -> torch.Tensor:
         """adam mode's warm-up exchange of the plain gradient: int8 (no error feedback) or fp32."""
         if self.warm_codec is None:
             out = all_reduce_sum(flat.detach().float().clone(), self.group, self.traffic)
             return (out / world if self.average else out).to(flat.dtype)
-        return self._gather(flat, None, 0, world, sizes, self.warm_codec)
+        return self._gather(flat, None, 0, world, sizes, self.warm_codec, feedback=False)
 
     def params_at(self, key: tuple) -> list:
         return [self.params[i] for i in key]
 
-    def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes, codec=None) -> torch.Tensor:
+    def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes, codec=None,
+                feedback: bool = True) -> torch.Tensor:
+        """feedback=False: a codec without error feedback (adam mode's warm-up)."""
         t0 = time.perf_counter()
-        if codec is None:
-            codec = self.codec
-            x = self._corrected(flat, key)
-            parts = None if self.shard is not None else self._encode(x, key, step, sizes=sizes)
-        else:  # a codec without error feedback (adam mode's warm-up)
-            x = flat.detach().float()
-            parts = None if self.shard is not None else codec.encode(x, step, sizes)
+        codec = codec or self.codec
+        x = self._corrected(flat, key) if feedback else flat.detach().float()
         if self.shard is not None:
-            return self._scatter(x, key, step, world, sizes, codec, t0).to(flat.dtype)
+            return self._scatter(x, key, step, world, sizes, codec, t0, feedback).to(flat.dtype)
+        parts = self._encode(x, key, step, sizes=sizes, codec=codec) if feedback else codec.encode(x, step, sizes)
         t1 = time.perf_counter()
         gathered = gather_parts(parts, self.group, self.traffic)
         t2 = time.perf_counter()
@@ -176,13 +181,14 @@ class CompressionState:
         self.decode_s += time.perf_counter() - t2
         return out
 
-    def _scatter(self, x: torch.Tensor, key, step: int, world: int, sizes, codec, t0: float) -> torch.Tensor:
+    def _scatter(self, x: torch.Tensor, key, step: int, world: int, sizes, codec, t0: float,
+                 feedback: bool) -> torch.Tensor:
         """Compressed reduce-scatter: slice j of x is encoded on its own and sent to rank j only."""
         n = x.numel()
         pieces = split_segments(sizes_or_whole(sizes, n), n, world)
         slices = x.chunk(world)
         chunks = [codec.encode(s, step, p) for s, p in zip(slices, pieces)]
-        if codec is self.codec and self.feedback is not None:
+        if feedback and self.feedback is not None:
             sent = torch.cat([codec.decode(c, s.numel(), p) for c, s, p in zip(chunks, slices, pieces)])
             self.feedback.update(key, x, sent)
         t1 = time.perf_counter()
