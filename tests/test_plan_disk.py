@@ -229,3 +229,27 @@ def test_disk_blocks_with_a_chunked_head_compose_exactly_and_are_planned():
     plan = fit(spec.name, budget=budget, batch=8, seq=128, allow=("offload-disk", "chunked-head"))
     assert plan.head_chunks and any(a.offload == "disk" for a in plan.actions), plan.summary()
     assert plan.measured_peak == plan.predicted_peak <= budget
+
+
+@pytest.mark.slow
+def test_disk_end_blocks_change_the_stretches_around_the_blocks_exactly(tmp_path):
+    """HF Llama: a disk block at either end of the chain changes what the embedding and head stretches hold
+    (the rotary tables and hidden states its saved copies leave behind); the disk profile traces those
+    corrections, so these lists compose to the full trace's byte (they were 4 KiB high without them)."""
+    import json
+
+    from memfit.apply.policy import BlockAction as A
+
+    cfg = dict(model_type="llama", num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+               bos_token_id=0, eos_token_id=0)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = parse_model(str(tmp_path / "config.json"))
+    src = spec_source(spec, 1, 16)
+    allow = ("recompute", "offload-disk")
+    dp = trace_disk(src, chain_profile(src, "32-true", "adamw", bases=_bases(allow)), disk_bases(allow),
+                    "32-true", "adamw")
+    keep, dk, dr = A("keep"), A("keep", offload="disk"), A("recompute", offload="disk")
+    for acts in ([keep, keep, keep, dk], [keep, keep, keep, dr], [dr, keep, keep, keep], [dr, keep, keep, dr]):
+        full = trace_step(spec, batch=1, seq=16, checkpoint=acts).peak
+        assert dp.peak_of(acts) == full, to_string(acts)
