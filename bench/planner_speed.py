@@ -6,9 +6,10 @@ solve on a 100-block chain.
 Contenders run interleaved in shuffled order (bench/common.py), 5 rounds, median and spread, with the
 machine's load. The estimate is timed as a fresh process (what a user waits for), traced and with its chain
 profile read from the disk cache (memfit.measure.chain_cache), beside the import floor every such
-process pays (torch) and with torch._dynamo (which FakeTensorMode imports, so a traced estimate pays it),
-with CPU seconds and the estimate's own in-process seconds from its JSON. The chain is a 100-block GPT (hidden 64, batch 8 x
-seq 128); a composed evaluation is `ChainProfile.compose` of a 100-entry action list.
+process pays (torch, exiting with the heap frozen as the CLI does) and with torch._dynamo (which
+FakeTensorMode imports, so a traced estimate pays it), with CPU seconds and the estimate's own
+in-process seconds from its JSON. The chain is a 100-block GPT (hidden 64, batch 8 x seq 128); a
+composed evaluation is `ChainProfile.compose` of a 100-entry action list.
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ from common import interleaved, save, spread  # noqa: E402
 
 ESTIMATE = ["-m", "memfit", "estimate", "llama-2-70b", "--zero", "3", "--world", "64", "--checkpoint", "full", "--json"]
 ROUNDS = 5
+# The floors exit as `memfit estimate` does: with the heap frozen, so teardown does not walk it.
+FLOOR = "import gc, torch; gc.freeze()"
+FLOOR_DYNAMO = "import gc, torch, torch._dynamo; gc.freeze()"
 CALLS = 100
 
 
@@ -52,10 +56,10 @@ def estimate_cli() -> dict:
         return lambda: inner[name].append(json.loads(timed(name, ESTIMATE, env))["trace_seconds"])
 
     def floor() -> None:
-        timed("import floor", ["-c", "import torch"])
+        timed("import floor", ["-c", FLOOR])
 
     def dynamo() -> None:
-        timed("import dynamo", ["-c", "import torch, torch._dynamo"])
+        timed("import dynamo", ["-c", FLOOR_DYNAMO])
 
     timing = interleaved({"estimate, traced": run("traced", {"MEMFIT_NO_CACHE": "1"}),
                           "estimate, cached chain profile": run("cached"),
@@ -125,8 +129,8 @@ def _table(d: dict) -> str:
     |---|---|
     | `memfit estimate llama-2-70b --zero 3 --world 64 --checkpoint full`, traced (`MEMFIT_NO_CACHE=1`) | {rng(e['timing']['wall']['estimate, traced'])} s wall, {rng(cpu['traced'])} s CPU, {rng(inner['traced'])} s in process |
     | the same, chain profile from the disk cache | {rng(e['timing']['wall']['estimate, cached chain profile'])} s wall, {rng(cpu['cached'])} s CPU, {rng(inner['cached'])} s in process |
-    | `python -c "import torch"` (the floor of any estimate) | {rng(e['timing']['wall']['import torch'])} s wall, {rng(cpu['import floor'])} s CPU |
-    | `python -c "import torch, torch._dynamo"` (the floor of a traced estimate) | {rng(e['timing']['wall']['import torch + torch._dynamo'])} s wall, {rng(cpu['import dynamo'])} s CPU |
+    | `python -c "{FLOOR}"` (the floor of any estimate) | {rng(e['timing']['wall']['import torch'])} s wall, {rng(cpu['import floor'])} s CPU |
+    | `python -c "{FLOOR_DYNAMO}"` (the floor of a traced estimate) | {rng(e['timing']['wall']['import torch + torch._dynamo'])} s wall, {rng(cpu['import dynamo'])} s CPU |
     | one composed evaluation, 100 blocks, `sqrt` | {rng(cw[f'compose x{n} (sqrt)'], 1e3 / n)} ms wall, {rng(cc[f'compose x{n} (sqrt)'], 1e3 / n)} ms CPU |
     | one composed evaluation, 100 blocks, random mix of {len(c['actions'])} actions | {rng(cw[f'compose x{n} (mixed actions)'], 1e3 / n)} ms wall, {rng(cc[f'compose x{n} (mixed actions)'], 1e3 / n)} ms CPU |
     | one solve, 100 blocks, {len(c['actions'])} actions + segments up to 16, budget halfway | {rng(cw['solve (budget halfway)'], 1e3, 0)} ms wall, {rng(cc['solve (budget halfway)'], 1e3, 0)} ms CPU |

@@ -92,3 +92,19 @@ def test_offload_estimate_matches_measured_run(precision, offload):
     est = estimate(spec, batch=2, seq=32, precision=precision, offload_optimizer=offload)
     real = measure_step(spec, 2, 32, precision, offload_optimizer=offload, allocator=False)
     assert est.per_device == real.breakdown()
+
+
+def test_heap_frozen_only_when_run_as_the_program(capsys, monkeypatch):
+    """`memfit estimate` run as the program freezes the heap before exit (a faster interpreter teardown);
+    called with an argument list (tests, scripts), it leaves the caller's collector alone."""
+    import gc
+
+    before = gc.get_freeze_count()
+    run_json(capsys, "--params", "1B")
+    assert gc.get_freeze_count() == before
+    monkeypatch.setattr(sys, "argv", ["memfit", "estimate", "--params", "1B", "--json"])
+    try:
+        assert main() == 0
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()

@@ -111,6 +111,11 @@ class TimelineTracker(MemoryTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # no memory changes; most dispatches of a fake step are this one
+            # A fake tensor's device, answered here as FakeTensorMode would (saves a second Python
+            # dispatch for each of the thousands of device queries of the autograd engine).
+            mode = getattr(args[0], "fake_mode", None) if len(args) == 1 else None
+            if mode is not None and not mode.in_kernel_invocation:
+                return args[0].fake_device
             return func(*args, **(kwargs or {}))
         self._note()
         out = super().__torch_dispatch__(func, types, args, kwargs)
