@@ -110,7 +110,7 @@ def _predictor(src, prof, prof_costs, tokens: int):
     """Predicted step seconds of (actions, head chunks) under memfit's time model: the profile's measured
     no-checkpoint step plus the planner's extra seconds (memfit.plan.costs, plan/head.py)."""
     from memfit.plan.costs import _block_seconds, _cost, head_cost, measured, predict_extra
-    from memfit.plan.head import head_seconds
+    from memfit.plan.head import head_seconds, sums_weight_grad
 
     costs = prof_costs.blocks
     flop_fwd = _block_seconds(prof, tokens)
@@ -119,7 +119,8 @@ def _predictor(src, prof, prof_costs, tokens: int):
     speed = t_fwd / max(flop_fwd, 1e-12)
 
     def predict(actions, chunks: int | None) -> float:
-        head = head_cost(costs, 1.0, chunks, lambda k: head_seconds(src, tokens, k, speed)) if chunks else 0.0
+        head = head_cost(costs, 1.0, chunks, lambda k: head_seconds(src, tokens, k, speed),
+                         sums_weight_grad(src, tokens)) if chunks else 0.0
         return prof_costs.step_s["none"] + predict_extra(list(actions), cost) + head
 
     return predict

@@ -106,3 +106,14 @@ def test_a_measured_head_offers_chunk_counts_from_the_timed_one_up():
     assert _measured_counts(counts, None) == counts  # no profile: every count, the model prices them
     assert _measured_counts(counts, SimpleNamespace(head_s={"8": 0.1})) == [8, 16, 32]
     assert _measured_counts([2, 4], SimpleNamespace(head_s={"8": 0.1})) == [4]  # (a small vocabulary)
+
+
+def test_head_cost_takes_a_measured_saving_as_no_cost_when_the_head_runs_the_plain_gemms():
+    """The chunked head with its weight gradient summed in the forward runs the plain head's GEMMs and can
+    measure faster: priced at no cost at the profiled count (never a credit), the model's step above it."""
+    faster = SimpleNamespace(head_s={"8": -0.3})
+    model = lambda k: 0.1 * k  # noqa: E731
+    assert head_cost(faster, 1.0, 8, model, same_gemms=True) == 0.0
+    assert head_cost(faster, 1.0, 16, model, same_gemms=True) == pytest.approx(0.8)
+    assert head_cost(faster, 1.0, 4, model, same_gemms=True) == 0.0
+    assert head_cost(faster, 1.0, 8, model) == pytest.approx(0.8)  # an extra GEMM: the saving is noise

@@ -91,17 +91,19 @@ def measured(costs: Any, scale: float, flop_fwd: float) -> tuple[float, float | 
     return (rec if rec > 0 else flop_fwd), (sel if sel > 0 else None), seg
 
 
-def head_cost(costs: Any, scale: float, chunks: int, model: Callable[[int], float]) -> float:
+def head_cost(costs: Any, scale: float, chunks: int, model: Callable[[int], float], same_gemms: bool = False) -> float:
     """Extra seconds of the LM head in `chunks` chunks: `model(chunks)` (the time model of plan/head.py),
     or, when the profile timed the head at one count k0, that measurement plus what the model adds from
     k0 to `chunks` (an offset, not a ratio: a measured figure at or below zero must not turn more chunks
-    into a bigger saving)."""
+    into a bigger saving). `same_gemms`: the chunked head runs the plain head's GEMMs (its weight
+    gradient summed in the forward), so a measured saving is real (it reuses its scratch where the plain
+    head faults in fresh logits): it is taken as no cost, never credited."""
     got = getattr(costs, "head_s", None) if costs is not None else None
     if not got:
         return model(chunks)
     k0, t0 = next((int(k), v) for k, v in got.items())
-    if t0 <= 0:  # chunking adds GEMM work: a measured saving is the profile's noise; use the model
-        return model(chunks)
+    if t0 <= 0:  # with an extra GEMM a measured saving is the profile's noise: use the model
+        return max(model(chunks) - model(k0), 0.0) if same_gemms else model(chunks)
     return t0 * scale + model(chunks) - model(k0)
 
 

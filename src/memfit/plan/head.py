@@ -89,6 +89,12 @@ def _graft(prof: ChainProfile, plain: ChainProfile, chunked: ChainProfile) -> Ch
     return out
 
 
+def sums_weight_grad(src: ChainSource, tokens: int, precision: str = "32-true", device: str = "cpu") -> bool:
+    """Whether the chunked head will sum its weight gradient in the forward (the plain head's GEMMs)."""
+    head_size(src)
+    return early_weight_grad_block(tokens, device, precision == "32-true", _SIZES[src.key][2]) is not None
+
+
 def head_seconds(src: ChainSource, tokens: int, chunks: int, speed: float = 1.0, precision: str = "32-true",
                  device: str = "cpu") -> float:
     """Extra seconds of a chunked head over the plain one in the time model (`speed` scales the FLOP

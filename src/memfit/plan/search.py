@@ -6,7 +6,7 @@ from typing import Any
 from memfit.core.units import format_bytes
 from memfit.measure.blocks import chain_profile
 from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost, head_cost, measured
-from memfit.plan.head import head_counts, head_profile, head_seconds
+from memfit.plan.head import head_counts, head_profile, head_seconds, sums_weight_grad
 from memfit.plan.plan import Candidate, Plan
 from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
 from memfit.plan.disk_profile import DiskProfile, disk_bases
@@ -99,8 +99,8 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
         choice, p, _ = with_disk(src, p, choice, limit + relief, bases, disk, cost, t_fwd, bw, prec, optimizer, n)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
-        head = head_cost(costs, micro / problem.batch, chunks,
-                         lambda k: head_seconds(src, tokens, k, speed, prec, device)) if chunks else 0.0
+        head = head_cost(costs, micro / problem.batch, chunks, lambda k: head_seconds(src, tokens, k, speed, prec, device),
+                         sums_weight_grad(src, tokens, prec, device)) if chunks else 0.0
         time = accum * (3 * n * t_fwd + choice.time + head) + 2 * relief / HOST_BW
         return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
                          chunks), choice, p, n
