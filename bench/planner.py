@@ -77,21 +77,32 @@ def cases(quick: bool) -> list[dict]:
 
 
 def _budgets(src, optimizer: str = "adamw") -> tuple[int, int, object]:
-    """Smallest feasible budget (bisected on the composed estimate of the source fit() will plan from)
-    and the predicted no-checkpoint peak."""
+    """Smallest feasible budget (bisected on the composed estimate of the source fit() will plan from,
+    with the plain head and with the head in the most chunks) and the predicted no-checkpoint peak."""
     from memfit.apply.policy import resolve_policy
     from memfit.measure.blocks import chain_profile
     from memfit.measure.compose import BASE_ACTIONS
     from memfit.plan.solve import solve
 
+    from memfit.plan.head import head_counts, head_profile
+
     prof = chain_profile(src, "32-true", optimizer)
     n = src.n_blocks
     none_peak = prof.peak_of(resolve_policy("none", n))
-    lo, hi = 0, none_peak
-    while hi - lo > 4096:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if solve(prof, mid, BASE_ACTIONS, lambda b, k: 0.0, n_blocks=n) is None else (lo, mid)
-    return hi, none_peak, prof
+
+    def smallest(p) -> int:
+        lo, hi = 0, none_peak
+        while hi - lo > 4096:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if solve(p, mid, BASE_ACTIONS, lambda b, k: 0.0, n_blocks=n) is None else (lo, mid)
+        return hi
+
+    # ALLOW has the chunked head: with the most chunks it can lower the smallest feasible budget
+    low = smallest(prof)
+    counts = head_counts(src) if "chunked-head" in ALLOW else []
+    if counts:
+        low = min(low, smallest(head_profile(src, prof, max(counts), "32-true", optimizer)))
+    return low, none_peak, prof
 
 
 def _fits(case: dict, src, eager: Bench, budgets: list[int], costs) -> dict:
