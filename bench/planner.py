@@ -306,6 +306,7 @@ def main() -> None:
         out["models"] = sorted([m for m in kept if m["key"] != args.only] + out["models"],
                                key=lambda m: order.index(m["key"]) if m["key"] in order else len(order))
         out["rerun"] = {"only": args.only, "date": time.strftime("%Y-%m-%d")}
+        next(m for m in out["models"] if m["key"] == args.only)["rerun"] = out["rerun"]
     path = save("planner", out)
     saved = json.loads(path.read_text())
     plot(saved, ROOT / "docs" / "planner_frontier.png")

@@ -142,11 +142,11 @@ def render(result: dict) -> str:
              "time; each block is compiled on its own (as torchtitan does), and the ratio is bisected for the largest one whose measured peak fits. Inductor would use the same "
              "partition, but its kernels allocate outside the dispatcher, where the tracker cannot see them. "
              "aot_eager does not fuse, so its step times are eager-speed.", ""]
-    if result.get("rerun"):
-        r = result["rerun"]
-        lines += [f"{r['only']} was rerun alone on {r['date']} (`python bench/planner.py{quick} --only {r['only']}`, "
-                  "after a planner change that only its plans depended on); the script's wall time above is that "
-                  "rerun's, and every other model's section is from the full run before it.", ""]
+    reruns = [c["rerun"] for c in result["models"] if c.get("rerun")] or ([result["rerun"]] if result.get("rerun") else [])
+    if reruns:
+        said = "; ".join(f"{r['only']} on {r['date']} (`python bench/planner.py{quick} --only {r['only']}`)" for r in reruns)
+        lines += [f"Rerun alone, after planner changes: {said}. The script's wall time above is the last rerun's "
+                  f"({result['rerun']['only']}); a model not named here is from the last full run.", ""]
     loaded = [c["key"] for c in result["models"] if max(c["timing"]["load_before"][0], c["timing"]["load_after"][0])
               > m.get("cores", 1)]
     if loaded:
