@@ -78,15 +78,19 @@ def test_composed_disk_lists_equal_the_full_trace():
     allow = ("recompute", "selective", "offload-cpu", "offload-disk")
     base = chain_profile(src, "32-true", "adamw", bases=_bases(allow))
     dp = trace_disk(src, base, disk_bases(allow), "32-true", "adamw")
-    rng, kinds = random.Random(0), _bases(allow) + disk_bases(allow)
-    checked = 0
-    while checked < 8:
-        acts = [rng.choice(kinds) for _ in range(6)]
-        if not any(a.offload == "disk" for a in acts) or not dp.supports(acts):
-            continue
+    for acts in random_disk_lists(dp, _bases(allow) + disk_bases(allow), blocks=6, count=8, seed=0):
         full = trace_step(spec, batch=8, seq=128, checkpoint=acts).peak
         assert dp.peak_of(acts) == full, to_string(acts)
-        checked += 1
+
+
+def random_disk_lists(dp, kinds, blocks: int, count: int, seed: int):
+    """`count` random action lists with at least one disk block that the disk profile composes."""
+    rng, out = random.Random(seed), []
+    while len(out) < count:
+        acts = [rng.choice(kinds) for _ in range(blocks)]
+        if any(a.offload == "disk" for a in acts) and dp.supports(acts):
+            out.append(acts)
+    return out
 
 
 WORKER = r'''
@@ -211,15 +215,9 @@ def test_disk_blocks_with_a_chunked_head_compose_exactly_and_are_planned():
     allow = ("recompute", "offload-disk")
     base = chain_profile(src, "32-true", "adamw", bases=_bases(allow))
     dp = trace_disk(src, head_profile(src, base, 4, "32-true", "adamw"), disk_bases(allow), "32-true", "adamw")
-    rng, kinds = random.Random(1), _bases(allow) + disk_bases(allow)
-    checked = 0
-    while checked < 3:
-        acts = [rng.choice(kinds) for _ in range(4)]
-        if not any(a.offload == "disk" for a in acts) or not dp.supports(acts):
-            continue
+    for acts in random_disk_lists(dp, _bases(allow) + disk_bases(allow), blocks=4, count=3, seed=1):
         full = trace_step(lambda: chunk_head(spec.build(seq=128), 4), batch=8, seq=128, checkpoint=acts).peak
         assert dp.peak_of(acts) == full, to_string(acts)
-        checked += 1
     chunked = trace_step(lambda: chunk_head(spec.build(seq=128), 8), batch=8, seq=128, checkpoint="none").peak
     on_disk = trace_step(lambda: chunk_head(spec.build(seq=128), 8), batch=8, seq=128,
                          checkpoint="none+offload:disk").peak

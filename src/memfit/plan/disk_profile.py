@@ -204,6 +204,7 @@ def trace_disk(src, base: ChainProfile, disk: Sequence[BlockAction], precision: 
             if is_disk(walk[i]) or key[2] is not None:
                 bwd.setdefault(key, t.bwd[i + 1])
     first, last, fa, la = {}, {}, {}, {}
+    plain = getattr(base, "unchunked", base)  # the traces below run the plain LM head
     for d in disk:
         key = str(d)
         lazy = _trace(src.build_k, 3, src.step, [d, KEEP, KEEP], *run)
@@ -213,9 +214,9 @@ def trace_disk(src, base: ChainProfile, disk: Sequence[BlockAction], precision: 
         last[key] = (pair.fwd[-1] - fwd[key], pair.bwd[-1] - bwd[(key, False, key)])
         # Around the blocks: a disk end changes the embedding's or the head's stretches (the lone
         # trace has its disk block first only, a third one last only; the pair splits by difference).
-        fa[(key, False)] = _around(base, lazy, [d, KEEP, KEEP])
-        la[key] = _around(base, _trace(src.build_k, 3, src.step, [KEEP, KEEP, d], *run), [KEEP, KEEP, d])
-        both = _around(base, pair, [d, KEEP, d])
+        fa[(key, False)] = _around(plain, lazy, [d, KEEP, KEEP])
+        la[key] = _around(plain, _trace(src.build_k, 3, src.step, [KEEP, KEEP, d], *run), [KEEP, KEEP, d])
+        both = _around(plain, pair, [d, KEEP, d])
         fa[(key, True)] = {n: both.get(n, _NONE) - la[key].get(n, _NONE) for n in set(both) | set(la[key])}
     restore = {str(d): bwd[(str(d), False, None)].net_bytes - bwd[(str(d), True, None)].net_bytes for d in disk}
     return DiskProfile(base, fwd, bwd, first, last, restore, fa, la, time.perf_counter() - t0)

@@ -86,6 +86,7 @@ def _graft(prof: ChainProfile, plain: ChainProfile, chunked: ChainProfile) -> Ch
                   bw_temps=prof.bw_temps + chunked.bw_temps - plain.bw_temps)
     if prof.plain is not None:
         out.plain = _graft(prof.plain, plain, chunked)
+    out.unchunked = getattr(prof, "unchunked", prof)  # what corrections traced on the plain head refer to
     return out
 
 
