@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from memfit.apply.chunked_head import MIN_CHUNK, chunked_cross_entropy, reference_cross_entropy, spans
+from memfit.apply.chunked_head import (MIN_CHUNK, chunked_cross_entropy, reference_cross_entropy, spans,
+                                      summed_loss_divisor)
 from memfit.apply.head_swap import chunk_head, head_chunks
 from memfit.core.errors import ConfigError
 from memfit.models.gpt import GPT, GPTConfig
@@ -16,6 +17,15 @@ from memfit.models.gpt import GPT, GPTConfig
 
 def _grads(loss, tensors):
     return torch.autograd.grad(loss, tensors)
+
+
+def _count_calls(monkeypatch, name: str) -> list:
+    """Patch memfit.apply.chunked_head.<name> to record each call (one 1 per call) and run as before."""
+    import memfit.apply.chunked_head as ch
+
+    calls, real = [], getattr(ch, name)
+    monkeypatch.setattr(ch, name, lambda *a: calls.append(1) or real(*a))
+    return calls
 
 
 @pytest.mark.parametrize("n,h,v", [(64, 32, 1000), (37, 48, 4099), (300, 33, 1001), (129, 16, 257)])
@@ -49,11 +59,7 @@ def test_loss_and_gradients_are_bit_identical_to_the_unchunked_head(n, h, v, bia
 ])
 def test_grad_wrt_hidden_from_the_forward_or_recomputed_is_bit_identical(monkeypatch, reduction, scale, expect,
                                                                           recomputes):
-    import memfit.apply.chunked_head as ch
-
-    calls = []
-    real = ch._grad_hidden
-    monkeypatch.setattr(ch, "_grad_hidden", lambda *a: calls.append(1) or real(*a))
+    calls = _count_calls(monkeypatch, "_grad_hidden")
     torch.manual_seed(3)
     x = torch.randn(200, 40, requires_grad=True)
     w = (torch.randn(3000, 40) * 0.05).requires_grad_()
@@ -198,31 +204,24 @@ def test_gpt2_small_head_at_seq_1024_is_bit_identical():
 @pytest.mark.parametrize("divisor", [None, 347])
 def test_a_summed_loss_divided_by_another_count_takes_the_forward_gradient(monkeypatch, divisor):
     """Gradient accumulation divides each micro-batch's summed loss by the whole batch's count."""
-    import memfit.apply.chunked_head as ch
-
-    calls = []
-    real = ch._grad_hidden
-    monkeypatch.setattr(ch, "_grad_hidden", lambda *a: calls.append(1) or real(*a))
+    calls = _count_calls(monkeypatch, "_grad_hidden")
     torch.manual_seed(5)
     x = torch.randn(150, 24, requires_grad=True)
     w = (torch.randn(900, 24) * 0.05).requires_grad_()
     y = torch.randint(0, 900, (150,))
     count = divisor or 150
     want = _grads(reference_cross_entropy(x, w, y, reduction="sum") / count, [x, w])
-    with ch.summed_loss_divisor(divisor):
+    with summed_loss_divisor(divisor):
         loss = chunked_cross_entropy(x, w, y, chunks=3, reduction="sum")
     assert all(torch.equal(a, c) for a, c in zip(want, _grads(loss / count, [x, w])))
     assert not calls
 
 
 def test_accumulated_micro_batches_with_a_chunked_head_match_the_plain_model_bit_for_bit(monkeypatch):
-    import memfit.apply.chunked_head as ch
     from memfit.apply.optimizer import TrainingOptimizer
     from memfit.train.step import accumulate_grads
 
-    calls = []
-    real = ch._grad_hidden
-    monkeypatch.setattr(ch, "_grad_hidden", lambda *a: calls.append(1) or real(*a))
+    calls = _count_calls(monkeypatch, "_grad_hidden")
     torch.manual_seed(0)
     plain = _gpt()
     plain.eval()  # no dropout: both models see the same arithmetic
@@ -243,15 +242,12 @@ def test_accumulated_micro_batches_with_a_chunked_head_match_the_plain_model_bit
 def test_weight_gradient_summed_in_the_forward_is_bit_identical(monkeypatch, n, h, v, reduction, ignore):
     """With at least two GEMM reduction blocks of tokens, fp32 and no bias, the forward sums dW over its
     token chunks (backward's vocabulary pass never runs) and still equals the unchunked head bit for bit."""
-    import memfit.apply.chunked_head as ch
     from memfit.apply.gemm_blocking import cpu_k_block
 
     block = cpu_k_block()
     if block is None or n < 2 * block:
         pytest.skip(f"this BLAS's reduction block ({block}) leaves no bitwise fused path at {n} tokens")
-    calls = []
-    real = ch._grad_weight
-    monkeypatch.setattr(ch, "_grad_weight", lambda *a: calls.append(1) or real(*a))
+    calls = _count_calls(monkeypatch, "_grad_weight")
     torch.manual_seed(n + v)
     x = torch.randn(n, h, requires_grad=True)
     w = (torch.randn(v, h) * 0.05).requires_grad_()
