@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 
-import memfit
 from memfit.apply.policy import BlockAction as A, resolve_policy
 from memfit.measure.blocks import chain_profile, spec_source
 from memfit.measure.trace import trace_step
@@ -15,6 +14,7 @@ from memfit.models.gpt import GPT, GPTConfig
 from memfit.models.spec import parse_model
 from memfit.plan.costs import HOOK_S, _bases, _cost
 from memfit.plan.fit import fit
+from planned_run import tracked_steps_match_plain
 
 SPEC = "gpt:layers=6,hidden=64,heads=4,vocab=256,seq=128"
 POLICIES = ["none+offload:cpu", "none+compress:int8", "full+offload:cpu",
@@ -69,14 +69,4 @@ def test_a_plan_that_offloads_fits_for_real_with_the_plain_gradients():
     plan = fit(model, (x, x), budget=budget, allow=("offload-cpu",))
     assert any(a.offload == "cpu" for a in plan.actions) and plan.measured_peak <= budget
     opt = plan.apply(model, lr=1e-3)
-    plain(x, x)[1].backward()
-    with memfit.track(model, opt) as tr:
-        for step in range(2):  # the second step holds optimizer state: the steady-state peak
-            with opt.autocast():
-                loss = model(x, x)[1]
-            opt.backward(loss)
-            if step == 0:
-                for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-                    assert torch.equal(p.grad, q.grad), name
-            opt.step()
-    assert tr.peak_bytes <= budget < keep
+    assert tracked_steps_match_plain(model, plain, opt, x) <= budget < keep
