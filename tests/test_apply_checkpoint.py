@@ -228,7 +228,9 @@ def test_cpu_offload_counts_host_bytes_not_device_bytes(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize("policy", ["full", "selective", "sqrt", "full+offload:cpu", "none+offload:cpu", "none+offload:disk"])
+@pytest.mark.parametrize("policy", ["full", "selective", "sqrt", "every:2", "keep*1,recompute+seg=2*2,selective*1",
+                                    "full+offload:cpu", "none+offload:cpu", "none+offload:disk",
+                                    "full+offload:disk"])
 def test_cuda_bit_equal_with_dropout(policy, autocast, tmp_path):
     """CUDA generator restored on recompute; pinned side-stream offload and read-ahead give exact values."""
     def run(p):

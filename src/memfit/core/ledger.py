@@ -66,6 +66,14 @@ class StorageLedger:
         self._fresh_mods: list[str] = []  # modules whose peak is the current state
         self._phase = 0
         self._self_ref = weakref.ref(self)
+        self.events: list[tuple[int, int]] | None = None
+        """When a list: every device allocation as (storage key, bytes) and every free as (key, 0), in
+        order; what memfit.measure.caching_allocator replays to predict the CUDA allocator's reserve."""
+
+    def _log(self, key: int, n: int, nbytes: int) -> None:
+        """n: bytes allocated, 0 for a free; nothing for an empty storage (the allocator sees none)."""
+        if self.events is not None and nbytes:
+            self.events.append((key, n))
 
     def _current_mods(self) -> tuple[str, ...]:
         return ()
@@ -120,10 +128,15 @@ class StorageLedger:
                 e.ref = weakref.ref(st, functools.partial(_free_callback, self._self_ref, key))
                 self._live[key] = e
                 self._add(e, n)
+                if e.device and not e.host:
+                    self._log(key, n, n)
                 return e.device and not e.host and n > 0
             grew = False
             n = self._size(st, t)
             if n != e.nbytes:  # resized in place (resize_, out= ops)
+                if e.device and not e.host:
+                    self._log(key, 0, e.nbytes)
+                    self._log(key, n, n)
                 self._add(e, -e.nbytes)
                 e.nbytes = n
                 self._add(e, n)
@@ -168,6 +181,8 @@ class StorageLedger:
         with self._lock:
             e = self._live.pop(key, None)
             if e is not None:
+                if e.device and not e.host:
+                    self._log(key, 0, e.nbytes)
                 self._add(e, -e.nbytes)
 
     def _mark_host(self, t: torch.Tensor) -> None:
@@ -180,6 +195,8 @@ class StorageLedger:
                 self._register(t, TEMPORARIES)  # registers as host: the storage is already flagged
                 return
             if not e.host:
+                if e.device:
+                    self._log(id(st), 0, e.nbytes)
                 self._add(e, -e.nbytes)
                 e.host = True
                 self._add(e, e.nbytes)

@@ -57,6 +57,11 @@ class TraceResult:
     allocator_peak: int | None = None
     """measure_step only: the allocator-level peak over the same step (profiler memory events),
     which also sees workspaces that kernels allocate internally."""
+    cuda_allocated: int | None = None
+    """CUDA traces: the peak that torch.cuda.max_memory_allocated will report over the traced steps,
+    from replaying the storages through the caching allocator's rules (memfit.measure.caching_allocator)."""
+    cuda_reserved: int | None = None
+    """CUDA traces: the predicted torch.cuda.max_memory_reserved (the segments the allocator holds)."""
 
     def breakdown(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -77,11 +82,12 @@ def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true"
     resolve_device(device)  # ConfigError for a device memfit cannot trace on (fake CUDA tensors need CUDA)
     t0 = time.perf_counter()
     # allow_non_fake_inputs: libraries keep a few real constants at module level (e.g. HF masks).
+    from memfit.measure.fake_defaults import real_tensor_defaults
     from memfit.measure.hf_masks import unpadded_masks
     from memfit.measure.moe import fake_experts
 
-    with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), unpadded_masks(), \
-            fake_experts():
+    with FakeTensorMode(allow_non_fake_inputs=True), real_tensor_defaults(), _unpacked_batches(), \
+            unpadded_masks(), fake_experts():
         result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps, window=None,
                       offload=offload_optimizer)
     result.seconds = time.perf_counter() - t0
@@ -214,6 +220,8 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
                             offload=None if offload in (None, "none") else offload)
     vocab = _vocab(model)
     tracker = MemoryTracker(model, opt, dev)
+    if dev.type == "cuda":
+        tracker.events = []
     try:
         with tracker:
             for i in range(steps):
@@ -226,7 +234,13 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
     finally:
         opt.close()
     b = tracker.breakdown
+    cuda = None
+    if tracker.events is not None:
+        from memfit.measure.caching_allocator import replay, workspace_events
+
+        cuda = replay(workspace_events(torch.cuda.get_device_capability(dev)) + tracker.events)
     return TraceResult(
+        cuda_allocated=cuda.peak_allocated if cuda else None, cuda_reserved=cuda.peak_reserved if cuda else None,
         peak=tracker.peak_bytes, params=b["params"], grads=b["grads"], optimizer=b["optimizer"],
         activations=b["activations"], temporaries=b["temporaries"],
         modules=dict(sorted(tracker.module_peaks.items(), key=lambda kv: -kv[1])),
