@@ -299,9 +299,9 @@ def run_row(precision: str, model: dict, batch: int, rounds: int, bw: dict) -> d
 
 # ---------------------------------------------------------------------------- output
 def table(result: dict) -> str:
-    from gpu_offload_render import rows_table
+    from gpu_offload_render import summary
 
-    return rows_table(result)
+    return summary(result)
 
 
 def write(payload: dict, out: str | None, smoke: bool) -> Path:

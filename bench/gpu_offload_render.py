@@ -20,6 +20,8 @@ def _grad(check: dict | None) -> str:
 def _line(row: dict, name: str, c: dict) -> str:
     label = f"{row['precision']}, {row.get('batch', row.get('batch_requested'))}"
     grad = _grad(row.get("grad_check", {}).get(name))
+    if name == "keep" and grad != "n/a":
+        grad = f"repeat: {grad}"  # keep against itself: the run-to-run noise floor
     if "error" in c:
         return f"| {label} | {name} | failed: {c['error'][:80]} | | | | | | {grad} |"
     vs = fmt_ratio(c["vs_keep"]) if "vs_keep" in c else "n/a"
@@ -64,6 +66,11 @@ def _model_lines(result: dict) -> list[str]:
         if "rounds" in row:
             out.append(f"  {load_line(row['rounds'])}")
     return out
+
+
+def summary(result: dict) -> str:
+    """What bench/gpu_offload.py prints last: bandwidth, model rows, the table."""
+    return "\n".join([_bandwidth(result.get("bandwidth", {})), *_model_lines(result), "", rows_table(result)])
 
 
 def render(result: dict) -> str:
