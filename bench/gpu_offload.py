@@ -326,6 +326,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; 2 with --smoke)")
     ap.add_argument("--rows", default=None, help="precisions to run, comma separated (default bf16,fp32)")
     args = ap.parse_args()
+    if not cuda() and not args.smoke:
+        sys.exit("bench/gpu_offload.py measures a CUDA device and finds none; --smoke runs a tiny model anywhere")
     rounds = args.rounds or (2 if args.smoke else common.MIN_ROUNDS)
     if args.smoke:
         common.MIN_ROUNDS = min(common.MIN_ROUNDS, rounds)  # a smoke run checks the code, not the numbers
