@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "docs" / "BENCHMARKS.md"
-ORDER = ["estimate_accuracy", "estimate_families", "activations", "precision_offload"]
+ORDER = ["estimate_accuracy", "estimate_families", "activations", "precision_offload", "gpu_offload"]
 
 HEADER = """# Benchmarks
 

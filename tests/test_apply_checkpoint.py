@@ -224,6 +224,19 @@ def test_cpu_offload_counts_host_bytes_not_device_bytes(tmp_path):
     assert off.peak_bytes < plain.peak_bytes
 
 
+def test_offload_references_stay_bounded_over_steps():
+    """The store's per-block references to offloaded tensors do not grow with the number of steps."""
+    model = tiny(dropout=0.0, layers=3)
+    memfit.checkpoint(model, "none+offload:cpu")
+    store = applied(model).store
+    sizes = []
+    for _ in range(4):
+        x = torch.randint(0, 64, (2, 16))
+        model(x, x)[1].backward()
+        sizes.append(sum(len(refs) for refs in store._groups.values()))
+    assert sizes[-1] == sizes[1] > 0
+
+
 # ---- CUDA (skipped without a GPU) ------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -248,5 +261,46 @@ def test_cuda_bit_equal_with_dropout(policy, autocast, tmp_path):
     ref, r_ref = run("none")
     got, r_got = run(policy)
     assert r_ref == r_got
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+@pytest.mark.gpu
+def test_cuda_pinned_side_stream_prefetch_bit_equal(monkeypatch):
+    """Offload with pinned host buffers and side-stream copies: every earlier block is prefetched
+    while backward runs the next, the prefetched copies are the ones used, gradients are bit-equal."""
+    from memfit.apply import saved_copies
+
+    counts = {"prefetch": 0, "used": 0}
+    prefetch, get = saved_copies.HostCopy.prefetch, saved_copies.HostCopy.get
+
+    def counting_prefetch(self):
+        counts["prefetch"] += self.prefetched is None and self.ready is not None
+        prefetch(self)
+
+    def counting_get(self):
+        counts["used"] += self.prefetched is not None
+        return get(self)
+
+    monkeypatch.setattr(saved_copies.HostCopy, "prefetch", counting_prefetch)
+    monkeypatch.setattr(saved_copies.HostCopy, "get", counting_get)
+
+    def run(policy):
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(layers=4, hidden=256, heads=4, vocab=512, seq=256, dropout=0.1)).cuda()
+        memfit.checkpoint(m, policy)
+        torch.manual_seed(1)
+        x = torch.randint(0, 512, (8, 256), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(x, x)[1]
+        loss.backward()
+        torch.cuda.synchronize()
+        state = applied(m)
+        return {k: v.grad.clone() for k, v in m.named_parameters()}, state.store.stats if state else None
+
+    ref, _ = run("none")
+    got, stats = run("none+offload:cpu")
+    assert stats.pinned is True and stats.host_bytes > 0
+    assert counts["prefetch"] > 0 and counts["used"] > 0
     for k in ref:
         assert torch.equal(ref[k], got[k]), k

@@ -196,4 +196,7 @@ class ActivationStore:
             codecs.check_codec(compress)
         if offload == "disk":
             self.disk()  # validates the folder now, not in the middle of a step
+        refs = self._groups.get(group)
+        if refs:  # the last block is never prefetched, so nothing else drops its previous steps' references
+            self._groups[group] = [r for r in refs if r() is not None]
         return _Hooks(self, group, offload, compress)
