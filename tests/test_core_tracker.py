@@ -1,6 +1,8 @@
 """MemoryTracker: exact storage accounting, checked against the allocator and against byte counts."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -246,6 +248,7 @@ def test_fake_tensor_mode_counts_without_allocating():
 @pytest.mark.gpu
 def test_cuda_tracker_matches_memory_allocated():
     dev = torch.device("cuda")
+    gc.collect()  # earlier tests' garbage must not be freed inside the measured region
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()  # what earlier tests in this process still hold
     model = tiny_gpt(hidden=256, vocab=1024).to(dev)

@@ -24,6 +24,34 @@ def is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor) or t.device.type == "meta"
 
 
+def to_pinned(store: Any, t: torch.Tensor) -> tuple[torch.Tensor, tuple, Any]:
+    """t's elements, copied on the side stream as one flat range into pinned memory: (the flat
+    host tensor, the dense layout (shape, stride) they came in, the copy's event).
+
+    A copy into a host tensor with t's own permuted strides, or from a view with gaps, makes torch
+    stage it through a pageable temporary: synchronous and several times slower (seen on an H100:
+    48 of 240 saved tensors per step, 75% of the copy time). So a view with gaps is made dense on
+    the device first (the layout empty_like gives it), and its memory range is copied as is."""
+    src = codecs.dense(t.detach())
+    flat = src.as_strided((src.numel(),), (1,), src.storage_offset())
+    host = torch.empty(flat.shape, dtype=t.dtype, device="cpu", pin_memory=store.can_pin())
+    stream = store.side_stream(t.device)
+    stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully computed
+    with torch.cuda.stream(stream):
+        host.copy_(flat, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    src.record_stream(stream)  # the allocator must not reuse its memory before the copy ran
+    return host, (src.shape, src.stride()), ready
+
+
+def to_device(host: torch.Tensor, layout: tuple, device: torch.device) -> torch.Tensor:
+    """A flat host range back on the device, in its dense layout (backward runs the same kernels)."""
+    shape, stride = layout
+    flat = host.as_strided((host.numel(),), (1,), host.storage_offset())
+    return flat.to(device, non_blocking=True).as_strided(shape, stride, 0)
+
+
 class HostCopy:
     """One tensor copied to CPU memory (pinned, on a side stream, when it comes from CUDA)."""
 
@@ -34,14 +62,7 @@ class HostCopy:
         if is_fake(t):
             self.host = torch.empty_like(t, device="cpu")
         elif t.is_cuda:
-            self.host = store.host_empty_like(t)
-            stream = store.side_stream(t.device)
-            stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully computed
-            with torch.cuda.stream(stream):
-                self.host.copy_(t, non_blocking=True)
-                self.ready = torch.cuda.Event()
-                self.ready.record(stream)
-            t.record_stream(stream)  # the allocator must not reuse t's memory before the copy ran
+            self.host, self.layout, self.ready = to_pinned(store, t)
         else:
             self.host = torch.empty_like(t).copy_(t)
         store.mark_host(self.host)
@@ -53,7 +74,7 @@ class HostCopy:
         stream = self.store.side_stream(self.device)
         with torch.cuda.stream(stream):
             stream.wait_event(self.ready)
-            dev = self.host.to(self.device, non_blocking=True)
+            dev = to_device(self.host, self.layout, self.device)
             done = torch.cuda.Event()
             done.record(stream)
         self.prefetched = (dev, done)
@@ -67,7 +88,7 @@ class HostCopy:
             return dev
         if self.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready)
-            return self.host.to(self.device, non_blocking=True)
+            return to_device(self.host, self.layout, self.device)
         # CPU device (or fake): a fresh device tensor, so device accounting in backward is honest.
         return self.host.to(self.device, copy=True)
 
@@ -88,14 +109,8 @@ class DiskCopy:
             raise SpillError(spill.error)
         ready = None
         if t.is_cuda:
-            src = store.host_empty_like(t)
-            stream = store.side_stream(t.device)
-            stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(stream):
-                src.copy_(t, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(stream)
-            t.record_stream(stream)
+            host, (shape, stride), ready = to_pinned(store, t)
+            src = host.as_strided(shape, stride, 0)
         else:
             src = codecs.dense(t.detach())
         self.meta = (src.shape, src.stride(), src.dtype)
@@ -134,7 +149,7 @@ class DiskCopy:
         if self.fake:
             return t
         self._finalizer.detach()
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+        return to_device(t, (t.shape, t.stride()), self.device) if self.device.type != "cpu" else t
 
 
 class Offloaded:
