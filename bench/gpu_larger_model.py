@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, fmt_bytes, rss  # noqa: E402
 from gpu_common import guarded, save_to, sync  # noqa: E402
+from gpu_render import larger_model as render, larger_model_table as table  # noqa: E402,F401
 
 import torch  # noqa: E402
 
@@ -318,20 +319,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def table(result: dict) -> str:
-    rows = [f"{'contender':58s} {'largest that trains':>20s} {'params':>10s} {'x plain':>8s} {'max alloc':>11s}"]
-    for name, c in result["contenders"].items():
-        if "error" in c and "trials" not in c:
-            rows.append(f"{LABELS.get(name, name):58s} error: {c['error'][:60]}")
-            continue
-        best = next((t for t in c["trials"] if t["rung"] == c["best_rung"]), None)
-        alloc = fmt_bytes(best["max_memory_allocated"]) if best and "max_memory_allocated" in best else "n/a"
-        ratio = c.get("ratio_vs_plain")
-        rows.append(f"{c['label'][:58]:58s} {str(c['best_spec'] and c['best_spec'].split(',vocab')[0][4:]):>20s} "
-                    f"{c['best_params'] / 1e6:9.1f}M {ratio if ratio is None else f'{ratio:.1f}x':>8} {alloc:>11s}")
-    return "\n".join(rows)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.trial:
@@ -367,41 +354,6 @@ def main(argv: list[str] | None = None) -> None:
     path = save_to(args.out, NAME, result)
     print(f"wrote {path}\n")
     print(table(result))
-
-
-def render(result: dict) -> str:
-    from render import machine_line
-
-    lines = ["## GPU: larger model under a fixed budget", "",
-             f"`PYTHONPATH=src python3 bench/gpu_larger_model.py --budget-gib {result['budget_bytes'] / 2**30:g}`", "",
-             machine_line(result) + f" Device: {result.get('device_info', {}).get('name', result.get('device'))}.", "",
-             f"Budget {fmt_bytes(result['budget_bytes'])} (torch.cuda.set_per_process_memory_fraction); batch "
-             f"{result['batch']} x seq {result['seq']}, vocab {result['vocab']}, {result['steps_per_trial']} optimizer "
-             "steps per trial, each trial in a fresh process. " + result["method"], "",
-             "| contender | largest that trains | parameters | x plain | max_memory_allocated | max_memory_reserved | "
-             "step s | host state | trials |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, c in result["contenders"].items():
-        if "trials" not in c:
-            lines.append(f"| {LABELS.get(name, name)} | error: {c.get('error', '?')[:80]} | | | | | | | |")
-            continue
-        b = next((t for t in c["trials"] if t["rung"] == c["best_rung"]), {})
-        step = b.get("step_seconds") or []
-        host = b.get("host_state_bytes")
-        ratio = c.get("ratio_vs_plain")
-        lines.append(f"| {c['label']} | {(c['best_spec'] or 'none')[4:]} | {c['best_params'] / 1e6:,.1f}M | "
-                     f"{'' if ratio is None else f'{ratio:.1f}x'} | {fmt_bytes(b['max_memory_allocated']) if 'max_memory_allocated' in b else 'n/a'} | "
-                     f"{fmt_bytes(b['max_memory_reserved']) if 'max_memory_reserved' in b else 'n/a'} | "
-                     f"{step[-1]:.2f} | {fmt_bytes(host) if host else '-'} | {len(c['trials'])} |" if step else
-                     f"| {c['label']} | none | 0 | | | | | | {len(c['trials'])} |")
-    lines += ["", "Every trial (rung: fits, parameters, max allocated, error if any):", ""]
-    for name, c in result["contenders"].items():
-        for t in c.get("trials", []):
-            alloc = fmt_bytes(t["max_memory_allocated"]) if "max_memory_allocated" in t else "n/a"
-            err = f" — {t['error'][:100]}" if t.get("error") else ""
-            lines.append(f"- {name} rung {t['rung']} ({t['params'] / 1e6:,.1f}M): "
-                         f"{'fits' if t['fits'] else 'does not fit'}, {alloc}{err}")
-    lines += ["", "Notes: " + "; ".join(result.get("notes", [])) + "."]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
