@@ -77,3 +77,52 @@ def larger_model(result: dict) -> str:
     return "\n".join(lines)
 
 
+
+
+def _tflops(x: float | None) -> str:
+    return f"{x / 1e12:,.1f}" if x else "n/a"
+
+
+def train_table(result: dict) -> str:
+    peak = result.get("matmul_peak", {}).get("flops_per_s")
+    rows = [f"bf16 matmul peak {_tflops(peak)} TFLOP/s ({result.get('device', '?')})",
+            f"{'case':64s} {'tokens/s':>12s} {'TFLOP/s':>9s} {'MFU':>7s}"]
+    for c in result.get("cases", []):
+        if "error" in c:
+            rows.append(f"{c['label'][:64]:64s} error: {c['error'][:60]}")
+            continue
+        mfu = f"{c['mfu'] * 100:.1f}%" if c.get("mfu") is not None else "n/a"
+        rows.append(f"{c['label'][:64]:64s} {c['tokens_per_s']:12,.0f} {_tflops(c['model_flops_per_s']):>9s} {mfu:>7s}")
+    return "\n".join(rows)
+
+
+def train(result: dict) -> str:
+    peak = result.get("matmul_peak", {})
+    lines = ["## GPU: default training throughput", "",
+             f"`PYTHONPATH=src python3 bench/gpu_train.py --steps {result['steps']}`", "",
+             _machine(result), "", *_smoke(result),
+             f"`memfit train` defaults (TrainConfig()) on {result['device']} with precision {result['precision']}, "
+             f"{result['steps']} steps per case, the first {result['warmup_frac']:.0%} of them and the tracked step "
+             f"left out of the timing. Peak: {peak.get('n', '?')}^3 {peak.get('dtype', 'bf16')} torch.matmul on random "
+             f"data, median of {peak.get('reps', '?')} after {peak.get('warmup', '?')} warm-ups: "
+             f"{_tflops(peak.get('flops_per_s'))} TFLOP/s. `{result['formula']}` (N_matmul: every nn.Linear weight, "
+             "the tied LM head once; T: the sequence length).", "",
+             "| case | model | batch x seq | params | tokens/s (timed) | tokens/s (median step) | step ms (median) | "
+             "model TFLOP/s | MFU |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for c in result.get("cases", []):
+        if "error" in c:
+            lines.append(f"| {c['label']} | {c.get('model') or 'default'} | | | error: {c['error'][:100]} | | | | |")
+            continue
+        mfu = f"{c['mfu'] * 100:.1f}%" if c.get("mfu") is not None else "n/a"
+        lines.append(f"| {c['label']} | `{c['model']}` | {c['batch']} x {c['seq']} | "
+                     f"{c['model_flops']['params'] / 1e6:,.1f}M | {c['tokens_per_s']:,.0f} | "
+                     f"{c['tokens_per_s_median_step']:,.0f} | {c['step_seconds_median'] * 1e3:.1f} | "
+                     f"{_tflops(c['model_flops_per_s'])} | {mfu} |")
+    corpus = next((c.get("corpus") for c in result.get("cases", []) if c.get("corpus")), None)
+    if corpus:
+        size = f" ({corpus['bytes'] / 1e6:.1f} MB)" if isinstance(corpus, dict) and "bytes" in corpus else ""
+        lines += ["", f"Data: {corpus.get('name', corpus) if isinstance(corpus, dict) else corpus}{size}, one byte a token."]
+    lines += ["", "The default model is tiny (a few million parameters, byte vocabulary): its steps are too small "
+              "to keep a GPU busy, so its MFU says how much of the step is overhead; the GPT-2-small-size case is "
+              "the figure for a model of useful size. No torch.compile, no fused kernels beyond torch's defaults."]
+    return "\n".join(lines)
