@@ -4,6 +4,8 @@ for memfit's planner (memfit.fit with the same budget).
 
     PYTHONPATH=src python3 bench/gpu_larger_model.py --budget-gib 4 --out /tmp/gpu_larger_model.json
     PYTHONPATH=src python bench/gpu_larger_model.py --smoke --out /tmp/smoke.json     # tiny, CPU is fine
+    # split over two commands (a device may allow 10 minutes a command; --time-limit defaults to 540 s):
+    ... --contenders plain,offload --out R.json;  ... --contenders planner --resume R.json --out R.json
 
 The budget is torch.cuda.set_per_process_memory_fraction(budget / total): the caching allocator
 refuses to hold more, so what does not fit raises torch.cuda.OutOfMemoryError. A model "trains"
@@ -309,6 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--smoke", action="store_true", help="a tiny ladder, batch 2 x seq 64, vocab 256 (CPU is fine)")
     ap.add_argument("--out", default=None, help="the JSON file (default bench/results/gpu_larger_model.json)")
+    ap.add_argument("--resume", default=None, help="a JSON this script wrote: keep its contenders and run only the "
+                    "others named in --contenders (so the search can be split over several commands)")
     ap.add_argument("--trial", default=None, help=argparse.SUPPRESS)  # internal: run one trial, JSON to --out
     args = ap.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -328,8 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"budget {fmt_bytes(args.budget)} on {args.device}; batch {args.batch} x seq {args.seq}, vocab {args.vocab}",
           flush=True)
     contenders: dict[str, dict] = {}
+    if args.resume and Path(args.resume).exists():
+        contenders = {k: v for k, v in json.loads(Path(args.resume).read_text())["contenders"].items() if "trials" in v}
+        print(f"resumed from {args.resume}: {', '.join(contenders) or 'nothing'}", flush=True)
     start = min(args.start, len(ladder) - 1)
-    for name in [c.strip() for c in args.contenders.split(",") if c.strip()]:
+    for name in [c.strip() for c in args.contenders.split(",") if c.strip() and c.strip() not in contenders]:
         plain_best = contenders.get("plain", {}).get("best_rung")
         first = start if name == "plain" or plain_best is None else plain_best  # larger contenders start at plain's best
         contenders[name] = guarded(lambda: search(name, args, ladder, first))
