@@ -8,6 +8,16 @@ LABELS = {"plain": "plain fp32 AdamW", "offload": "bf16-master + CPU optimizer o
           "planner": "memfit.fit (planner) at the same budget"}
 
 
+def _safe(title: str, fn):
+    """fn as a renderer that never raises: a result it cannot read becomes a one-line section."""
+    def render(result: dict) -> str:
+        try:
+            return fn(result)
+        except Exception as exc:  # noqa: BLE001 - a section saying why beats no BENCHMARKS.md at all
+            return f"## {title}\n\n`{result.get('bench', '?')}` could not be rendered ({type(exc).__name__}: {exc})."
+    return render
+
+
 def _machine(result: dict) -> str:
     from render import machine_line
 
@@ -51,7 +61,7 @@ def _smoke(result: dict) -> list[str]:
             if result.get("smoke") else [])
 
 
-def larger_model(result: dict) -> str:
+def _larger_model(result: dict) -> str:
     lines = ["## GPU: larger model under a fixed budget", "",
              (f"`PYTHONPATH=src python3 bench/gpu_larger_model.py --budget-gib {result['budget_bytes'] / 2**30:g} "
               f"--batch {result['batch']} --seq {result['seq']} --vocab {result['vocab']}`"), "",
@@ -96,7 +106,7 @@ def train_table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def train(result: dict) -> str:
+def _train(result: dict) -> str:
     peak = result.get("matmul_peak", {})
     lines = ["## GPU: default training throughput", "",
              f"`PYTHONPATH=src python3 bench/gpu_train.py --steps {result['steps']}`", "",
@@ -126,3 +136,7 @@ def train(result: dict) -> str:
               "to keep a GPU busy, so its MFU says how much of the step is overhead; the GPT-2-small-size case is "
               "the figure for a model of useful size. No torch.compile, no fused kernels beyond torch's defaults."]
     return "\n".join(lines)
+
+
+larger_model = _safe("GPU: larger model under a fixed budget", _larger_model)
+train = _safe("GPU: default training throughput", _train)
