@@ -307,7 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds for the whole search (the device allows 10 minutes a command); then it stops")
     ap.add_argument("--planner-budget-frac", type=float, default=1.0,
                     help="the planner is given this fraction of the budget (default 1: the same budget)")
-    ap.add_argument("--start", type=int, default=0, help="the plain contender's first rung")
+    ap.add_argument("--start", type=int, default=0, help="the first rung of the first contender searched (later ones start at the best rung found so far)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--smoke", action="store_true", help="a tiny ladder, batch 2 x seq 64, vocab 256 (CPU is fine)")
     ap.add_argument("--out", default=None, help="the JSON file (default bench/results/gpu_larger_model.json)")
@@ -337,8 +337,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"resumed from {args.resume}: {', '.join(contenders) or 'nothing'}", flush=True)
     start = min(args.start, len(ladder) - 1)
     for name in [c.strip() for c in args.contenders.split(",") if c.strip() and c.strip() not in contenders]:
-        plain_best = contenders.get("plain", {}).get("best_rung")
-        first = start if name == "plain" or plain_best is None else plain_best  # larger contenders start at plain's best
+        # a later contender starts at the best rung found so far (the planner may choose the offload setup)
+        found = [c["best_rung"] for c in contenders.values() if c.get("best_rung") is not None]
+        first = start if name == "plain" or not found else max(found)
         contenders[name] = guarded(lambda: search(name, args, ladder, first))
     base = contenders.get("plain", {}).get("best_params") or 0
     for c in contenders.values():
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
               "method": "per trial: a fresh process, set_per_process_memory_fraction(budget / total memory), build the "
                         "model on the device, `steps` optimizer steps; fits = the steps finished without "
                         "OutOfMemoryError and max_memory_allocated <= budget. Search: doubling up the ladder from the "
-                        "start rung (the planner and offload contenders start at plain's best), then bisection.",
+                        "start rung (each later contender starts at the best rung found before it), then bisection.",
               "notes": ["offload: the bf16 weights are created directly on the GPU in bf16, so the fp32 masters on "
                         "the CPU start from bf16-rounded values (memory is what is measured here)",
                         "plain: torch.optim.AdamW(fused=True on CUDA), fp32 weights, no checkpointing",
