@@ -1,5 +1,6 @@
 """Optimizer offload to CPU and disk: bit-identical to in-memory, gradients leave the device,
 device memory goes down, private spill files that are cleaned up, clear errors."""
+import gc
 import os
 import stat
 
@@ -291,6 +292,7 @@ def test_cuda_offload_keeps_state_on_the_host(offload, tmp_path):
     steps, and the same updates as the in-memory master mode come out (to bf16 rounding)."""
     def train(off):
         torch.manual_seed(0)
+        gc.collect()  # earlier runs' garbage must not be freed inside the measured region
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()  # earlier tests' and runs' blocks, cuBLAS workspaces
         model = GPT(CFG).cuda()

@@ -68,7 +68,7 @@ class ActivationStore:
         self.min_bytes = min_bytes
         self.spill_root = Path(spill_dir) if spill_dir is not None else None
         self._spill: DiskSpill | None = None
-        self._streams: dict[torch.device, Any] = {}
+        self._streams: dict[tuple[torch.device, str], Any] = {}
         self._pin_ok: bool | None = None
         self._groups: dict[int, list[weakref.ref]] = {}
         self._prefetched_for: int | None = None
@@ -91,10 +91,14 @@ class ActivationStore:
         """The private folder holding this store's spill files (None before the first spill)."""
         return self._spill.dir if self._spill is not None else None
 
-    def side_stream(self, device: torch.device) -> Any:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    def side_stream(self, device: torch.device, direction: str = "out") -> Any:
+        """The stream for copies off the device ("out") or back ("in"): two, so the GPU's copy
+        engines move both directions at once (the last blocks' copies out are still running when
+        backward starts bringing the first ones back)."""
+        key = (device, direction)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
 
     def can_pin(self) -> bool:
         if self._pin_ok is None:

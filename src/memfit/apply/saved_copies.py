@@ -71,7 +71,7 @@ class HostCopy:
     def prefetch(self) -> None:
         if self.ready is None or self.prefetched is not None:
             return
-        stream = self.store.side_stream(self.device)
+        stream = self.store.side_stream(self.device, "in")
         with torch.cuda.stream(stream):
             stream.wait_event(self.ready)
             dev = to_device(self.host, self.layout, self.device)
