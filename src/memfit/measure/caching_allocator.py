@@ -167,6 +167,13 @@ class CachingAllocatorModel:
         return block
 
 
+def replay_step(events: list[tuple[int, int]], device: "str | object") -> AllocatorReplay:
+    """A traced step's storage events on a CUDA device, with its cuBLAS workspaces, replayed."""
+    import torch
+
+    return replay(workspace_events(torch.cuda.get_device_capability(device)) + events)
+
+
 def replay(events: Iterable[tuple[int, int]], model: CachingAllocatorModel | None = None) -> AllocatorReplay:
     """Replay (key, bytes) allocations and (key, 0) frees, in order, through the allocator's rules."""
     m = model if model is not None else CachingAllocatorModel()

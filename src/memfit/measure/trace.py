@@ -236,9 +236,9 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
     b = tracker.breakdown
     cuda = None
     if tracker.events is not None:
-        from memfit.measure.caching_allocator import replay, workspace_events
+        from memfit.measure.caching_allocator import replay_step
 
-        cuda = replay(workspace_events(torch.cuda.get_device_capability(dev)) + tracker.events)
+        cuda = replay_step(tracker.events, dev)
     return TraceResult(
         cuda_allocated=cuda.peak_allocated if cuda else None, cuda_reserved=cuda.peak_reserved if cuda else None,
         peak=tracker.peak_bytes, params=b["params"], grads=b["grads"], optimizer=b["optimizer"],

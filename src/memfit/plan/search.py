@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from memfit.core.units import format_bytes
 from memfit.measure.blocks import chain_profile
 from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost, head_cost, measured
@@ -136,22 +138,36 @@ def _measured_counts(counts: list[int], costs) -> list[int]:
 
 
 def _trace_peak(problem, plan: Plan) -> int:
+    """The chosen step's peak from a full trace on the device it will run on. On CUDA that is the
+    caching allocator's predicted reserve (what a memory limit or the card's size refuses), which
+    is above the tensors' bytes by the allocator's rounding, cached blocks and cuBLAS workspaces."""
     from memfit.measure.trace import trace_step
 
     from memfit.apply.head_swap import chunk_head
 
+    device = str(getattr(problem, "device", None) or "cpu")
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
     if problem.spec is not None:
         spec, seq, chunks = problem.spec, problem.seq, plan.head_chunks
         model = (lambda: chunk_head(spec.build(seq=seq), chunks)) if chunks else spec
-        return trace_step(model, batch=plan.micro_batch, seq=seq, precision=plan.precision,
-                          optimizer=plan.optimizer, checkpoint=plan.actions).peak
+        r = trace_step(model, batch=plan.micro_batch, seq=seq, precision=plan.precision,
+                       optimizer=plan.optimizer, checkpoint=plan.actions, device=device if cuda else "cpu")
+        return max(r.peak, r.cuda_reserved or 0)
+    from memfit.core.tracker import MemoryTracker
     from memfit.measure.anymodel import example_step, fake_mode, module_builder, run_steps
+    from memfit.measure.caching_allocator import replay_step
+
+    def tracker(model, opt, dev):
+        t = MemoryTracker(model, opt, dev)
+        t.events = [] if cuda else None
+        return t
 
     with fake_mode():
         r = run_steps(module_builder(problem.model), example_step(problem.example_for(plan.micro_batch),
-                      problem.loss_fn), plan.precision, plan.optimizer, plan.actions, "cpu",
-                      prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None)
-    return r.tracker.peak_bytes
+                      problem.loss_fn), plan.precision, plan.optimizer, plan.actions, device if cuda else "cpu",
+                      tracker=tracker, prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None)
+    peak = r.tracker.peak_bytes
+    return max(peak, replay_step(r.tracker.events, device).peak_reserved) if cuda else peak
 
 
 def _verify(problem, plan: Plan, prof, bases, cost, dcost=None) -> None:
