@@ -72,3 +72,18 @@ def test_launched_ranks_fall_back_to_the_cpu_with_one_note(tmp_path):
     assert [r[:2] for r in ranks] == [("cpu", "cpu")] * 2
     notes = [[line for line in r[2] if "GPU" in line] for r in ranks]
     assert len(notes[0]) == 1 and "training on cpu" in notes[0][0] and notes[1] == []
+
+
+def test_a_rank_without_a_gpu_gets_one_line_not_a_cuda_error(one_gpu, monkeypatch):
+    import torch.distributed as dist
+
+    from memfit.distributed import env
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already open in this process")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device reached"))
+    with pytest.raises(ConfigError, match="local rank 1 has no GPU: this machine has 1"):
+        env.init("cuda")
