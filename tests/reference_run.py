@@ -45,6 +45,6 @@ def train_rank(rank, world, cfg: dict, stop_at, resume_dir):
 
     if resume_dir is not None:
         result = loop.train(*loop.resume_config(resume_dir, {}), progress=False)
-    else:
-        result = loop.train(loop.TrainConfig(**cfg), stop_at=stop_at, progress=False)
+    else:  # run_world's ranks are a gloo group: the CPU, also on a machine with GPUs
+        result = loop.train(loop.TrainConfig(**{"device": "cpu", **cfg}), stop_at=stop_at, progress=False)
     return result.metrics["steps"]["loss"]

@@ -12,7 +12,8 @@ import pytest
 from memfit.cli import main
 
 TINY = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
-FAST = ["--model", TINY, "--seq", "32", "--eval-batches", "1", "--quiet", "--warmup", "1", "--steps", "3"]
+FAST = ["--model", TINY, "--seq", "32", "--eval-batches", "1", "--quiet", "--warmup", "1", "--steps", "3",
+        "--device", "cpu"]  # gloo ranks on the CPU, also on a machine with GPUs
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 

@@ -21,7 +21,7 @@ ENV = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 def _train(out: Path, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "memfit", "train", "--model", TINY, "--seq", "32", "--eval-batches", "2",
-            "--quiet", "--warmup", "1", "--batch", "2", "--strategy", "zero2", "--nproc", "2", "--out", str(out),
+            "--quiet", "--warmup", "1", "--batch", "2", "--strategy", "zero2", "--nproc", "2", "--out", str(out), "--device", "cpu",
             *extra]
     return subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -108,7 +108,7 @@ def _timed_rank(rank, world, out, fast_clock):
         real = time_mod.perf_counter
         time_mod.perf_counter = lambda: 1.5 * real()
     cfg = loop.TrainConfig(model=TINY, seq=32, batch=2, warmup=1, eval_batches=1, eval_every=0, time_limit=fast_clock,
-                           strategy="zero1", out=out, track=False)
+                           strategy="zero1", out=out, track=False, device="cpu")
     result = loop.train(cfg, progress=False)
     return result.step, result.stopped, result.metrics["steps"]["lr"], result.metrics["run"]["horizon"]
 

@@ -23,7 +23,8 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_too_big_for_one_process_trains_with_zero3_on_two(tmp_path, capsys):
-    common = ["--model", MODEL, "--seq", "64", "--batch", "2", "--steps", "3", "--eval-batches", "1", "--quiet"]
+    common = ["--model", MODEL, "--seq", "64", "--batch", "2", "--steps", "3", "--eval-batches", "1", "--quiet", "--device",
+              "cpu"]
     assert main(["train", *common, "--budget", BUDGET, "--allow", ALLOW, "--out", str(tmp_path / "one")]) == 2
     assert "is too small" in capsys.readouterr().err
     assert main(["estimate", MODEL, "--batch", "2", "--strategy", "zero3", "--world", "2",

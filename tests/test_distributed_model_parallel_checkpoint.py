@@ -114,7 +114,7 @@ def test_a_checkpoint_that_cannot_load_fails_with_one_line(tmp_path):
     """A pipeline run's folder resumed after its sharded folder was lost: exit 2 and one line."""
     run = tmp_path / "run"
     env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "memfit", "train", "--quiet", "--nproc", "2"]
+    base = [sys.executable, "-m", "memfit", "train", "--quiet", "--nproc", "2", "--device", "cpu"]
     proc = subprocess.run([*base, "--model", TINY, "--seq", "32", "--batch", "2", "--steps", "1", "--warmup", "1",
                            "--eval-batches", "1", "--strategy", "pipeline", "--out", str(run)],
                           env=env, capture_output=True, text=True, timeout=300)

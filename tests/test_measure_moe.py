@@ -96,3 +96,33 @@ def test_worst_routing_costs_more_where_the_experts_hold_the_peak():
                 peaks[impl, how] = trace_step(build(impl), 4, 64).peak
     assert peaks["eager", "worst"] > peaks["eager", "balanced"]  # the busiest expert's transients
     assert peaks["grouped_mm", "worst"] == peaks["grouped_mm", "balanced"]  # one sorted buffer either way
+
+
+def test_transformers_without_a_fake_fallback_backward_traces_the_same(monkeypatch):
+    """transformers 5.17's grouped_mm fallback backward reads the offsets in Python (no fake kernel):
+    memfit then traces its own op of the same work (memfit.measure.moe_grouped). Forced here on a
+    newer transformers, the trace is the same to the byte, and the op computes the real product."""
+    import torch
+
+    from memfit.measure import moe_grouped
+
+    with routing("balanced"):
+        reference = trace_step(builder("grouped_mm"), 4, 64)
+    calls = []
+    real_op = moe_grouped.grouped_mm
+    monkeypatch.setattr(moe_grouped, "fakeable_fallback_backward", lambda: False)
+    monkeypatch.setattr(moe_grouped, "grouped_mm", lambda *a: calls.append(1) or real_op(*a))
+    with routing("balanced"):
+        own = trace_step(builder("grouped_mm"), 4, 64)
+    assert calls and own.peak == reference.peak and own.activations == reference.activations
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 4, generator=g, requires_grad=True), torch.randn(3, 4, 5, generator=g, requires_grad=True)
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32)
+    out = real_op(x, w, offs)
+    expected = torch.cat([x[:2] @ w[0], x[2:] @ w[2]])
+    assert torch.allclose(out, expected)
+    out.sum().backward()
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    torch.cat([xr[:2] @ wr[0], xr[2:] @ wr[2]]).sum().backward()
+    assert torch.allclose(x.grad, xr.grad) and torch.allclose(w.grad, wr.grad)

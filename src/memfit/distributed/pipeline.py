@@ -22,6 +22,7 @@ for all ranks, clipping, optimizer offload) is memfit.distributed.mp_optimizer's
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Iterable
 
 import torch
@@ -185,8 +186,12 @@ class PipelineOptimizer(ModelParallelOptimizer):
         see it. A resumed run's first step is the tracked one, so this runs without global hooks."""
         rows = x.shape[0] // self.microbatches
         args = (x[:rows],) if self.rank == 0 else ()
+        init = self.schedule._initialize_stage
         with _no_global_module_hooks():
-            self.schedule._initialize_stage(args, {}, None if target is None else target[:rows])
+            if "target" in inspect.signature(init).parameters:
+                init(args, {}, None if target is None else target[:rows])
+            else:  # torch before 2.13: (args, kwargs), its backward set-up needs no target
+                init(args, {})
 
     def accumulate_step(self, micro: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_sum: Any = None):
         """The train loop's step: (global mean loss, global tokens, StepResult). Every rank holds the

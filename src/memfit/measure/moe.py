@@ -4,7 +4,8 @@ Two things stop a fake trace of a real MoE step:
 - transformers' default `grouped_mm` experts call torch's grouped matmul, whose fake (meta) kernel
   demands bf16 inputs, as the CUDA kernel does; the CPU kernel, and so a real fp32 step, takes fp32.
   Under fake tensors, non-bf16 weights go to transformers' own `grouped_mm_fallback` op (same output,
-  same saved tensors, a fake kernel of its own) instead.
+  same saved tensors, a fake kernel of its own) instead; with a transformers whose fallback backward
+  has no fake kernel (5.17), to memfit's op of the same work (moe_grouped.py).
 - the `eager` experts loop asks which tokens each expert received (`torch.where` on the routing mask):
   fake tensors have no values to answer. The trace runs the same loop with assumed counts instead:
   `balanced` (every expert gets tokens x top_k / experts, the default) or `worst` (one expert gets every
@@ -93,7 +94,17 @@ def fake_experts() -> Iterator[None]:
         return
     from torch._subclasses.fake_tensor import is_fake
 
+    from memfit.measure import moe_grouped
+
     original = moe._can_use_grouped_mm
+    original_mm = getattr(moe, "_grouped_mm", None)
+    # transformers whose fallback backward reads the offsets in Python: memfit's op of the same work
+    own_mm = original_mm is not None and not moe_grouped.fakeable_fallback_backward()
+
+    def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if is_fake(weight) and weight.dtype != torch.bfloat16:
+            return moe_grouped.grouped_mm(input, weight, offs)
+        return original_mm(input, weight, offs=offs)
     table = moe.ALL_EXPERTS_FUNCTIONS._local_mapping
     had_eager = table.get("eager")
 
@@ -103,11 +114,15 @@ def fake_experts() -> Iterator[None]:
         return original(input, weight, offs)
 
     moe._can_use_grouped_mm = can_use
+    if own_mm:
+        moe._grouped_mm = grouped_mm
     table["eager"] = _routed_loop
     try:
         yield
     finally:
         moe._can_use_grouped_mm = original
+        if own_mm:
+            moe._grouped_mm = original_mm
         if had_eager is None:
             table.pop("eager", None)
         else:

@@ -51,6 +51,29 @@ def precheck(cfg: Any, resuming: bool = False, world: int | None = None) -> None
     if strategy in ("ddp", "ps") and cfg.offload_optimizer != "none":
         raise ConfigError(f"--offload-optimizer with --strategy {strategy} is not supported: the offload takes "
                           "gradients before they are reduced; use --strategy zero1, zero2 or zero3")
+    rank_device(cfg.device, world)  # --device cuda with fewer GPUs than processes: refused before any start
+
+
+def rank_device(name: str | None, world: int | None = None) -> tuple[str | None, str | None]:
+    """The device each rank trains on, and a warning to print once (or None).
+
+    One GPU per process, as torchrun users expect (cuda = this rank's LOCAL_RANK GPU). With more
+    processes on this machine (LOCAL_WORLD_SIZE, else `world`) than CUDA devices: --device cuda is a
+    ConfigError naming both counts; no --device trains on the CPU (gloo), as on a machine without
+    GPUs, and says so. cpu and cuda:N are taken as given."""
+    from memfit.core.device import resolve_device
+
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE") or world or os.environ.get("WORLD_SIZE") or 1)
+    if processes < 2 or not torch.cuda.is_available() or (gpus := torch.cuda.device_count()) >= processes:
+        return name, None
+    instead = f"--nproc {gpus} (one process per GPU)" if gpus > 1 else "one process (no --nproc) on the GPU"
+    if name is None:
+        return "cpu", (f"memfit train: {processes} processes on a machine with {gpus} GPU(s): training on cpu (gloo); "
+                       f"run {instead}, or pass --device cpu to keep the CPU without this note")
+    if resolve_device(name) == torch.device("cuda"):
+        raise ConfigError(f"--device cuda runs one process per GPU: {processes} processes need {processes} GPUs and "
+                          f"this machine has {gpus}; run {instead}, or pass --device cpu")
+    return name, None
 
 
 def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext | None:

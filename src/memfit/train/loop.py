@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -72,6 +73,10 @@ def train(
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg = _checked(cfg, checkpoint)
+    if cfg.strategy not in (None, "none"):  # several processes: one GPU each, or the CPU
+        cfg.device, note = dist_train.rank_device(cfg.device)
+        if note and os.environ.get("RANK", "0") == "0":
+            log(note)
     ctx = dist_train.setup(cfg, resolve_device(cfg.device), resuming=checkpoint is not None)
     if ctx is not None and not ctx.main:  # several processes: rank 0 reports and writes the run folder
         log, progress = (lambda msg: None), False

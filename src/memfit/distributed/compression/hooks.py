@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _torch_psgd
 
+from memfit.distributed.compression.cpu_sync import cpu_buckets_on_cuda_hosts
 from memfit.distributed.compression.exchange import Traffic, allreduce_bytes
 from memfit.distributed.compression.powersgd import torch_powersgd_bytes, torch_powersgd_state
 from memfit.core.errors import ConfigError
@@ -94,8 +95,9 @@ def torch_powersgd_hook(state: TorchPowerSGDState, bucket) -> torch.futures.Futu
     if bucket.is_last():
         state.steps += 1
     t0 = time.perf_counter()
-    fut = _torch_psgd.powerSGD_hook(state.psgd, bucket)
-    out = fut.wait()  # keep the timing honest and the hook synchronous like the others
+    with cpu_buckets_on_cuda_hosts(bucket.buffer().device):  # gloo buckets on a CUDA machine
+        fut = _torch_psgd.powerSGD_hook(state.psgd, bucket)
+        out = fut.wait()  # keep the timing honest and the hook synchronous like the others
     state.encode_s += time.perf_counter() - t0  # includes torch's collectives: compression not separable
     if state.average:
         return fut
