@@ -24,7 +24,8 @@ from memfit.core.errors import ConfigError
 NAMES = ("none", "topk", "int8", "sign", "bf16", "fp16", "powersgd")
 STRATEGIES_WITH_COMPRESSION = ("ddp", "zero1", "zero2")
 _FLAGS = {"stochastic", "batched"}
-_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start", "adam", "warm", "clip", "var", "select"}
+_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start", "adam", "warm", "clip",
+            "var", "select"}
 WARM_CODECS = ("int8", "fp32")
 VARIANCES = ("batch", "rank")
 SELECTIONS = ("agree", "x")
@@ -133,7 +134,8 @@ def parse_compression(spec: str | CompressionSpec | None) -> CompressionSpec:
         if key in _FLAGS and not eq:
             fields[key] = True
         elif key in _OPTIONS and eq:
-            kinds = {"ratio": float, "momentum": float, "values": str, "warm": str, "clip": float, "var": str, "select": str}
+            kinds = {"ratio": float, "momentum": float, "values": str, "warm": str, "clip": float, "var": str,
+                     "select": str}
             if key == "ef":
                 fields[key] = value in ("1", "true", "on", "yes")
             else:

@@ -147,7 +147,8 @@ class CompressionState:
         if not self.update_phase:  # warm-up: plain Adam on the exchanged gradient
             return self._warm(flat, world, sizes)
         # top-k ranks x = y + residual by x * y (onebit.agreement) unless select=x: plain |x|
-        weight = (lambda x: agreement(x, y)) if self.spec.name == "topk" and self.spec.selection == "agree" else None
+        agree = self.spec.name == "topk" and self.spec.selection == "agree"
+        weight = (lambda x: agreement(x, y)) if agree else None
         out = self._gather(y, key, step, world, sizes, weight=weight)
         out = out if self.average else out / world  # the update is the mean of the ranks' directions
         return (out * WIRE_SCALE).to(flat.dtype)
