@@ -50,9 +50,11 @@ BATCH, SEQ, LR, WARMUP, CLIP, WORLD = 8, 64, 2e-3, 20, 1.0, 2  # lr, warm-up, cl
 COMPRESSORS = {
     # the default job's optimizer: every compressor; top-k and sign with plain error feedback and in
     # adam mode (each rank's Adam direction compressed, after 5 int8 warm-up steps that count in the
-    # bytes), each with the other second-moment choice (var=) and sign without the local clip
-    # (clip=inf), and the lossy ones with targets also under memfit's ZeRO-2
-    "adamw": ["none", "topk:0.01", "topk:0.01,adam=5", "topk:0.01,adam=5,var=rank", "sign", "sign:adam=5",
+    # bytes), each with the other second-moment choice (var=), top-k keeping the largest |x| instead
+    # of the largest max(0, x y) (select=x), sign without the local clip (clip=inf), and the lossy
+    # ones with targets also under memfit's ZeRO-2
+    "adamw": ["none", "topk:0.01", "topk:0.01,adam=5", "topk:0.01,adam=5,select=x", "topk:0.01,adam=5,var=rank",
+              "sign", "sign:adam=5",
               "sign:adam=5,var=batch", "sign:adam=5,clip=inf", "int8", "powersgd:4",
               "zero2 topk:0.01,adam=5", "zero2 sign:adam=5", "zero2 int8"],
     # DGC's and EF-SignSGD's setting: momentum SGD, with the momentum moved before compression

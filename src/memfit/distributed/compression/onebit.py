@@ -17,7 +17,8 @@ rank.
         y_r = (m_r / bc1) / (sqrt(v_r / bc2) + eps)           (its Adam direction)
     after the warm-up: x = y_r + residual;  sent = C(x);  residual = x - sent;  the mean over
         ranks of the decoded `sent` is the update s, the same on every rank; this step applies
-        p -= lr s  (AdamW: p *= 1 - lr wd first).
+        p -= lr s  (AdamW: p *= 1 - lr wd first). Top-k's C keeps, per tensor, the k elements of
+        largest max(0, x y_r) (agreement; spec select=x: of largest |x|) and sends x there.
 
 The update is linear in what is sent, so error feedback is exact in sum, and every replica
 applies the same s. The directions differ from Adam on the mean gradient only in that each rank's
@@ -64,6 +65,19 @@ def batch_second_moment(m_hat: torch.Tensor, v_hat: torch.Tensor, world: int, be
     k = max(0.0, (1 / world - c) / (1 - c))
     m2 = m_hat * m_hat
     return m2.add_((v_hat - m2).mul_(k))
+
+
+def agreement(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Top-k's ranking weight in adam mode: max(0, sign(x) y), so an element's score is max(0, x y).
+
+    x = the rank's current direction y plus its residual: the update it still owes. Where the
+    current direction still points the way x does, the owed update is sent first, the more so
+    the firmer the direction (|y| near 1: a steady gradient; small |y|: noise that the EMA
+    averages out). Where Adam has since turned (x y < 0) the owed update is stale: it is held
+    back and the coming directions cancel it in the residual instead of it being applied. What
+    is sent is still x at the chosen elements, so error feedback stays exact.
+    """
+    return (x.sign() * y).clamp_(min=0)
 
 
 class LocalAdam:

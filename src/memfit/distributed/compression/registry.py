@@ -1,6 +1,7 @@
 """Compressor name -> codec. A codec is a pure encode/decode pair on flat fp32 tensors:
 
     parts = codec.encode(x, step)            # list of small tensors, same shapes on every rank
+                                             # (top-k also takes weight=: rank by |x| * weight)
     y = codec.decode(parts, x.numel())       # fp32, x's length
     codec.exchange                           # "gather" (payloads all-gathered) or "allreduce"
 

@@ -10,7 +10,9 @@ A spec is a name, an optional main value after ":" and optional ",key=value" opt
     powersgd:4,batched              memfit's batched PowerSGD (whole bucket as one square matrix)
     sign:adam=0                     1-bit Adam: each rank's local Adam direction sent 1-bit with
                                     error feedback, averaged into the update (onebit.py)
-    topk:0.01,adam=5                the same with top-k 1%, after 5 int8 warm-up steps of plain Adam
+    topk:0.01,adam=5                the same with top-k 1%, after 5 int8 warm-up steps of plain Adam;
+                                    top-k keeps the elements where direction and residual agree most
+    topk:0.01,adam=5,select=x       ... keeping the largest |direction + residual| instead
     sign:adam=5,var=batch           adam mode dividing by the batch's estimated second moment
 """
 from __future__ import annotations
@@ -22,9 +24,11 @@ from memfit.core.errors import ConfigError
 NAMES = ("none", "topk", "int8", "sign", "bf16", "fp16", "powersgd")
 STRATEGIES_WITH_COMPRESSION = ("ddp", "zero1", "zero2")
 _FLAGS = {"stochastic", "batched"}
-_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start", "adam", "warm", "clip", "var"}
+_OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start", "adam", "warm", "clip",
+            "var", "select"}
 WARM_CODECS = ("int8", "fp32")
 VARIANCES = ("batch", "rank")
+SELECTIONS = ("agree", "x")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,10 @@ class CompressionSpec:
     counts its 1/N of the batch's noise N times; "batch": an estimate of the v Adam would see on the
     whole batch's mean gradient, from the rank's own moments (no bytes; onebit.batch_second_moment).
     None = the measured better one: "batch" for top-k, "rank" for sign (docs/compression.md)."""
+    select: str | None = None
+    """adam mode, top-k: how the k elements are chosen from x = direction + residual. "agree": the
+    largest max(0, x y) with y the rank's current Adam direction (onebit.agreement); "x": the
+    largest |x| (DGC's top-k). None = "agree"."""
     clip: float | None = None
     """Local gradient clipping (DGC): each rank scales its bucket's gradient to norm <= clip before
     momentum and compression; None = off (adam mode: the optimizer's clip norm; clip=inf for off)."""
@@ -78,13 +86,19 @@ class CompressionSpec:
         return self.var or ("batch" if self.name == "topk" else "rank")
 
     @property
+    def selection(self) -> str:
+        """adam-mode top-k's choice of elements: `select`, or "agree"."""
+        return self.select or "agree"
+
+    @property
     def error_feedback(self) -> bool:
         return self.ef if self.ef is not None else self.name in ("topk", "sign")
 
     def __str__(self) -> str:
         main = {"topk": f":{self.ratio:g}", "powersgd": f":{self.rank}"}.get(self.name, "")
         adam = (f",adam={self.adam}" + (",warm=fp32" if self.warm == "fp32" else "")
-                + (f",var={self.var}" if self.var else "")) if self.adam is not None else ""
+                + (f",var={self.var}" if self.var else "")
+                + (f",select={self.select}" if self.select else "")) if self.adam is not None else ""
         return self.name + main + (",batched" if self.batched and self.name == "powersgd" else "") + adam
 
 
@@ -120,7 +134,8 @@ def parse_compression(spec: str | CompressionSpec | None) -> CompressionSpec:
         if key in _FLAGS and not eq:
             fields[key] = True
         elif key in _OPTIONS and eq:
-            kinds = {"ratio": float, "momentum": float, "values": str, "warm": str, "clip": float, "var": str}
+            kinds = {"ratio": float, "momentum": float, "values": str, "warm": str, "clip": float, "var": str,
+                     "select": str}
             if key == "ef":
                 fields[key] = value in ("1", "true", "on", "yes")
             else:
@@ -154,11 +169,17 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
     if s.var is not None and s.var not in VARIANCES:
         raise ConfigError(f"compression {spec!r}: var={s.var!r}; accepted: {', '.join(VARIANCES)} "
                           "(adam mode's second moment: the whole batch's estimate, or the rank's own)")
+    if s.select is not None and s.select not in SELECTIONS:
+        raise ConfigError(f"compression {spec!r}: select={s.select!r}; accepted: {', '.join(SELECTIONS)} "
+                          "(adam-mode top-k ranks x = direction + residual by max(0, x y), or by |x|)")
     if s.adam is not None:
         _validate_adam(s, spec)
-    elif s.var:
-        raise ConfigError(f"compression {spec!r}: var= is adam mode's option; add adam=W "
-                          f"(e.g. {s.name}:adam=5,var=rank) or leave it out")
+    elif s.var or s.select:
+        raise ConfigError(f"compression {spec!r}: {'var' if s.var else 'select'}= is adam mode's option; add "
+                          f"adam=W (e.g. topk:0.01,adam=5,select=x) or leave it out")
+    if s.select and s.name != "topk":
+        raise ConfigError(f"compression {spec!r}: select= chooses top-k's elements; {s.name} sends every element, "
+                          "leave it out")
     return s
 
 

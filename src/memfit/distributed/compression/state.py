@@ -29,7 +29,7 @@ from memfit.distributed.compression.exchange import (
 )
 from memfit.distributed.compression.feedback import ErrorFeedback
 from memfit.distributed.compression.layout import sizes_or_whole, split_segments
-from memfit.distributed.compression.onebit import WIRE_SCALE, LocalAdam
+from memfit.distributed.compression.onebit import WIRE_SCALE, LocalAdam, agreement
 from memfit.distributed.compression.powersgd import BatchedPowerSGD
 from memfit.distributed.compression.quant8 import Int8
 from memfit.distributed.compression.registry import make_codec
@@ -119,9 +119,11 @@ class CompressionState:
             return self._allreduce(flat, key, step, world)
         return self._gather(flat, key, step, world, sizes)
 
-    def _encode(self, x: torch.Tensor, key, step: int, scale: float = 1.0, sizes=None, codec=None) -> list[torch.Tensor]:
+    def _encode(self, x: torch.Tensor, key, step: int, scale: float = 1.0, sizes=None, codec=None,
+                weight: torch.Tensor | None = None) -> list[torch.Tensor]:
         codec = codec or self.codec
-        parts = codec.encode(x if scale == 1.0 else x / scale, step, sizes)
+        extra = {} if weight is None else {"weight": weight}
+        parts = codec.encode(x if scale == 1.0 else x / scale, step, sizes, **extra)
         if self.feedback is not None:
             sent = codec.decode(parts, x.numel(), sizes)
             self.feedback.update(key, x, sent if scale == 1.0 else sent * scale)
@@ -144,7 +146,10 @@ class CompressionState:
         self.update_phase = step >= self.spec.adam
         if not self.update_phase:  # warm-up: plain Adam on the exchanged gradient
             return self._warm(flat, world, sizes)
-        out = self._gather(y, key, step, world, sizes)
+        # top-k ranks x = y + residual by x * y (onebit.agreement) unless select=x: plain |x|
+        agree = self.spec.name == "topk" and self.spec.selection == "agree"
+        weight = (lambda x: agreement(x, y)) if agree else None
+        out = self._gather(y, key, step, world, sizes, weight=weight)
         out = out if self.average else out / world  # the update is the mean of the ranks' directions
         return (out * WIRE_SCALE).to(flat.dtype)
 
@@ -162,14 +167,17 @@ class CompressionState:
         return [self.params[i] for i in key]
 
     def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes, codec=None,
-                feedback: bool = True) -> torch.Tensor:
-        """feedback=False: a codec without error feedback (adam mode's warm-up)."""
+                feedback: bool = True, weight=None) -> torch.Tensor:
+        """feedback=False: a codec without error feedback (adam mode's warm-up). weight: top-k ranks
+        the error-corrected x by |x| * weight(x) instead of |x| (what it sends is still x)."""
         t0 = time.perf_counter()
         codec = codec or self.codec
         x = self._corrected(flat, key) if feedback else flat.detach().float()
+        weight = weight(x) if weight is not None else None
         if self.shard is not None:
-            return self._scatter(x, key, step, world, sizes, codec, t0, feedback).to(flat.dtype)
-        parts = self._encode(x, key, step, sizes=sizes, codec=codec) if feedback else codec.encode(x, step, sizes)
+            return self._scatter(x, key, step, world, sizes, codec, t0, feedback, weight).to(flat.dtype)
+        parts = (self._encode(x, key, step, sizes=sizes, codec=codec, weight=weight) if feedback
+                 else codec.encode(x, step, sizes))
         t1 = time.perf_counter()
         gathered = gather_parts(parts, self.group, self.traffic)
         t2 = time.perf_counter()
@@ -182,12 +190,13 @@ class CompressionState:
         return out
 
     def _scatter(self, x: torch.Tensor, key, step: int, world: int, sizes, codec, t0: float,
-                 feedback: bool) -> torch.Tensor:
+                 feedback: bool, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Compressed reduce-scatter: slice j of x is encoded on its own and sent to rank j only."""
         n = x.numel()
         pieces = split_segments(sizes_or_whole(sizes, n), n, world)
         slices = x.chunk(world)
-        chunks = [codec.encode(s, step, p) for s, p in zip(slices, pieces)]
+        weights = [{}] * world if weight is None else [{"weight": w} for w in weight.chunk(world)]
+        chunks = [codec.encode(s, step, p, **w) for s, p, w in zip(slices, pieces, weights)]
         if feedback and self.feedback is not None:
             sent = torch.cat([codec.decode(c, s.numel(), p) for c, s, p in zip(chunks, slices, pieces)])
             self.feedback.update(key, x, sent)

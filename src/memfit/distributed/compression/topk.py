@@ -38,12 +38,14 @@ def encode_topk(x: torch.Tensor, k: int, value_dtype: torch.dtype = torch.bfloat
     return [x[idx].to(value_dtype), idx.to(torch.int32)]
 
 
-def encode_topk_per_segment(x: torch.Tensor, ratio: float, sizes, value_dtype: torch.dtype) -> list[torch.Tensor]:
-    """Top-k within each segment (one per tensor: DGC's layer-wise selection), k = ceil(ratio n)."""
+def encode_topk_per_segment(x: torch.Tensor, ratio: float, sizes, value_dtype: torch.dtype,
+                            weight: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Top-k within each segment (one per tensor: DGC's layer-wise selection), k = ceil(ratio n).
+
+    weight: rank the elements by |x| * weight instead of |x| (what is sent is still x)."""
     sizes = sizes_or_whole(sizes, x.numel())
-    if len(sizes) == 1:
-        return encode_topk(x, k_for(x.numel(), ratio), value_dtype)
-    idx = torch.cat([torch.topk(x[o:o + n].abs(), k_for(n, ratio), sorted=False).indices + o
+    score = x.abs() if weight is None else x.abs() * weight
+    idx = torch.cat([torch.topk(score[o:o + n], k_for(n, ratio), sorted=False).indices + o
                      for o, n in zip(offsets(sizes), sizes)])
     return [x[idx].to(value_dtype), idx.to(torch.int32)]
 
@@ -93,9 +95,9 @@ class TopK:
         self.current = ratio
         """The ratio of the last encode (warm-up changes it by step; decode of the same step needs it)."""
 
-    def encode(self, x: torch.Tensor, step: int, sizes=None) -> list[torch.Tensor]:
+    def encode(self, x: torch.Tensor, step: int, sizes=None, weight: torch.Tensor | None = None) -> list[torch.Tensor]:
         self.current = ratio_at(step, self.ratio, self.warmup)
-        parts = encode_topk_per_segment(x, self.current, sizes, self.value_dtype)
+        parts = encode_topk_per_segment(x, self.current, sizes, self.value_dtype, weight)
         return compact(parts, sizes_or_whole(sizes, x.numel()), self.current)
 
     def decode(self, parts: list[torch.Tensor], numel: int, sizes=None) -> torch.Tensor:
