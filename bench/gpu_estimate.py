@@ -164,5 +164,38 @@ def main() -> None:
                 "targets_pct": {"allocated": 3.0, "reserved": 5.0}, "rows": rows})
 
 
+def render(result: dict) -> str:
+    """docs/BENCHMARKS.md section."""
+    mib = lambda n: f"{n / 2**20:,.1f} MiB" if n is not None else "-"  # noqa: E731
+    lines = ["## GPU: estimate vs the CUDA caching allocator", "",
+             f"`PYTHONPATH=src python3 bench/gpu_estimate.py` on {result['device']}, torch {result['torch']}; "
+             f"run {result.get('date', '?')}. Each configuration in a fresh process, {result['steps']} AdamW steps. "
+             "Predicted: a FakeTensorMode trace on the CUDA device (nothing allocated), its storages replayed "
+             "through the caching allocator's rules (memfit.measure.caching_allocator) plus two cuBLAS "
+             "workspaces. Measured: `torch.cuda.max_memory_allocated` / `max_memory_reserved` over the run. "
+             f"Targets: allocated within {result['targets_pct']['allocated']:.0f}%, reserved within "
+             f"{result['targets_pct']['reserved']:.0f}%.", "",
+             "| model | precision | checkpoint | predicted allocated | measured allocated | error | "
+             "predicted reserved | measured reserved | error |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    worst = {"allocated": 0.0, "reserved": 0.0}
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['precision']} | {r['checkpoint']} | failed: "
+                         f"{r['error'].strip().splitlines()[-1][:80]} |||||||")
+            continue
+        m, q, e = r["measured"], r["predicted"], r["error_pct"]
+        for k in worst:
+            worst[k] = max(worst[k], abs(e[k]))
+        lines.append(f"| {r['model']} | {r['precision']} | {r['checkpoint']} | {mib(q['allocated'])} | "
+                     f"{mib(m['allocated_run'])} | {e['allocated']:+.2f}% | {mib(q['reserved'])} | "
+                     f"{mib(m['reserved_run'])} | {e['reserved']:+.2f}% |")
+    lines += ["", f"Worst error: allocated {worst['allocated']:.2f}%, reserved {worst['reserved']:.2f}%. "
+              "The reserve is what a memory limit (or the card's size) refuses; it runs 2-25% above the "
+              "allocated peak here, from the allocator's segment sizes and cached free blocks. "
+              "`--collect DIR` also saves each run's allocator snapshot; `python3 bench/gpu_allocator_check.py DIR` "
+              "replays the snapshot's own allocations through the same rules (docs/gpu.md).", ""]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     main()

@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "docs" / "BENCHMARKS.md"
-ORDER = ["estimate_accuracy", "estimate_families", "activations", "precision_offload", "gpu_offload"]
+ORDER = ["estimate_accuracy", "estimate_families", "activations", "precision_offload"]
+GPU_ORDER = ["gpu_estimate", "gpu_offload", "gpu_larger_model", "gpu_train"]  # last, together
 
 HEADER = """# Benchmarks
 
@@ -55,7 +56,8 @@ def main() -> None:
     for f in sorted(RESULTS.glob("*.json")):
         data = json.loads(f.read_text())
         results[data.get("bench", f.stem)] = data
-    names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER)
+    names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER + GPU_ORDER) \
+        + [n for n in GPU_ORDER if n in results]
     parts = [HEADER]
     for name in names:
         module = _load_bench(results[name].get("script", name))  # one script may write several results

@@ -79,3 +79,21 @@ def test_cublas_workspace_size_follows_torchs_rule():
     assert cublas_workspace_bytes((8, 6), ":4096:2:16:8") == 8 * MiB + 128 * 1024
     r = replay(workspace_events((9, 0)) + [(1, 4 * MiB)])
     assert r.peak_reserved == 2 * 32 * MiB + 20 * MiB  # each workspace is a segment of its own
+
+
+def test_replays_real_h100_allocator_traces():
+    """Twelve training runs' allocator snapshots from an H100 (torch 2.11; bench/gpu_estimate.py
+    --collect): fed the real requests and the real segment addresses, the model's peak reserve is the
+    allocator's to the byte; with its own addresses (a prediction's case) within 3.5%."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from gpu_allocator_check import KEPT, check, traces
+
+    runs = traces(KEPT)
+    assert len(runs) == 12
+    for name, trace in runs.items():
+        real, own, with_addresses = check(trace)
+        assert with_addresses == real, name
+        assert abs(own - real) <= 0.035 * real, name

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"  {'micro x accum':<15}{'offload':<9}{'precision':<13}{'head':>6}{'peak':>14}{'time':>11}  actions")
     for c in plan.ranked:
-        peak = format_bytes(c.peak) if c.feasible else "does not fit"
+        peak = "refused" if c.refused else format_bytes(c.peak) if c.feasible else "does not fit"
         time = f"{c.time * 1000:.1f} ms" if c.feasible else ""
         print(f"  {f'{c.micro_batch} x {c.accumulation}':<15}{c.offload_optimizer or '-':<9}{c.precision:<13}"
               f"{c.head_chunks or '-':>6}{peak:>14}{time:>11}  {c.actions}")

@@ -44,6 +44,8 @@ class Candidate:
     feasible: bool
     head_chunks: int | None = None
     """The LM head and loss in this many chunks (memfit.apply.chunked_head); None = the plain head."""
+    refused: bool = False
+    """Feasible by the composed figure, refused by the full trace of its step (the search went on)."""
 
 
 @dataclass

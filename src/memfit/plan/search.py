@@ -37,22 +37,57 @@ def _configs(problem, allowed, precision):
     return [(p, m, o) for p in precisions for m in micros for o in offloads]
 
 
+MAX_REJECTED = 4  # full-trace checks that may fail before the search gives up
+
+
 def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precision: str, verify: bool) -> Plan:
+    """The fastest candidate that fits, checked by a full trace; a candidate the trace refuses (even
+    with its block actions solved again for a lower bound) gives way to the next fastest, and once
+    none is left the configurations that were not tried yet (smaller micro-batches, optimizer
+    offload, another precision) are solved too."""
     bases = _bases(allowed)
     disk = disk_bases(allowed)  # traced on top of the chain profile only when needed (memfit.plan.disk_plan)
     segs = "recompute" in allowed
     rows: list[tuple[Candidate, Any, Any, int]] = []
-    for prec, micro, off in _configs(problem, allowed, precision):
-        # Smaller micro-batches, offload and other precisions cost time: tried only while nothing fits.
-        if any(r[0].feasible for r in rows):
-            break
-        src = problem.source(micro)
-        prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
-        rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed)
-    feasible = sorted((r for r in rows if r[0].feasible), key=lambda r: r[0].time)
-    if not feasible:
-        raise PlanError(_impossible(rows, limit, [*bases, *disk], allowed))
-    cand, choice, prof, n = feasible[0]
+    configs = iter(_configs(problem, allowed, precision))
+    rejected: list[str] = []
+    while True:
+        open_rows = [r for r in rows if r[0].feasible and not r[0].refused]
+        for prec, micro, off in ([] if open_rows else configs):
+            # Smaller micro-batches, offload and other precisions cost time: tried only while nothing fits.
+            src = problem.source(micro)
+            prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
+            rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed)
+            open_rows = [r for r in rows if r[0].feasible and not r[0].refused]
+            if open_rows:
+                break
+        if not open_rows:
+            if rejected:
+                raise PlanError(f"no plan fits {format_bytes(limit)} once checked by a full trace; refused: "
+                                + "; ".join(rejected))
+            raise PlanError(_impossible(rows, limit, [*bases, *disk], allowed))
+        row = min(open_rows, key=lambda r: r[0].time)
+        try:
+            plan = _chosen(problem, limit, row, rows, optimizer, verify, [*bases, *disk])
+        except PlanError:
+            if len(rejected) >= MAX_REJECTED:
+                raise
+            row[0].refused = True
+            rejected.append(_label(row[0]))
+            continue
+        plan.notes[:0] = [f"refused by the full trace, next fastest tried: {r}" for r in rejected]
+        return plan
+
+
+def _label(c: Candidate) -> str:
+    off = ", optimizer offload" if c.offload_optimizer else ""
+    head = f", head in {c.head_chunks} chunks" if c.head_chunks else ""
+    return f"{c.precision} micro-batch {c.micro_batch} x {c.accumulation}{off}{head}"
+
+
+def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_bases) -> Plan:
+    """The plan for one candidate row, checked by a full trace when `verify` (PlanError if refused)."""
+    cand, choice, prof, n = row
     composed = prof.compose(list(choice.actions))
     plan = Plan(model=problem.name, budget=limit, actions=list(choice.actions), micro_batch=cand.micro_batch,
                 accumulation=cand.accumulation, optimizer=optimizer, precision=cand.precision,
@@ -65,7 +100,7 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
         cost, t_fwd, _, costs = _problem_cost(problem, base, cand.micro_batch)
         bw = getattr(costs, "bandwidth", None)
         dcost = disk_cost(prof, cost, t_fwd, bw) if isinstance(prof, DiskProfile) else None
-        _verify(problem, plan, prof, [*bases, *disk], cost, dcost)
+        _verify(problem, plan, prof, all_bases, cost, dcost)
     elif cand.offload_optimizer:
         plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
     return plan
