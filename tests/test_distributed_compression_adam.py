@@ -86,6 +86,9 @@ def test_error_feedback_invariant_on_the_adam_direction_is_exact():
     ("sign:adam=5,warm=bf16", "warm='bf16'"),
     ("topk:0.01,clip=-1", "positive gradient norm"),
     ("sign:adam=2,ef=0", "applies to topk and sign"),
+    ("topk:0.01,adam=5,select=largest", "accepted: agree, x"),
+    ("topk:0.01,select=x", "add adam=W"),
+    ("sign:adam=5,select=agree", "sign sends every element"),
 ])
 def test_bad_adam_specs_raise_one_line(spec, message):
     with pytest.raises(ConfigError) as info:
