@@ -307,7 +307,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds for the whole search (the device allows 10 minutes a command); then it stops")
     ap.add_argument("--planner-budget-frac", type=float, default=1.0,
                     help="the planner is given this fraction of the budget (default 1: the same budget)")
-    ap.add_argument("--start", type=int, default=0, help="the first rung of the first contender searched (later ones start at the best rung found so far)")
+    ap.add_argument("--start", type=int, default=0,
+                    help="the first rung of the first contender searched (later ones start at the best rung so far)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--smoke", action="store_true", help="a tiny ladder, batch 2 x seq 64, vocab 256 (CPU is fine)")
     ap.add_argument("--out", default=None, help="the JSON file (default bench/results/gpu_larger_model.json)")
@@ -356,7 +357,8 @@ def main(argv: list[str] | None = None) -> None:
               "notes": ["offload: the bf16 weights are created directly on the GPU in bf16, so the fp32 masters on "
                         "the CPU start from bf16-rounded values (memory is what is measured here)",
                         "plain: torch.optim.AdamW(fused=True on CUDA), fp32 weights, no checkpointing",
-                        f"planner: memfit.fit(meta model, example, budget, precision='32-true', allow='{PLANNER_ALLOW}'),"
+                        "planner: memfit.fit(meta model, example, budget, precision='32-true', "
+                        f"allow='{PLANNER_ALLOW}'),"
                         " the real model built in the planned precision's parameter dtype, then plan.apply"],
               "contenders": contenders}
     path = save_to(args.out, NAME, result)

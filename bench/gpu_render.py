@@ -22,7 +22,8 @@ def _machine(result: dict) -> str:
     from render import machine_line
 
     dev = result.get("device_info", {})
-    return machine_line(result) + f" Device: {dev.get('name', result.get('device', '?'))}, torch {dev.get('torch', '?')}."
+    name = dev.get("name", result.get("device", "?"))
+    return machine_line(result) + f" Device: {name}, torch {dev.get('torch', '?')}."
 
 
 def larger_model_table(result: dict) -> str:
@@ -131,7 +132,8 @@ def _train(result: dict) -> str:
     corpus = next((c.get("corpus") for c in result.get("cases", []) if c.get("corpus")), None)
     if corpus:
         size = f" ({corpus['bytes'] / 1e6:.1f} MB)" if isinstance(corpus, dict) and "bytes" in corpus else ""
-        lines += ["", f"Data: {corpus.get('name', corpus) if isinstance(corpus, dict) else corpus}{size}, one byte a token."]
+        name = corpus.get("name", corpus) if isinstance(corpus, dict) else corpus
+        lines += ["", f"Data: {name}{size}, one byte a token."]
     lines += ["", "The default model is tiny (a few million parameters, byte vocabulary): its steps are too small "
               "to keep a GPU busy, so its MFU says how much of the step is overhead; the GPT-2-small-size case is "
               "the figure for a model of useful size. No torch.compile, no fused kernels beyond torch's defaults."]

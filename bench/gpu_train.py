@@ -83,14 +83,16 @@ def run_case(label: str, model: str | None, batch: int | None, seq: int | None, 
     tps = tokens / seconds
     f = flops_per_token(cfg.model, cfg.seq)
     out = {"label": label, "model": cfg.model, "batch": cfg.batch, "seq": cfg.seq, "accum": cfg.accum,
-           "precision": m["run"].get("precision"), "device": m["run"].get("device"), "corpus": {k: v for k, v in (m["run"].get("corpus") or {}).items() if k != "paths"},
+           "precision": m["run"].get("precision"), "device": m["run"].get("device"),
+           "corpus": {k: v for k, v in (m["run"].get("corpus") or {}).items() if k != "paths"},
            "steps": len(cols["step"]), "warmup_steps_skipped": skip, "tracked_step_skipped": tracked,
            "timed_steps": len(timed), "timed_tokens": tokens, "timed_seconds": seconds, "tokens_per_s": tps,
            "tokens_per_s_median_step": statistics.median(cols["tokens_per_s"][i] for i in timed),
            "step_seconds_median": statistics.median(cols["seconds"][i] for i in timed),
            "step_seconds": cols["seconds"], "loss_start": cols["loss"][0], "loss_end": cols["loss"][-1],
            "model_flops": f, "model_flops_per_s": f["flops_per_token"] * tps,
-           "cuda_max_memory_allocated_last_step": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
+           "cuda_max_memory_allocated_last_step":
+               torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
     if args.peak:
         out["mfu"] = out["model_flops_per_s"] / args.peak
     return out
