@@ -198,9 +198,11 @@ class RunResult:
 
 def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimizer: str, checkpoint: Any,
               device: str, steps: int = 2, tracker: Callable[..., MemoryTracker] | None = None,
-              prepare: Callable[[nn.Module], None] | None = None, window: Any = None) -> RunResult:
+              prepare: Callable[[nn.Module], None] | None = None, window: Any = None,
+              offload: str | None = None) -> RunResult:
     """Build the model, apply the policy and optimizer, run `steps` steps inside a tracker; the tracker's
-    peak window is the last step. Call inside FakeTensorMode to predict, outside to measure."""
+    peak window is the last step. Call inside FakeTensorMode to predict, outside to measure.
+    `offload`: the optimizer's state on the host ("cpu"), as TrainingOptimizer(offload=...)."""
     from memfit.apply.checkpoint import checkpoint as apply_checkpoint
     from memfit.apply.optimizer import TrainingOptimizer
 
@@ -212,7 +214,7 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
     model.train()
     if not (isinstance(checkpoint, str) and checkpoint == "none"):
         apply_checkpoint(model, checkpoint)
-    opt = TrainingOptimizer(model, optimizer, precision=precision)
+    opt = TrainingOptimizer(model, optimizer, precision=precision, offload=offload)
     tr = (tracker or MemoryTracker)(model, opt, dev)
     try:
         with tr:

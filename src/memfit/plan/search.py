@@ -95,14 +95,16 @@ def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_ba
                 n_blocks=n, head_chunks=cand.head_chunks,
                 ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
                 where=composed.where)
-    if verify and cand.offload_optimizer is None:
-        base = prof.base if isinstance(prof, DiskProfile) else prof
+    base = prof.base if isinstance(prof, DiskProfile) else prof
+    relief = _opt_bytes(base, n) if cand.offload_optimizer else 0
+    if cand.offload_optimizer:
+        plan.notes.append("optimizer offload: peak composed from the device-resident profile minus the optimizer "
+                          "state" + (", then checked by a full trace with the state on the host" if verify else ""))
+    if verify:
         cost, t_fwd, _, costs = _problem_cost(problem, base, cand.micro_batch)
         bw = getattr(costs, "bandwidth", None)
         dcost = disk_cost(prof, cost, t_fwd, bw) if isinstance(prof, DiskProfile) else None
-        _verify(problem, plan, prof, all_bases, cost, dcost)
-    elif cand.offload_optimizer:
-        plan.notes.append("optimizer offload: peak predicted from the device-resident trace minus the optimizer state")
+        _verify(problem, plan, prof, all_bases, cost, dcost, relief)
     return plan
 
 
@@ -186,7 +188,8 @@ def _trace_peak(problem, plan: Plan) -> int:
         spec, seq, chunks = problem.spec, problem.seq, plan.head_chunks
         model = (lambda: chunk_head(spec.build(seq=seq), chunks)) if chunks else spec
         r = trace_step(model, batch=plan.micro_batch, seq=seq, precision=plan.precision,
-                       optimizer=plan.optimizer, checkpoint=plan.actions, device=device if cuda else "cpu")
+                       optimizer=plan.optimizer, checkpoint=plan.actions, device=device if cuda else "cpu",
+                       offload_optimizer=plan.offload_optimizer)
         return max(r.peak, r.cuda_reserved or 0)
     from memfit.core.tracker import MemoryTracker
     from memfit.measure.anymodel import example_step, fake_mode, module_builder, run_steps
@@ -200,14 +203,16 @@ def _trace_peak(problem, plan: Plan) -> int:
     with fake_mode():
         r = run_steps(module_builder(problem.model), example_step(problem.example_for(plan.micro_batch),
                       problem.loss_fn), plan.precision, plan.optimizer, plan.actions, device if cuda else "cpu",
-                      tracker=tracker, prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None)
+                      tracker=tracker, prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None,
+                      offload=plan.offload_optimizer)
     peak = r.tracker.peak_bytes
     return max(peak, replay_step(r.tracker.events, device).peak_reserved) if cuda else peak
 
 
-def _verify(problem, plan: Plan, prof, bases, cost, dcost=None) -> None:
-    """A full trace of the chosen step; if it exceeds the budget, solve again with the bound lowered."""
-    bound = plan.budget
+def _verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0) -> None:
+    """A full trace of the chosen step; if it exceeds the budget, solve again with the bound lowered.
+    relief: the optimizer state an optimizer-offload plan keeps on the host (its profile holds it)."""
+    bound = plan.budget + relief
     for _ in range(3):
         traced = _trace_peak(problem, plan)
         plan.measured_peak = traced
@@ -221,7 +226,7 @@ def _verify(problem, plan: Plan, prof, bases, cost, dcost=None) -> None:
                            dcost=dcost)
         if choice is None:
             raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
-        plan.actions, plan.predicted_peak = list(choice.actions), choice.peak
+        plan.actions, plan.predicted_peak = list(choice.actions), choice.peak - relief
     raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
 
 
