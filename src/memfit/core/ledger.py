@@ -70,9 +70,10 @@ class StorageLedger:
         """When a list: every device allocation as (storage key, bytes) and every free as (key, 0), in
         order; what memfit.measure.caching_allocator replays to predict the CUDA allocator's reserve."""
 
-    def _log(self, key: int, n: int, nbytes: int) -> None:
-        """n: bytes allocated, 0 for a free; nothing for an empty storage (the allocator sees none)."""
-        if self.events is not None and nbytes:
+    def _log(self, key: int, n: int) -> None:
+        """n bytes allocated, or 0: freed. An empty storage logs (key, 0) twice, which a replay ignores,
+        as the allocator hands out no block for it."""
+        if self.events is not None:
             self.events.append((key, n))
 
     def _current_mods(self) -> tuple[str, ...]:
@@ -129,14 +130,14 @@ class StorageLedger:
                 self._live[key] = e
                 self._add(e, n)
                 if e.device and not e.host:
-                    self._log(key, n, n)
+                    self._log(key, n)
                 return e.device and not e.host and n > 0
             grew = False
             n = self._size(st, t)
             if n != e.nbytes:  # resized in place (resize_, out= ops)
                 if e.device and not e.host:
-                    self._log(key, 0, e.nbytes)
-                    self._log(key, n, n)
+                    self._log(key, 0)
+                    self._log(key, n)
                 self._add(e, -e.nbytes)
                 e.nbytes = n
                 self._add(e, n)
@@ -182,7 +183,7 @@ class StorageLedger:
             e = self._live.pop(key, None)
             if e is not None:
                 if e.device and not e.host:
-                    self._log(key, 0, e.nbytes)
+                    self._log(key, 0)
                 self._add(e, -e.nbytes)
 
     def _mark_host(self, t: torch.Tensor) -> None:
@@ -196,7 +197,7 @@ class StorageLedger:
                 return
             if not e.host:
                 if e.device:
-                    self._log(id(st), 0, e.nbytes)
+                    self._log(id(st), 0)
                 self._add(e, -e.nbytes)
                 e.host = True
                 self._add(e, e.nbytes)
