@@ -37,7 +37,7 @@ def _configs(problem, allowed, precision):
     return [(p, m, o) for p in precisions for m in micros for o in offloads]
 
 
-MAX_REJECTED = 4  # full-trace checks that may fail before the search gives up
+MAX_REFUSED = 4  # full-trace checks that may fail before the search gives up
 
 
 def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precision: str, verify: bool) -> Plan:
@@ -50,32 +50,31 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
     segs = "recompute" in allowed
     rows: list[tuple[Candidate, Any, Any, int]] = []
     configs = iter(_configs(problem, allowed, precision))
-    rejected: list[str] = []
+    refused: list[str] = []
+    open_rows = lambda: [r for r in rows if r[0].feasible and not r[0].refused]  # noqa: E731
     while True:
-        open_rows = [r for r in rows if r[0].feasible and not r[0].refused]
-        for prec, micro, off in ([] if open_rows else configs):
-            # Smaller micro-batches, offload and other precisions cost time: tried only while nothing fits.
+        # Smaller micro-batches, offload and other precisions cost time: solved only while nothing fits.
+        for prec, micro, off in ([] if open_rows() else configs):
             src = problem.source(micro)
             prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
             rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed)
-            open_rows = [r for r in rows if r[0].feasible and not r[0].refused]
-            if open_rows:
+            if open_rows():
                 break
-        if not open_rows:
-            if rejected:
+        if not open_rows():
+            if refused:
                 raise PlanError(f"no plan fits {format_bytes(limit)} once checked by a full trace; refused: "
-                                + "; ".join(rejected))
+                                + "; ".join(refused))
             raise PlanError(_impossible(rows, limit, [*bases, *disk], allowed))
-        row = min(open_rows, key=lambda r: r[0].time)
+        row = min(open_rows(), key=lambda r: r[0].time)
         try:
             plan = _chosen(problem, limit, row, rows, optimizer, verify, [*bases, *disk])
         except PlanError:
-            if len(rejected) >= MAX_REJECTED:
+            if len(refused) >= MAX_REFUSED:
                 raise
             row[0].refused = True
-            rejected.append(_label(row[0]))
+            refused.append(_label(row[0]))
             continue
-        plan.notes[:0] = [f"refused by the full trace, next fastest tried: {r}" for r in rejected]
+        plan.notes[:0] = [f"refused by the full trace, next fastest tried: {r}" for r in refused]
         return plan
 
 
