@@ -298,7 +298,9 @@ class StreamedOptimizer:
             for i in c.idx:
                 m = self.masters[i]
                 if m.numel() and i not in self._shared:
-                    out.append(m.data)
+                    # The master itself, not m.data: .data dispatches through every active mode
+                    # (a fake step's tracker calls this after each chunk's update).
+                    out.append(m)
                 for v in list(c.optimizer.state.get(m, {}).values()) + list(c.small.get(i, {}).values()):
                     if torch.is_tensor(v):
                         out.append(v)

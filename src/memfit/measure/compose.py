@@ -134,6 +134,21 @@ class ChainProfile:
         if self.plain is not None and all(a.is_plain for a in actions):
             return self.plain.compose(actions)
         n = len(actions)
+        start, seq = self._walk_seq(actions)
+        best, best_j, block_peaks = walk(start, seq, n)
+        return Composed(best, self._at(start, seq, best_j, n), block_peaks, _where(best_j, n))
+
+    def at_optimizer(self, actions: Sequence[BlockAction]) -> Vec:
+        """Bytes per category as the optimizer step begins (parameters, gradients and optimizer state
+        then do not depend on the block actions or the micro-batch: the planner's lower bound)."""
+        if self.plain is not None and all(a.is_plain for a in actions):
+            return self.plain.at_optimizer(actions)
+        start, seq = self._walk_seq(actions)
+        return vsub(self._at(start, seq, len(seq) - 1, len(actions)), seq[-1].peak)
+
+    def _walk_seq(self, actions: Sequence[BlockAction]) -> tuple[Vec, list[Stretch]]:
+        """The step's start and its stretches in the order they run, for `actions`."""
+        n = len(actions)
         kinds, fwd, bwd = self.keys(actions)
         f, b = self.first[kinds[0]]
         fwd[0], bwd[0] = fwd[0] + f, bwd[0] + b
@@ -152,8 +167,7 @@ class ChainProfile:
         seq = [self._part("pre_fwd", extra, counts, fa, la), *fwd, self._part("post_fwd", extra, counts, fa, la),
                self._part("post_bwd", extra, counts, fa, la), *bwd[::-1],
                self._part("pre_bwd", extra, counts, fa, la), self._part("opt", extra, counts, fa, la)]
-        best, best_j, block_peaks = walk(start, seq, n)
-        return Composed(best, self._at(start, seq, best_j, n), block_peaks, _where(best_j, n))
+        return start, seq
 
     def _part(self, name: str, extra: int, counts: dict[str, int], fa: dict | None = None,
               la: dict | None = None) -> Stretch:

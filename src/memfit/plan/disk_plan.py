@@ -18,6 +18,18 @@ from memfit.plan.disk_solve import solve_with_disk
 from memfit.plan.solve import Choice, Cost, solve
 
 
+CPU_BEFORE_DISK = True
+"""With offload-cpu allowed, a plan that fits without disk kinds is taken without tracing them (about
+10 short traces). Each disk kind has a cpu counterpart that takes the same blocks off the device and,
+in every list tried (docs/planner.md), never holds more device bytes; it is not a proof, and the time
+model can price a disk kind below its cpu one (measured rates, or a recomputed block whose input is
+all it moves), so this is a choice: host memory is the planner's to spend when it is allowed."""
+
+
+def _has_cpu(bases: Sequence[BlockAction]) -> bool:
+    return any(b.offload == "cpu" for b in bases)
+
+
 def disk_cost(dp: DiskProfile, cost: Cost, t_fwd: float, bandwidth: dict[str, float] | None = None):
     """disk_cost(action, read ahead) -> extra seconds: the mode's own cost plus the spill traffic."""
     rate = (bandwidth or {}).get("disk", DISK_BW)
@@ -42,8 +54,10 @@ def solve_any(prof: Any, budget: int, bases: Sequence[BlockAction], cost: Cost, 
 def with_disk(src, prof, choice: Choice | None, limit: int, bases: Sequence[BlockAction],
               disk: Sequence[BlockAction], cost: Cost, t_fwd: float, bandwidth, precision: str, optimizer: str,
               n: int) -> tuple[Choice | None, Any, Any]:
-    """The better of `choice` (no disk) and the best plan with disk kinds: (choice, profile, disk cost)."""
-    if not disk or (choice is not None and choice.time == 0):
+    """The better of `choice` (no disk) and the best plan with disk kinds: (choice, profile, disk cost).
+    With cpu offload allowed, disk kinds are traced only when nothing fits without them (see
+    CPU_BEFORE_DISK)."""
+    if not disk or (choice is not None and (choice.time == 0 or (CPU_BEFORE_DISK and _has_cpu(bases)))):
         return choice, prof, None
     dp = disk_profile(src, prof, disk, precision, optimizer)
     dcost = disk_cost(dp, cost, t_fwd, bandwidth)

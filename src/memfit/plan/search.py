@@ -12,7 +12,7 @@ from memfit.plan.head import head_counts, head_profile, head_seconds, sums_weigh
 from memfit.plan.plan import Candidate, Plan
 from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
 from memfit.plan.disk_profile import DiskProfile, disk_bases
-from memfit.apply.policy import to_string
+from memfit.apply.policy import BlockAction, to_string
 
 
 def _opt_bytes(prof, n: int) -> int:
@@ -51,10 +51,15 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
     rows: list[tuple[Candidate, Any, Any, int]] = []
     configs = iter(_configs(problem, allowed, precision))
     refused: list[str] = []
+    floors: dict[str, tuple[int, int]] = {}
+    below: list[tuple] = []  # configurations whose floor alone exceeds the budget (traced only for an error)
     open_rows = lambda: [r for r in rows if r[0].feasible and not r[0].refused]  # noqa: E731
     while True:
         # Smaller micro-batches, offload and other precisions cost time: solved only while nothing fits.
-        for prec, micro, off in ([] if open_rows() else configs):
+        for (prec, micro, off), set_aside in ([] if open_rows() else _and_then(configs, below)):
+            if not set_aside and _over_floor(problem, prec, optimizer, off, limit, floors):
+                below.append((prec, micro, off))
+                continue
             src = problem.source(micro)
             prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
             rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed)
@@ -75,7 +80,32 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
             refused.append(_label(row[0]))
             continue
         plan.notes[:0] = [f"refused by the full trace, next fastest tried: {r}" for r in refused]
+        plan.ranked += [Candidate(m, problem.batch // m, o, p, 0, 0.0, "", False) for p, m, o in below]
         return plan
+
+
+def _and_then(configs, below: list[tuple]):
+    """(configuration, set aside before) not tried yet; once they are spent, those set aside over
+    their floor (traced only when nothing else fits, so that the error names the smallest need)."""
+    for c in configs:
+        yield c, False
+    while below:
+        yield below.pop(0), True
+
+
+def _over_floor(problem, prec: str, optimizer: str, off: str | None, limit: int, floors: dict) -> bool:
+    """Whether the bytes no block action, head chunking, disk offload or smaller micro-batch changes
+    (parameters, gradients and optimizer state as the optimizer step begins, less the optimizer
+    state with optimizer offload) exceed the budget: then the configuration cannot fit and its
+    chain profile is not traced. From the all-keep profile (two short traces, which the chunked-head
+    profiles share) at the full batch, once per precision."""
+    if prec not in floors:
+        n = problem.source(problem.batch).n_blocks
+        keep = chain_profile(problem.source(problem.batch), prec, optimizer, bases=[BlockAction("keep")],
+                             with_segments=False)
+        floors[prec] = (sum(keep.at_optimizer([BlockAction("keep")] * n)[:3]), _opt_bytes(keep, n))
+    fixed, opt = floors[prec]
+    return fixed - (opt if off else 0) > limit
 
 
 def _label(c: Candidate) -> str:
