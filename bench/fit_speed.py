@@ -10,6 +10,7 @@ must be the same in every round. One contender, so there is nothing to interleav
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import sys
@@ -72,6 +73,24 @@ def main() -> None:
                               "runs": runs})
     print(f"memfit.fit: {wall['median']:.1f} ({wall['min']:.1f}-{wall['max']:.1f}) s wall, "
           f"{cpu['median']:.1f} ({cpu['min']:.1f}-{cpu['max']:.1f}) s CPU; {path}")
+
+
+def render(result: dict) -> str:
+    """docs/BENCHMARKS.md section."""
+    m, w, c, plan = result["machine"], result["wall"], result["cpu"], result["plan"]
+    actions = plan.get("actions", [])
+    runs = [f"{a}*{sum(1 for _ in g)}" for a, g in itertools.groupby(actions)]
+    return "\n".join([
+        "## fit_speed: how long memfit.fit plans a 676M GPT", "",
+        "`.venv/bin/python bench/fit_speed.py --rounds 5`", "",
+        f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}; run {result.get('date')}. "
+        f"`{result['spec']}`, batch 4 x 1024, budget 4 GiB, allow `{result['allow']}`; each round in a fresh "
+        f"process, memfit.fit alone timed; load {result['run']['load_start'][0]:.1f} at the start.", "",
+        "| rounds | wall s, median (min-max) | CPU s, median (min-max) | plan (same every round) |",
+        "|---:|---:|---:|---|",
+        f"| {len(w['times'])} | {w['median']:.1f} ({w['min']:.1f}-{w['max']:.1f}) | "
+        f"{c['median']:.1f} ({c['min']:.1f}-{c['max']:.1f}) | {plan.get('precision')}, optimizer offload "
+        f"{plan.get('offload_optimizer')}, `{','.join(runs)}` |", ""])
 
 
 if __name__ == "__main__":
