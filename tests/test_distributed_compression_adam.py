@@ -89,6 +89,9 @@ def test_error_feedback_invariant_on_the_adam_direction_is_exact():
     ("topk:0.01,adam=5,select=largest", "accepted: agree, x"),
     ("topk:0.01,select=x", "add adam=W"),
     ("sign:adam=5,select=agree", "sign sends every element"),
+    ("sign:adam=5,var=global", "accepted: batch, rank"),
+    ("topk:0.01,var=rank", "add adam=W"),
+    ("int8,var=batch", "add adam=W"),
 ])
 def test_bad_adam_specs_raise_one_line(spec, message):
     with pytest.raises(ConfigError) as info:
