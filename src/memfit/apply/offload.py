@@ -111,9 +111,6 @@ class ActivationStore:
             self.stats.pinned = self._pin_ok
         return self._pin_ok
 
-    def host_empty_like(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(t, device="cpu", pin_memory=self.can_pin())
-
     def close(self) -> None:
         if self._spill is not None:
             self._spill.close()
