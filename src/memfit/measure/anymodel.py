@@ -228,17 +228,3 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
     finally:
         opt.close()
     return RunResult(tr, model)
-
-
-@contextlib.contextmanager
-def fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memfit.measure.fake_defaults import real_tensor_defaults
-    from memfit.measure.hf_masks import unpadded_masks
-    from memfit.measure.moe import fake_experts
-    from memfit.measure.trace import _unpacked_batches
-
-    with FakeTensorMode(allow_non_fake_inputs=True), real_tensor_defaults(), _unpacked_batches(), unpadded_masks(), \
-            fake_experts():
-        yield

@@ -5,7 +5,8 @@ import math
 import time
 from typing import Any, Callable
 
-from memfit.measure.anymodel import check_example, example_step, fake_mode, module_builder, run_steps
+from memfit.measure.anymodel import check_example, example_step, module_builder, run_steps
+from memfit.measure.fake_mode import fake_mode
 from memfit.measure.formulas import model_state_bytes
 from memfit.measure.workspace import WorkspaceTracker
 

@@ -266,7 +266,8 @@ def _tracker_factory(holder: dict) -> Callable[..., TimelineTracker]:
 
 
 def _trace(build_k: Callable[[int], nn.Module], k: int, step, pattern, precision, optimizer, device) -> StepStretches:
-    from memfit.measure.anymodel import fake_mode, run_steps
+    from memfit.measure.anymodel import run_steps
+    from memfit.measure.fake_mode import fake_mode
 
     holder: dict = {}
     with fake_mode():

@@ -1,4 +1,4 @@
-"""Tell Hugging Face masking, while tracing, that memfit's batches have no padding.
+"""Tell Hugging Face masking, while tracing, that memfit's batches have no padding and no packing.
 
 Encoder-decoders such as BART build an all-ones attention mask themselves when none is given. A real
 run reads it, finds no padding and lets SDPA run without an explicit mask. A fake mask has no values to
@@ -44,3 +44,30 @@ def unpadded_masks() -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(masking, name, original)
+
+
+@contextlib.contextmanager
+def unpacked_batches() -> Iterator[None]:
+    """Tell Hugging Face masking that the traced batches hold one sequence per row.
+
+    A real run reads the position ids, finds no packed sequences and lets SDPA use `is_causal`.
+    Fake tensors have no data to read, so transformers assumes packing might be present and builds
+    an explicit (B, 1, T, T) mask instead, which the real run never allocates. memfit's batches are
+    unpacked, so the trace answers the question the way the real run does."""
+    if "transformers" not in sys.modules:  # no HF model can be built without importing it first
+        yield
+        return
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original

@@ -19,7 +19,6 @@ does, so the prediction equals the measured step's tracker figures to the byte.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Union
@@ -30,6 +29,7 @@ import torch.nn as nn
 from memfit.core.device import resolve_device
 from memfit.core.errors import ConfigError
 from memfit.core.tracker import MemoryTracker
+from memfit.measure.fake_mode import fake_mode
 
 ModelArg = Union["ModelSpec", Callable[[], nn.Module], str]  # noqa: F821 (ModelSpec imported lazily)
 
@@ -75,19 +75,11 @@ def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true"
 
     offload_optimizer: None / "none", "cpu" or "disk", as TrainingOptimizer(offload=...); a disk
     trace creates an empty spill folder (no data is written) and removes it."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     build = _builder(model, seq)
     _check(batch, seq, steps)
     resolve_device(device)  # ConfigError for a device memfit cannot trace on (fake CUDA tensors need CUDA)
     t0 = time.perf_counter()
-    # allow_non_fake_inputs: libraries keep a few real constants at module level (e.g. HF masks).
-    from memfit.measure.fake_defaults import real_tensor_defaults
-    from memfit.measure.hf_masks import unpadded_masks
-    from memfit.measure.moe import fake_experts
-
-    with FakeTensorMode(allow_non_fake_inputs=True), real_tensor_defaults(), _unpacked_batches(), \
-            unpadded_masks(), fake_experts():
+    with fake_mode():
         result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps, window=None,
                       offload=offload_optimizer)
     result.seconds = time.perf_counter() - t0
@@ -118,33 +110,6 @@ def measure_step(model: ModelArg, batch: int, seq: int, precision: str = "32-tru
 
 
 # ---------------------------------------------------------------------------- internals
-@contextlib.contextmanager
-def _unpacked_batches():
-    """Tell Hugging Face masking that the traced batches hold one sequence per row.
-
-    A real run reads the position ids, finds no packed sequences and lets SDPA use `is_causal`.
-    Fake tensors have no data to read, so transformers assumes packing might be present and builds
-    an explicit (B, 1, T, T) mask instead, which the real run never allocates. memfit's batches are
-    unpacked, so the trace answers the question the way the real run does."""
-    if "transformers" not in sys.modules:  # no HF model can be built without importing it first
-        yield
-        return
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-
-
 def _check(batch: int, seq: int, steps: int) -> None:
     for name, value in (("batch", batch), ("seq", seq), ("steps", steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -159,7 +124,7 @@ def _builder(model: ModelArg, seq: int) -> Callable[[], nn.Module]:
     if isinstance(model, ModelSpec):
         spec = model
         if spec.hf_config is not None:
-            import transformers  # noqa: F401  (imported before tracing: see _unpacked_batches)
+            import transformers  # noqa: F401  (imported before tracing: see hf_masks.unpacked_batches)
         return lambda: spec.build(seq=seq)
     if isinstance(model, nn.Module):
         raise ConfigError("pass a ModelSpec or a function that builds the model, not a built module: "

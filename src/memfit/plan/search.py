@@ -221,7 +221,8 @@ def _trace_peak(problem, plan: Plan) -> int:
                        offload_optimizer=plan.offload_optimizer)
         return max(r.peak, r.cuda_reserved or 0)
     from memfit.core.tracker import MemoryTracker
-    from memfit.measure.anymodel import example_step, fake_mode, module_builder, run_steps
+    from memfit.measure.anymodel import example_step, module_builder, run_steps
+    from memfit.measure.fake_mode import fake_mode
     from memfit.measure.caching_allocator import replay_step
 
     def tracker(model, opt, dev):
