@@ -36,7 +36,7 @@ def test_fit_plan_runs_under_budget_for_real():
 @pytest.mark.slow
 def test_impossible_budget_says_what_dominates():
     x = torch.randint(0, 256, (4, 32))
-    with pytest.raises(PlanError, match="parameters and optimizer alone need"):
+    with pytest.raises(PlanError, match="parameters, gradients and optimizer state alone need"):
         fit(small(), (x, x), budget="1MiB", allow=("recompute",))
 
 

@@ -59,3 +59,19 @@ def test_nothing_fits_still_names_the_smallest_need():
     with pytest.raises(memfit.plan.costs.PlanError, match="smallest plan needs"):
         memfit.fit(SPEC, budget="64KiB", batch=2, seq=32, device="cpu",
                    allow="recompute,accumulate,optimizer-offload")
+
+
+def test_only_configurations_no_other_undercuts_are_traced_for_the_error():
+    below = [(p, m, o) for p in ("32-true", "bf16-master") for m in (4, 2, 1) for o in (None, "cpu")]
+    assert search_mod._minimal(below) == [("32-true", 1, "cpu"), ("bf16-master", 1, "cpu")]
+    assert search_mod._minimal([("32-true", 4, None), ("32-true", 2, None)]) == [("32-true", 2, None)]
+
+
+def test_weights_and_gradients_alone_over_the_budget_say_shard_them():
+    """bf16-master with optimizer offload already allowed: only sharding or a smaller model is left."""
+    with pytest.raises(memfit.plan.costs.PlanError) as err:
+        memfit.fit(SPEC, budget="32KiB", batch=2, seq=32, device="cpu", precision="bf16-master",
+                   allow="recompute,accumulate,optimizer-offload")
+    msg = str(err.value)
+    assert "parameters, gradients and optimizer state alone need" in msg and "--zero 3" in msg
+    assert "bf16-master micro-batch 1 x 2, optimizer offload" in msg

@@ -86,11 +86,22 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
 
 def _and_then(configs, below: list[tuple]):
     """(configuration, set aside before) not tried yet; once they are spent, those set aside over
-    their floor (traced only when nothing else fits, so that the error names the smallest need)."""
+    their floor that no other set-aside one undercuts (traced only when nothing else fits, so that the
+    error names the smallest need)."""
     for c in configs:
         yield c, False
-    while below:
-        yield below.pop(0), True
+    for c in _minimal(below):
+        yield c, True
+    below.clear()
+
+
+def _minimal(configs: list[tuple]) -> list[tuple]:
+    """The configurations (precision, micro-batch, optimizer offload) not undercut by another of the
+    same precision with a micro-batch no larger and the optimizer state offloaded if it is not: less
+    activation and no more state never needs more memory, so only these can name the smallest need."""
+    def undercut(a, b):
+        return a != b and a[0] == b[0] and b[1] <= a[1] and (b[2] is not None or a[2] is None)
+    return [a for a in configs if not any(undercut(a, b) for b in configs)]
 
 
 def _over_floor(problem, prec: str, optimizer: str, off: str | None, limit: int, floors: dict) -> bool:
@@ -276,22 +287,30 @@ def _impossible(rows, limit: int, bases, allowed) -> str:
                 hi = mid
         relief = _opt_bytes(prof, n) if cand.offload_optimizer else 0
         need = hi - relief
-        fixed = _fixed(prof, n) - relief
+        fixed = sum(prof.at_optimizer([bases[0]] * n)[:3]) - relief
         if best is None or need < best[0]:
             at = solve_any(prof, hi, bases, cost, n_blocks=n)
-            best = (need, fixed, prof.compose(at.actions).where if at is not None else "")
+            best = (need, fixed, prof.compose(at.actions).where if at is not None else "", cand)
     if best is None:
         return f"no configuration fits {format_bytes(limit)}"
-    need, fixed, where = best
+    need, fixed, where, cand = best
     if fixed * 2 >= need:
-        hint = []
-        if "optimizer-offload" not in allowed:
-            hint.append("allow optimizer offload")
-        hint.append("a 16-bit master mode (--precision bf16-master)")
         return (f"budget {format_bytes(limit)} is too small: the smallest plan needs {format_bytes(need)}; "
-                f"parameters and optimizer alone need {format_bytes(fixed)}; {' or '.join(hint)}")
+                f"parameters, gradients and optimizer state alone need {format_bytes(fixed)} "
+                f"({_label(cand)}); {_floor_hint(allowed, cand)}")
     if where.startswith("head") and "chunked-head" not in allowed:
         return (f"budget {format_bytes(limit)} is too small: the smallest plan needs {format_bytes(need)} "
                 f"(the LM head's logits dominate, at {where}: allow chunked-head, or a smaller --batch)")
     return (f"budget {format_bytes(limit)} is too small: the smallest plan needs {format_bytes(need)} "
             f"(activations dominate: allow recompute, or a smaller --batch)")
+
+
+def _floor_hint(allowed, cand: Candidate) -> str:
+    hint = []
+    if "optimizer-offload" not in allowed:
+        hint.append("allow optimizer offload")
+    if cand.precision != "bf16-master":
+        hint.append("a 16-bit master mode (--precision bf16-master)")
+    if not hint:  # what is left on the device is the weights and gradients themselves
+        hint.append("shard them over more devices (memfit train --nproc N --zero 3) or train a smaller model")
+    return " or ".join(hint)
