@@ -73,5 +73,5 @@ def test_weights_and_gradients_alone_over_the_budget_say_shard_them():
         memfit.fit(SPEC, budget="32KiB", batch=2, seq=32, device="cpu", precision="bf16-master",
                    allow="recompute,accumulate,optimizer-offload")
     msg = str(err.value)
-    assert "parameters, gradients and optimizer state alone need" in msg and "--zero 3" in msg
+    assert "parameters, gradients and optimizer state alone need" in msg and "--strategy zero3" in msg
     assert "bf16-master micro-batch 1 x 2, optimizer offload" in msg

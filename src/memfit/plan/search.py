@@ -312,5 +312,5 @@ def _floor_hint(allowed, cand: Candidate) -> str:
     if cand.precision != "bf16-master":
         hint.append("a 16-bit master mode (--precision bf16-master)")
     if not hint:  # what is left on the device is the weights and gradients themselves
-        hint.append("shard them over more devices (memfit train --nproc N --zero 3) or train a smaller model")
+        hint.append("shard them over more devices (memfit train --nproc N --strategy zero3) or train a smaller model")
     return " or ".join(hint)
