@@ -3,6 +3,8 @@ config.json by `architectures` or --task, each estimate within 3% of the allocat
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -83,3 +85,17 @@ def test_cli_family_json(tmp_path, capsys):
 def test_track_and_train_still_take_causal_lms_only(tmp_path):
     with pytest.raises(ConfigError, match="encoder-decoder"):
         parse_model(write(tmp_path, "t5"))
+
+
+def test_estimate_leaves_later_models_initialised(tmp_path):
+    """transformers copies torch's init functions into a table on first import; an estimate that
+    triggers that import while init is switched off must not leave the table empty-handed."""
+    path = write(tmp_path, "bert")
+    code = ("import torch, transformers, memfit\n"
+            f"memfit.estimate({path!r}, batch=2, seq=16)\n"
+            "import transformers.initialization as ti\n"
+            "assert all(f is getattr(torch.nn.init, n) for n, f in ti.TORCH_INIT_FUNCTIONS.items()), 'no-op init kept'\n"
+            f"m = transformers.AutoModelForMaskedLM.from_config(transformers.AutoConfig.from_pretrained({path!r}))\n"
+            "assert all(torch.isfinite(p).all() for p in m.parameters()) and m.bert.embeddings.word_embeddings.weight.std() > 0\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
+
+from memfit.core.patching import patched
 
 TOP = 1.0 - 2.0 ** -24  # the largest float32 torch.rand returns
 
@@ -32,13 +34,6 @@ def _with_top(draw: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-@contextlib.contextmanager
-def top_of_range_draws() -> Iterator[None]:
-    originals = {name: getattr(torch, name) for name in ("rand", "rand_like")}
-    for name, draw in originals.items():
-        setattr(torch, name, _with_top(draw))
-    try:
-        yield
-    finally:
-        for name, draw in originals.items():
-            setattr(torch, name, draw)
+def top_of_range_draws() -> contextlib.AbstractContextManager:
+    """torch.rand and torch.rand_like give one-element fake draws the value TOP inside the block."""
+    return patched(torch, {name: _with_top(getattr(torch, name)) for name in ("rand", "rand_like")})

@@ -12,6 +12,8 @@ import functools
 import sys
 from typing import Iterator
 
+from memfit.core.patching import patched
+
 CHECKS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 
 
@@ -37,13 +39,8 @@ def unpadded_masks() -> Iterator[None]:
             return original(padding_mask, *args, **kwargs)
         return check
 
-    for name, original in originals.items():
-        setattr(masking, name, unpadded(original))
-    try:
+    with patched(masking, {name: unpadded(original) for name, original in originals.items()}):
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(masking, name, original)
 
 
 @contextlib.contextmanager
@@ -62,12 +59,8 @@ def unpacked_batches() -> Iterator[None]:
     except ImportError:
         yield
         return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
+    if getattr(masking_utils, "find_packed_sequence_indices", None) is None:
         yield
         return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
+    with patched(masking_utils, {"find_packed_sequence_indices": lambda position_ids: None}):
         yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from memfit.core.errors import ConfigError
+from memfit.core.patching import patched
 from memfit.models.gpt import GPT, GPTConfig
 from memfit.models.lora import LoraConfig, apply_lora
 
@@ -158,15 +160,17 @@ _INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_
 @contextlib.contextmanager
 def _no_init():
     """torch's weight init functions as no-ops: meta weights hold no values, and `normal_` on the meta
-    device goes through torch._refs, whose first call imports torch._dynamo (seconds)."""
-    saved = {name: getattr(nn.init, name) for name in _INITS}
-    for name in _INITS:
-        setattr(nn.init, name, lambda t, *args, **kwargs: t)
-    try:
+    device goes through torch._refs, whose first call imports torch._dynamo (seconds).
+
+    transformers copies torch's init functions into a table when `transformers.initialization` is
+    first imported, which a model class's lazy import does. Imported inside this block, the table
+    would keep the no-ops for good, and every later model of the process would train from
+    uninitialised memory; so it is imported first."""
+    if "transformers" in sys.modules:
+        with contextlib.suppress(ImportError):  # transformers releases without the table
+            import transformers.initialization  # noqa: F401
+    with patched(nn.init, {name: (lambda t, *args, **kwargs: t) for name in _INITS}):
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
 
 
 def _parse_bool(key: str, value: str) -> bool:
