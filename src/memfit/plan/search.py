@@ -20,9 +20,10 @@ def _opt_bytes(prof, n: int) -> int:
     return prof.start[2] + extra * prof.start_per_block[2]
 
 
-def _fixed(prof, n: int) -> int:
-    extra = n - prof.traced_blocks
-    return prof.start[0] + prof.start[2] + extra * (prof.start_per_block[0] + prof.start_per_block[2])
+def _state_bytes(prof, n: int, action: BlockAction) -> int:
+    """Parameters, gradients and optimizer state as the optimizer step begins (no block action, head
+    chunking or micro-batch changes them)."""
+    return sum(prof.at_optimizer([action] * n)[:3])
 
 
 def _configs(problem, allowed, precision):
@@ -114,7 +115,7 @@ def _over_floor(problem, prec: str, optimizer: str, off: str | None, limit: int,
         n = problem.source(problem.batch).n_blocks
         keep = chain_profile(problem.source(problem.batch), prec, optimizer, bases=[BlockAction("keep")],
                              with_segments=False)
-        floors[prec] = (sum(keep.at_optimizer([BlockAction("keep")] * n)[:3]), _opt_bytes(keep, n))
+        floors[prec] = (_state_bytes(keep, n, BlockAction("keep")), _opt_bytes(keep, n))
     fixed, opt = floors[prec]
     return fixed - (opt if off else 0) > limit
 
@@ -287,7 +288,7 @@ def _impossible(rows, limit: int, bases, allowed) -> str:
                 hi = mid
         relief = _opt_bytes(prof, n) if cand.offload_optimizer else 0
         need = hi - relief
-        fixed = sum(prof.at_optimizer([bases[0]] * n)[:3]) - relief
+        fixed = _state_bytes(prof, n, bases[0]) - relief
         if best is None or need < best[0]:
             at = solve_any(prof, hi, bases, cost, n_blocks=n)
             best = (need, fixed, prof.compose(at.actions).where if at is not None else "", cand)
