@@ -17,15 +17,22 @@ from memfit.core.patching import patched
 CHECKS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 
 
+def _masking():
+    """transformers.masking_utils when transformers is in use (no HF model is built without importing
+    it first), else None."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return None
+    return masking_utils
+
+
 @contextlib.contextmanager
 def unpadded_masks() -> Iterator[None]:
-    masking = None
-    if "transformers" in sys.modules:
-        try:
-            from transformers import masking_utils as masking
-        except ImportError:
-            masking = None
-    originals = {name: getattr(masking, name) for name in CHECKS if masking is not None and hasattr(masking, name)}
+    masking = _masking()
+    originals = {name: getattr(masking, name) for name in CHECKS if hasattr(masking, name)}
     if not originals:
         yield
         return
@@ -43,24 +50,14 @@ def unpadded_masks() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def unpacked_batches() -> Iterator[None]:
+def unpacked_batches() -> contextlib.AbstractContextManager:
     """Tell Hugging Face masking that the traced batches hold one sequence per row.
 
     A real run reads the position ids, finds no packed sequences and lets SDPA use `is_causal`.
     Fake tensors have no data to read, so transformers assumes packing might be present and builds
     an explicit (B, 1, T, T) mask instead, which the real run never allocates. memfit's batches are
     unpacked, so the trace answers the question the way the real run does."""
-    if "transformers" not in sys.modules:  # no HF model can be built without importing it first
-        yield
-        return
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    if getattr(masking_utils, "find_packed_sequence_indices", None) is None:
-        yield
-        return
-    with patched(masking_utils, {"find_packed_sequence_indices": lambda position_ids: None}):
-        yield
+    masking = _masking()
+    if getattr(masking, "find_packed_sequence_indices", None) is None:
+        return contextlib.nullcontext()
+    return patched(masking, {"find_packed_sequence_indices": lambda position_ids: None})
