@@ -107,7 +107,10 @@ def test_bad_input_is_a_config_error(bad):
 def test_units():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9
-    assert parse_bytes("16G") == 16 * 2**30
+    assert parse_bytes("80MB") == 80 * 10**6 and parse_bytes("80MiB") == 80 * 2**20 and parse_bytes("512") == 512
+    for bare, hint in (("16G", "16GiB"), ("80M", "80MiB"), ("2t", "2TiB"), ("64k", "64KiB")):
+        with pytest.raises(ConfigError, match=f"bare .*{hint}.*decimal"):  # binary or decimal: the user says which
+            parse_bytes(bare)
     assert parse_count("7B") == 7 * 10**9 and parse_count("124M") == 124 * 10**6 and parse_count("1.5e9") == 1_500_000_000
     for bad in ("-1GiB", "lots", "12 parsecs", "0"):
         with pytest.raises(ConfigError):

@@ -5,7 +5,7 @@ import argparse
 import json
 
 from memfit.cli.options import add, add_model, model_of
-from memfit.core.units import format_bytes
+from memfit.core.units import format_bytes, format_seconds
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -52,12 +52,30 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0
-    print(f"  {'micro x accum':<15}{'offload':<9}{'precision':<13}{'head':>6}{'peak':>14}{'time':>11}  actions")
-    for c in plan.ranked:
-        peak = "refused" if c.refused else format_bytes(c.peak) if c.feasible else "does not fit"
-        time = f"{c.time * 1000:.1f} ms" if c.feasible else ""
-        print(f"  {f'{c.micro_batch} x {c.accumulation}':<15}{c.offload_optimizer or '-':<9}{c.precision:<13}"
-              f"{c.head_chunks or '-':>6}{peak:>14}{time:>11}  {c.actions}")
+    print("\n".join(table(plan)))
     print()
     print(plan.summary())
     return 0
+
+
+def table(plan) -> list[str]:
+    """The ranked configurations, one per line, columns padded to their widest cell (two spaces apart).
+    Times are seconds only when measured costs priced them (--profile); otherwise the FLOP model's
+    figure relative to the chosen plan, which ranks but does not predict."""
+    timed = plan.time_basis == "profile"
+    best = plan.predicted_time or 1e-12
+    rows = [["micro x accum", "offload", "precision", "head", "peak", "step time" if timed else "rel. time", "actions"]]
+    for c in plan.ranked:
+        peak = "refused" if c.refused else format_bytes(c.peak) if c.feasible else "does not fit"
+        time = "" if not c.feasible else format_seconds(c.time) if timed else f"{c.time / best:.2f}x"
+        rows.append([f"{c.micro_batch} x {c.accumulation}", c.offload_optimizer or "-", c.precision,
+                     str(c.head_chunks or "-"), peak, time, c.actions])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    right = {3, 4, 5}  # numbers line up on the right
+    out = []
+    for r in rows:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))]
+        out.append("  " + "  ".join(cells + [r[-1]]).rstrip())
+    if not timed:
+        out.append("  (rel. time: the uncalibrated FLOP model, 1.00x = the chosen plan; --profile times this machine)")
+    return out

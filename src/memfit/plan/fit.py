@@ -95,6 +95,24 @@ def _leaves(obj: Any):
             yield from _leaves(v)
 
 
+def _check_weights(problem: _Problem, limit: int, precision: str, allowed: tuple[str, ...]) -> None:
+    """Refuse, before any trace, a budget below the weights alone (in the smallest precision the search
+    may take): a trace-free bound, so a mistyped budget fails in a moment instead of after the search."""
+    from memfit.measure.formulas import bytes_per_param
+
+    if problem.spec is not None:
+        n = problem.spec.num_params()
+    elif isinstance(problem.model, torch.nn.Module):
+        n = sum(p.numel() for p in problem.model.parameters())
+    else:
+        return  # a factory: building it to count would cost what the check saves
+    precisions = [precision] + (["bf16-master"] if "precision" in allowed else [])
+    weights = n * min(bytes_per_param(p).weights for p in precisions)
+    if weights > limit:
+        raise PlanError(f"budget {format_bytes(limit)} is too small: the weights alone need {format_bytes(weights)} "
+                        f"({n:,} parameters); shard them over more devices or train a smaller model")
+
+
 def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str = "adamw",
         precision: str = "32-true", allow: Any = None, loss_fn: Callable | None = None,
         batch: int | None = None, seq: int | None = None, verify: bool = True, costs: Any = None,
@@ -103,8 +121,6 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
 
     `device`: where it trains (default: the module's parameters' device; for a name, cuda when available,
     else cpu). On a CPU device the default `allow` leaves out host offload (docs/planner.md)."""
-    from memfit.plan.search import search
-
     if budget is None:
         raise ConfigError("give a budget, e.g. budget='8GiB'")
     limit = _budget(budget)
@@ -116,6 +132,9 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
 
         check_example(example)
     problem = _Problem(model, example, loss_fn, batch, seq)
+    _check_weights(problem, limit, precision, allowed)
+    from memfit.plan.search import search
+
     problem.costs = costs  # memfit.profile BlockCosts measured at the full batch, or None for the FLOP model
     problem.device = device
     plan = search(problem, limit, allowed, optimizer, precision, verify)

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from memfit.apply.policy import BlockAction, parse_items, to_string
 from memfit.core.errors import ConfigError
-from memfit.core.units import format_bytes
+from memfit.core.units import format_bytes, format_seconds
 
 ALLOW = ("recompute", "selective", "offload-cpu", "offload-disk", "compress", "chunked-head", "accumulate",
          "optimizer-offload", "precision")
@@ -60,7 +60,8 @@ class Plan:
     offload_optimizer: str | None
     predicted_peak: int
     predicted_time: float
-    """Predicted seconds of extra work per optimizer step over keeping every activation."""
+    """The time model's step (see `time_basis`): seconds with memfit profile costs, else an uncalibrated
+    FLOP-model figure that only ranks configurations."""
     n_blocks: int
     head_chunks: int | None = None
     """The LM head and loss computed in this many chunks (memfit.apply.chunked_head); None = plain."""
@@ -70,6 +71,19 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
     """Where the model trains: on "cpu" host and device are the same RAM (see `memory_note`)."""
+    seq: int | None = None
+    """Tokens per sequence the plan was made for (a plan file is self-contained: memfit train --plan)."""
+    global_batch: int | None = None
+    """Sequences per optimizer step (micro_batch x accumulation)."""
+    model_digest: str | None = None
+    """sha256 (first 16 hex digits) of the model's configuration, or of a module's parameter shapes."""
+    keep_output: bool = True
+    """Budgeted for the caller holding the model's output (logits, an HF cache) through backward, as
+    `out = model(**batch); out.loss.backward()` does; False when the loop drops it before backward."""
+    time_basis: str = "flop-model"
+    """What predicted_time is: "flop-model" (uncalibrated, for ranking only) or "profile" (seconds)."""
+    baseline_time: float = 0.0
+    """The same time model's step with every activation kept, at the same global batch."""
 
     def memory_note(self) -> str | None:
         """On a CPU device, what the device figures mean for the process's physical memory."""
@@ -91,7 +105,9 @@ class Plan:
                  f"  micro-batch {self.micro_batch} x accumulation {self.accumulation}, {self.precision}, "
                  f"{self.optimizer}" + (f", optimizer offloaded to {self.offload_optimizer}" if self.offload_optimizer else ""),
                  f"  head chunks: {self.head_chunks or 'none'}",
-                 f"  predicted step time: {self.predicted_time * 1000:.1f} ms (relative time model, for ranking)"]
+                 f"  {self.time_text()}",
+                 "  the caller's output: " + ("budgeted as held through backward (keep_output=True)" if self.keep_output
+                                              else "assumed dropped before backward (keep_output=False)")]
         if self.measured_peak is not None:
             lines.append(f"  checked by a full trace of the step: peak {format_bytes(self.measured_peak)}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -99,6 +115,14 @@ class Plan:
         if note:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+    def time_text(self) -> str:
+        """The predicted time as what it is: seconds from measured costs, else relative to keeping everything."""
+        if self.time_basis == "profile":
+            return f"predicted step time: {format_seconds(self.predicted_time)} (memfit profile costs)"
+        rel = self.predicted_time / self.baseline_time if self.baseline_time > 0 else 1.0
+        return (f"predicted time: {rel:.2f}x the step that keeps every activation (uncalibrated FLOP model, "
+                "for ranking; --profile for seconds)")
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -138,6 +138,9 @@ def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_ba
                 where=composed.where)
     base = prof.base if isinstance(prof, DiskProfile) else prof
     relief = _opt_bytes(base, n) if cand.offload_optimizer else 0
+    t_block = _problem_cost(problem, getattr(base, "per_micro", base), cand.micro_batch)[1]
+    plan.baseline_time = cand.accumulation * 3 * n * t_block
+    plan.time_basis = "profile" if getattr(problem, "costs", None) is not None else "flop-model"
     if cand.offload_optimizer:
         plan.notes.append("optimizer offload: peak composed from the device-resident profile minus the optimizer "
                           "state" + (", then checked by a full trace with the state on the host" if verify else ""))
