@@ -6,6 +6,7 @@ import json
 
 from memfit.cli.options import add, add_model, model_of
 from memfit.core.units import format_bytes, format_seconds
+from memfit.train.config import DEFAULT_BATCH, DEFAULT_SEQ
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -15,8 +16,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "prints the ranked configurations and the chosen plan. Exit code 2 when nothing fits.")
     add_model(p)
     p.add_argument("--budget", required=True, metavar="SIZE", help="device memory budget, e.g. 8GiB or 300MiB")
-    add(p, "batch", default=1, help="global batch per step")
-    add(p, "seq", default=None, shown="the model's, at most 4096")
+    add(p, "batch", default=DEFAULT_BATCH, help="global batch per step (as memfit train's --batch x --accum)")
+    add(p, "seq", default=None, shown=f"{DEFAULT_SEQ} (memfit train's), at most the model's")
+    p.add_argument("--drop-output", dest="keep_output", action="store_false",
+                   help="the training loop drops the model's output (logits) before backward, as memfit train does "
+                   "(default: budget for `out = model(...)` held through backward)")
     add(p, "precision", default="32-true")
     add(p, "optimizer", default="adamw")
     add(p, "device", default=None, shown="cuda when available", help="where the model will train: cpu, cuda")
@@ -36,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     from memfit.plan.fit import fit
 
     args.model = model_of(args)
+    if args.seq is None:
+        args.seq = default_seq(args.model)
     device = resolve_device(args.device).type
     costs = None
     if args.profile:
@@ -48,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
                         optimizer=args.optimizer).blocks
     plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
                allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs,
-               device=device)
+               device=device, keep_output=args.keep_output)
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0
@@ -56,6 +62,14 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(plan.summary())
     return 0
+
+
+def default_seq(model: str) -> int:
+    """memfit train's default sequence length, at most the model's own."""
+    from memfit.models.spec import parse_model
+
+    own = parse_model(model).seq
+    return min(DEFAULT_SEQ, own) if own else DEFAULT_SEQ
 
 
 def table(plan) -> list[str]:

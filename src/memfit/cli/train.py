@@ -2,7 +2,8 @@
 
 Options the user did not give stay absent (SUPPRESS), so --resume knows what was changed; the
 options shared with estimate and track come from memfit.cli.options; TrainConfig.validate checks
-what the API gets too. Exit codes: 0 done, 2 a request that cannot work (one line), 130 Ctrl-C,
+what the API gets too. Exit codes: 0 done, 2 a request that cannot work (one line), 3 a run with
+--budget or --plan whose measured step peak ended over the budget (run folder kept), 130 Ctrl-C,
 143 SIGTERM (both saved first).
 """
 from __future__ import annotations
@@ -55,8 +56,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(g, "checkpoint", shown=d.checkpoint)
     add(g, "offload_optimizer", shown=d.offload_optimizer)
     add(g, "spill_dir")
-    g.add_argument("--budget", metavar="SIZE", help="plan the run to fit this device memory (e.g. 200MiB); see memfit plan")
-    g.add_argument("--plan", metavar="FILE", help="apply a plan saved by `memfit plan ... --json`")
+    g.add_argument("--budget", metavar="SIZE", help="plan the run to fit this device memory (e.g. 200MiB): the plan "
+                   "splits --batch x --accum into micro-batches and chooses the per-block actions, so --checkpoint and "
+                   "--offload-optimizer are refused (see --allow); exit 3 if the measured peak ends over it")
+    g.add_argument("--plan", metavar="FILE", help="train a plan saved by `memfit plan ... --json`, in its shape (a "
+                   "conflicting --batch, --seq, --checkpoint or --precision is refused)")
     g.add_argument("--allow", metavar="LIST", help="what --budget may use (see memfit plan --help)")
     g.add_argument("--clip", metavar="NORM", type=number(0), help=f"max gradient norm, 0 = off (default {d.clip})")
     g = p.add_argument_group("run")
@@ -120,7 +124,11 @@ def run(args: argparse.Namespace) -> int:
     if "budget" in given or "plan" in given:
         from memfit.train.budget import plan_config
 
-        cfg, plan = plan_config(cfg, given.get("budget"), given.get("plan"), given.get("allow"))
+        cfg, plan = plan_config(cfg, given.get("budget"), given.get("plan"), given.get("allow"), given)
+    elif "allow" in given:
+        from memfit.core.errors import ConfigError
+
+        raise ConfigError("--allow says what --budget may use; give --budget SIZE with it")
     if "max_restarts" in given and "nproc" not in given:
         from memfit.core.errors import ConfigError
 
@@ -131,9 +139,13 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":  # several processes: rank 0 speaks
         print(format_summary(result.metrics, result.run_dir, result.stopped))
         if plan is not None:
-            from memfit.train.budget import report
+            from memfit.train.budget import OVER_BUDGET, report
 
-            print(report(result.run_dir, plan))
+            lines, over = report(result.run_dir, plan)
+            print(lines)
+            if over is not None and result.stopped not in EXIT_CODES:
+                print(over, file=sys.stderr)
+                return OVER_BUDGET
     return EXIT_CODES.get(result.stopped, 0)  # the shell's codes for Ctrl-C (130) and SIGTERM (143)
 
 

@@ -9,7 +9,7 @@ backward (about two forwards) to hide its read in; a block read lazily waits for
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from memfit.apply.policy import BlockAction
 from memfit.plan.costs import DISK_BW, HOOK_S
@@ -53,15 +53,16 @@ def solve_any(prof: Any, budget: int, bases: Sequence[BlockAction], cost: Cost, 
 
 def with_disk(src, prof, choice: Choice | None, limit: int, bases: Sequence[BlockAction],
               disk: Sequence[BlockAction], cost: Cost, t_fwd: float, bandwidth, precision: str, optimizer: str,
-              n: int) -> tuple[Choice | None, Any, Any]:
+              n: int, adjust: Callable[[Any], Any] = lambda p: p) -> tuple[Choice | None, Any, Any]:
     """The better of `choice` (no disk) and the best plan with disk kinds: (choice, profile, disk cost).
     With cpu offload allowed, disk kinds are traced only when nothing fits without them (see
-    CPU_BEFORE_DISK)."""
+    CPU_BEFORE_DISK). `adjust`: what the solver bounds instead of a profile (memfit.plan.accumulate);
+    `choice` was solved on adjust(prof), and the profile returned is adjusted."""
     if not disk or (choice is not None and (choice.time == 0 or (CPU_BEFORE_DISK and _has_cpu(bases)))):
-        return choice, prof, None
-    dp = disk_profile(src, prof, disk, precision, optimizer)
+        return choice, adjust(prof), None
+    dp = adjust(disk_profile(src, prof, disk, precision, optimizer))
     dcost = disk_cost(dp, cost, t_fwd, bandwidth)
     got = solve_with_disk(dp, limit, [*bases, *disk], cost, dcost, n, min(n, 16))
     if got is not None and (choice is None or got.time < choice.time):
         return got, dp, dcost
-    return choice, (prof if choice is not None else dp), (None if choice is not None else dcost)
+    return choice, (adjust(prof) if choice is not None else dp), (None if choice is not None else dcost)

@@ -61,9 +61,27 @@ class _Problem:
             self.batch = _batch_of(example) or 1
 
     def source(self, micro: int) -> ChainSource:
+        """The chain source of one micro-batch, its step holding the output as the loop does."""
+        from memfit.plan.loop_step import loop_source
+
         if self.spec is not None:
-            return spec_source(self.spec, micro, self.seq)
-        return module_source(self.model, _slice_batch(self.example, micro), self.loss_fn)
+            src = spec_source(self.spec, micro, self.seq)
+        else:
+            src = module_source(self.model, _slice_batch(self.example, micro), self.loss_fn)
+        return loop_source(self, src, micro, self.keep_output)
+
+    def digest(self) -> str:
+        """What identifies the model beyond its name: its configuration (a spec), else its parameters'
+        names and shapes (a module); sha256, 16 hex digits."""
+        import hashlib
+
+        if self.spec is not None:
+            text = repr(self.spec.config) if self.spec.config is not None else _config_text(self.spec)
+        elif isinstance(self.model, torch.nn.Module):
+            text = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()])
+        else:
+            text = getattr(self.model, "__qualname__", repr(self.model))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def example_for(self, micro: int) -> Any:
         return _slice_batch(self.example, micro)
@@ -74,6 +92,17 @@ class _Problem:
         ex = _slice_batch(self.example, micro)
         first = next((t for t in _leaves(ex) if t.dim() >= 1), None)
         return int(first.shape[0] * (first.shape[1] if first.dim() > 1 else 1)) if first is not None else micro
+
+
+def _config_text(spec: Any) -> str:
+    """A Hugging Face config file's contents (sorted JSON), else the spec's repr."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.dumps(json.loads(Path(spec.hf_config).read_text()), sort_keys=True) + repr(spec.lora)
+    except (OSError, TypeError, ValueError):
+        return repr(spec)
 
 
 def _device_of(model: Any) -> str:
@@ -93,6 +122,11 @@ def _leaves(obj: Any):
     elif isinstance(obj, (tuple, list)):
         for v in obj:
             yield from _leaves(v)
+
+
+def model_digest(model: str) -> str:
+    """The configuration digest a plan of the named model records (Plan.model_digest)."""
+    return _Problem(model, None, None, None, None).digest()
 
 
 def _check_weights(problem: _Problem, limit: int, precision: str, allowed: tuple[str, ...]) -> None:
@@ -116,11 +150,14 @@ def _check_weights(problem: _Problem, limit: int, precision: str, allowed: tuple
 def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str = "adamw",
         precision: str = "32-true", allow: Any = None, loss_fn: Callable | None = None,
         batch: int | None = None, seq: int | None = None, verify: bool = True, costs: Any = None,
-        device: str | None = None) -> Plan:
+        device: str | None = None, keep_output: bool = True) -> Plan:
     """Plan `model` (a module, a zero-argument factory, or a model name/spec for the CLI) to fit `budget`.
 
     `device`: where it trains (default: the module's parameters' device; for a name, cuda when available,
-    else cpu). On a CPU device the default `allow` leaves out host offload (docs/planner.md)."""
+    else cpu). On a CPU device the default `allow` leaves out host offload (docs/planner.md).
+    `keep_output`: the loop holds the model's output (logits, a Hugging Face KV cache) through backward,
+    as `out = model(**batch); out.loss.backward()` does, until its next forward returns; pass False
+    when it drops the output before backward (memfit.plan.loop_step)."""
     if budget is None:
         raise ConfigError("give a budget, e.g. budget='8GiB'")
     limit = _budget(budget)
@@ -132,16 +169,19 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
 
         check_example(example)
     problem = _Problem(model, example, loss_fn, batch, seq)
+    problem.keep_output = bool(keep_output)
     _check_weights(problem, limit, precision, allowed)
     from memfit.plan.search import search
 
     problem.costs = costs  # memfit.profile BlockCosts measured at the full batch, or None for the FLOP model
     problem.device = device
     plan = search(problem, limit, allowed, optimizer, precision, verify)
-    plan.device = device
+    plan.device, plan.keep_output, plan.seq = device, problem.keep_output, problem.seq
+    plan.global_batch, plan.model_digest = problem.batch, problem.digest()
     if allow is None and device == "cpu":
         plan.notes.append("on a CPU device the default leaves out offload-cpu and optimizer-offload (host memory "
                           "is the same RAM); name them in allow to plan them anyway")
     plan.fit_args = dict(model=model, example=example, budget=limit, optimizer=optimizer, precision=precision,
-                         allow=allowed, loss_fn=loss_fn, batch=batch, seq=seq, verify=verify, costs=costs, device=device)
+                         allow=allowed, loss_fn=loss_fn, batch=batch, seq=seq, verify=verify, costs=costs, device=device,
+                         keep_output=keep_output)
     return plan

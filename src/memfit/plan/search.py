@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from memfit.core.units import format_bytes
 from memfit.measure.blocks import chain_profile
 from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost, head_cost, measured
@@ -12,6 +10,8 @@ from memfit.plan.head import head_counts, head_profile, head_seconds, sums_weigh
 from memfit.plan.plan import Candidate, Plan
 from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
 from memfit.plan.disk_profile import DiskProfile, disk_bases
+from memfit.plan.accumulate import accumulating
+from memfit.plan.loop_step import input_bytes, trace_plan
 from memfit.apply.policy import BlockAction, to_string
 
 
@@ -133,7 +133,7 @@ def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_ba
     plan = Plan(model=problem.name, budget=limit, actions=list(choice.actions), micro_batch=cand.micro_batch,
                 accumulation=cand.accumulation, optimizer=optimizer, precision=cand.precision,
                 offload_optimizer=cand.offload_optimizer, predicted_peak=cand.peak, predicted_time=cand.time,
-                n_blocks=n, head_chunks=cand.head_chunks,
+                n_blocks=n, head_chunks=cand.head_chunks, keep_output=getattr(problem, "keep_output", True),
                 ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
                 where=composed.where)
     base = prof.base if isinstance(prof, DiskProfile) else prof
@@ -145,7 +145,7 @@ def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_ba
         plan.notes.append("optimizer offload: peak composed from the device-resident profile minus the optimizer "
                           "state" + (", then checked by a full trace with the state on the host" if verify else ""))
     if verify:
-        cost, t_fwd, _, costs = _problem_cost(problem, base, cand.micro_batch)
+        cost, t_fwd, _, costs = _problem_cost(problem, getattr(base, "per_micro", base), cand.micro_batch)
         bw = getattr(costs, "bandwidth", None)
         dcost = disk_cost(prof, cost, t_fwd, bw) if isinstance(prof, DiskProfile) else None
         _verify(problem, plan, prof, all_bases, cost, dcost, relief)
@@ -175,11 +175,13 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     relief = _opt_bytes(prof, n) if off else 0
     accum = problem.batch // micro
     device = getattr(problem, "device", "cpu")
+    adjust = later_micro_batch(problem, micro, accum)
 
     def row(chunks: int | None, p) -> tuple:
         cost = _problem_cost(problem, p, micro)[0]
-        choice = solve_any(p, limit + relief, bases, cost, n_blocks=n, max_segment=min(n, 16))
-        choice, p, _ = with_disk(src, p, choice, limit + relief, bases, disk, cost, t_fwd, bw, prec, optimizer, n)
+        choice = solve_any(adjust(p), limit + relief, bases, cost, n_blocks=n, max_segment=min(n, 16))
+        choice, p, _ = with_disk(src, p, choice, limit + relief, bases, disk, cost, t_fwd, bw, prec, optimizer, n,
+                                 adjust)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
         head = head_cost(costs, micro / problem.batch, chunks, lambda k: head_seconds(src, tokens, k, speed, prec, device),
@@ -218,40 +220,19 @@ def _measured_counts(counts: list[int], costs) -> list[int]:
     return [k for k in counts if k >= k0] or counts[-1:]
 
 
+def later_micro_batch(problem, micro: int, accum: int):
+    """profile -> the profile the solver bounds: with accumulation, a later micro-batch's (gradients
+    held, and under memfit train the step's other micro-batches on the device); else the profile."""
+    if accum <= 1:
+        return lambda p: p
+    ahead = (accum - 1) * input_bytes(problem, micro) if problem.spec is not None else 0
+    return lambda p: accumulating(p, ahead)
+
+
 def _trace_peak(problem, plan: Plan) -> int:
-    """The chosen step's peak from a full trace on the device it will run on. On CUDA that is the
-    caching allocator's predicted reserve (what a memory limit or the card's size refuses), which
-    is above the tensors' bytes by the allocator's rounding, cached blocks and cuBLAS workspaces."""
-    from memfit.measure.trace import trace_step
-
-    from memfit.apply.head_swap import chunk_head
-
-    device = str(getattr(problem, "device", None) or "cpu")
-    cuda = device.startswith("cuda") and torch.cuda.is_available()
-    if problem.spec is not None:
-        spec, seq, chunks = problem.spec, problem.seq, plan.head_chunks
-        model = (lambda: chunk_head(spec.build(seq=seq), chunks)) if chunks else spec
-        r = trace_step(model, batch=plan.micro_batch, seq=seq, precision=plan.precision,
-                       optimizer=plan.optimizer, checkpoint=plan.actions, device=device if cuda else "cpu",
-                       offload_optimizer=plan.offload_optimizer)
-        return max(r.peak, r.cuda_reserved or 0)
-    from memfit.core.tracker import MemoryTracker
-    from memfit.measure.anymodel import example_step, module_builder, run_steps
-    from memfit.measure.fake_mode import fake_mode
-    from memfit.measure.caching_allocator import replay_step
-
-    def tracker(model, opt, dev):
-        t = MemoryTracker(model, opt, dev)
-        t.events = [] if cuda else None
-        return t
-
-    with fake_mode():
-        r = run_steps(module_builder(problem.model), example_step(problem.example_for(plan.micro_batch),
-                      problem.loss_fn), plan.precision, plan.optimizer, plan.actions, device if cuda else "cpu",
-                      tracker=tracker, prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None,
-                      offload=plan.offload_optimizer)
-    peak = r.tracker.peak_bytes
-    return max(peak, replay_step(r.tracker.events, device).peak_reserved) if cuda else peak
+    """The chosen step's peak from a full trace on the device it will run on, as the loop runs it
+    (memfit.plan.loop_step: two micro-batches when it accumulates, the output kept or dropped)."""
+    return trace_plan(problem, plan)
 
 
 def _verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0) -> None:

@@ -10,6 +10,10 @@ from memfit.core.errors import ConfigError
 
 DEFAULT_MODEL = "gpt:layers=4,hidden=192,heads=6,vocab=256,seq=256"
 """A byte-level GPT (1.9M parameters) that learns visible Shakespeare in two minutes on two cores."""
+DEFAULT_BATCH = 16
+"""Sequences per optimizer step when none is given: `memfit train` and `memfit plan` alike."""
+DEFAULT_SEQ = 128
+"""Tokens per sequence when none is given (`memfit plan`: at most the model's own)."""
 DEFAULT_TIME_LIMIT = 120.0
 """Seconds for `memfit train` with neither --steps nor --time-limit."""
 MAX_COUNT = 2**31 - 1
@@ -34,9 +38,9 @@ class TrainConfig:
     """Optimizer steps; None with no time_limit means DEFAULT_TIME_LIMIT seconds."""
     time_limit: float | None = None
     """Seconds of training; without `steps` the schedule length is fitted to it after a few timed steps."""
-    batch: int = 16
+    batch: int = DEFAULT_BATCH
     """Sequences per micro-batch."""
-    seq: int = 128
+    seq: int = DEFAULT_SEQ
     accum: int = 1
     """Micro-batches per optimizer step (gradient accumulation): tokens/step = batch * seq * accum."""
     lr: float = 2e-3

@@ -1,0 +1,156 @@
+"""The training loop a plan is made for, as a step the planner's traces run.
+
+    for micro in step_batches:                 # all on the device when the step begins (memfit train)
+        out = model(**micro)                   # keep_output: `out` lives until the next forward returns
+        loss = out.loss
+        loss.backward()
+    opt.step()
+
+Two things about that loop cost memory that a step which drops its output and runs one micro-batch
+does not show:
+
+* `keep_output`: Python keeps `out` (logits, a Hugging Face KV cache) alive through backward and the
+  optimizer step, and until the *next* forward has returned and its result replaced it. The step
+  below holds the output in a slot that outlives the step, as the loop's variable does.
+* accumulation: from the second micro-batch on, the gradients of the earlier ones are held, and
+  memfit train has moved every micro-batch of the step to the device up front. The plan is checked by
+  a trace of two micro-batches (the third and later ones repeat the second) with the rest of the
+  step's inputs on the device.
+
+`loop_source` gives the chain source the composed estimate traces (one micro-batch, with the output
+kept or dropped); `trace_plan` traces the chosen plan's whole step so.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from memfit.measure.blocks import ChainSource
+
+TRACED_MICRO_BATCHES = 2
+"""Micro-batches a plan with accumulation is checked with: the second holds the first one's gradients,
+and every later one is the second again."""
+
+
+def _spec_batch(model: nn.Module, micro: int, seq: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    from memfit.measure.trace import _vocab
+
+    vocab = _vocab(model)
+    return torch.randint(0, vocab, (micro, seq), device=dev), torch.randint(0, vocab, (micro, seq), device=dev)
+
+
+def _spec_forward(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """(the output as a loop holds it, the loss) for memfit's GPT or a Hugging Face causal LM."""
+    from memfit.models.gpt import GPT
+
+    x, y = batch
+    if isinstance(model, GPT):
+        out = model(x, y)  # (logits, summed loss, tokens): `logits, loss, n = model(x, y)`
+        return out, out[1] / out[2]
+    out = model(input_ids=x, labels=y)
+    return out, out.loss
+
+
+def _module_batch(problem: Any, micro: int) -> Callable[[torch.device], Any]:
+    from memfit.measure.anymodel import fake_like
+
+    example = problem.example
+    if callable(example) and not isinstance(example, torch.Tensor):
+        return example
+    sliced = problem.example_for(micro)
+    return lambda dev: fake_like(sliced, dev)
+
+
+def loop_step(problem: Any, micro: int, micro_batches: int = 1, keep_output: bool = True,
+              on_device: int = 1) -> Callable[[nn.Module, Any], None]:
+    """One optimizer step of the loop above: `micro_batches` forward/backward passes, then the update.
+    `on_device`: micro-batches of the step moved to the device when it begins (at least those run)."""
+    held: dict[str, Any] = {}  # the loop's `out` variable: it survives the step
+    if problem.spec is not None:
+        seq = problem.seq
+        make = lambda model, dev: _spec_batch(model, micro, seq, dev)  # noqa: E731
+        forward = _spec_forward
+    else:
+        from memfit.measure.anymodel import call, extract_loss
+
+        fetch = _module_batch(problem, micro)
+        make = lambda model, dev: fetch(dev)  # noqa: E731
+
+        def forward(model: nn.Module, batch: Any) -> tuple[Any, torch.Tensor]:
+            out = call(model, batch)
+            return out, extract_loss(out, batch, problem.loss_fn)
+
+    def step(model: nn.Module, opt: Any) -> None:
+        dev = next(iter(model.parameters())).device
+        batches = [make(model, dev) for _ in range(max(micro_batches, on_device))]
+        for i in range(micro_batches):
+            with opt.autocast():
+                # One assignment, as `out = model(...)`: the previous output is released only now.
+                held["out"], loss = forward(model, batches[i])
+            if not keep_output:
+                held.clear()
+            opt.backward(loss, final=i == micro_batches - 1)
+            del loss
+        opt.step()
+
+    return step
+
+
+def loop_source(problem: Any, src: ChainSource, micro: int, keep_output: bool) -> ChainSource:
+    """The chain source whose step holds the output as the loop does (the source itself when dropped:
+    its step drops the output too, and its traces are shared with memfit.estimate)."""
+    if not keep_output:
+        return src
+    return replace(src, step=loop_step(problem, micro, 1, True), key=src.key + ("keep-output",))
+
+
+def trace_plan(problem: Any, plan: Any) -> int:
+    """The plan's step traced whole (nothing allocated): two micro-batches when it accumulates, the
+    step's other micro-batches on the device, the output held as `plan.keep_output` says. On CUDA the
+    figure is the caching allocator's predicted reserve (what a memory limit refuses)."""
+    from memfit.apply.head_swap import chunk_head
+    from memfit.core.tracker import MemoryTracker
+    from memfit.measure.anymodel import module_builder, run_steps
+    from memfit.measure.caching_allocator import replay_step
+    from memfit.measure.fake_mode import fake_mode
+
+    device = str(getattr(problem, "device", None) or "cpu")
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    if problem.spec is not None:
+        if problem.spec.hf_config is not None:
+            import transformers  # noqa: F401  (imported before tracing, as trace_step does)
+        spec, seq = problem.spec, problem.seq
+        build = lambda: spec.build(seq=seq)  # noqa: E731
+        on_device = plan.accumulation  # memfit train moves the whole step's micro-batches at once
+    else:
+        build = module_builder(problem.model)
+        on_device = 1  # a user's loop: one micro-batch at a time
+    runs = min(plan.accumulation, TRACED_MICRO_BATCHES)
+    step = loop_step(problem, plan.micro_batch, runs, plan.keep_output, on_device)
+
+    def tracker(model, opt, dev):
+        t = MemoryTracker(model, opt, dev)
+        t.events = [] if cuda else None
+        return t
+
+    with fake_mode():
+        r = run_steps(build, step, plan.precision, plan.optimizer, plan.actions, device if cuda else "cpu",
+                      tracker=tracker, prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None,
+                      offload=plan.offload_optimizer)
+    peak = r.tracker.peak_bytes
+    return max(peak, replay_step(r.tracker.events, device).peak_reserved) if cuda else peak
+
+
+def input_bytes(problem: Any, micro: int) -> int:
+    """Bytes of one micro-batch's inputs as `loop_step` makes them."""
+    if problem.spec is not None:
+        return 2 * micro * problem.seq * 8  # tokens and targets, int64
+    ex = problem.example
+    if callable(ex) and not isinstance(ex, torch.Tensor):
+        return 0  # made by the user's function: not known without calling it
+    from memfit.plan.fit import _leaves
+
+    return sum(t.numel() * t.element_size() for t in _leaves(problem.example_for(micro)))
