@@ -100,11 +100,8 @@ def loop_step(problem: Any, micro: int, micro_batches: int = 1, keep_output: boo
 
 
 def loop_source(problem: Any, src: ChainSource, micro: int, keep_output: bool) -> ChainSource:
-    """The chain source whose step holds the output as the loop does (the source itself when dropped:
-    its step drops the output too, and its traces are shared with memfit.estimate)."""
-    if not keep_output:
-        return src
-    return replace(src, step=loop_step(problem, micro, 1, True), key=src.key + ("keep-output",))
+    """The chain source whose step is one micro-batch of the loop, its output kept or dropped."""
+    return replace(src, step=loop_step(problem, micro, 1, keep_output), key=src.key + (("loop", keep_output),))
 
 
 def trace_plan(problem: Any, plan: Any) -> int:
