@@ -50,6 +50,8 @@ def plan_config(cfg: Any, budget: str | None = None, plan_file: str | None = Non
         raise ConfigError("give --budget (plan now) or --plan FILE (a saved plan), not both")
     if plan_file is not None:
         plan = load_plan(plan_file)
+        if "model" not in given:  # the plan names its model (a name, spec or config path memfit reads)
+            cfg = dataclasses.replace(cfg, model=plan.model)
         _check_plan_file(cfg, plan, plan_file, given)
         seq = plan.seq or cfg.seq
     else:
