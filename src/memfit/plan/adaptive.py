@@ -19,8 +19,10 @@ from memfit.plan.plan import Plan
 
 class AdaptivePlan:
     def __init__(self, model: str, budget: Any, *, optimizer: str = "adamw", precision: str = "32-true",
-                 allow: Any = ("recompute", "selective"), bucket: int = 128, verify: bool = False) -> None:
+                 allow: Any = ("recompute", "selective"), bucket: int = 128, verify: bool = False,
+                 keep_output: bool = True) -> None:
         self.model, self.budget, self.optimizer, self.precision = model, budget, optimizer, precision
+        self.keep_output = keep_output  # as memfit.fit: the loop holds the model's output through backward
         self.allow, self.bucket, self.verify = allow, bucket, verify
         self.plans: dict[tuple[int, int], Plan] = {}
         self._applied: dict[int, tuple[int, int]] = {}
@@ -35,7 +37,8 @@ class AdaptivePlan:
         k = self.key(batch, seq)
         if k not in self.plans:
             self.plans[k] = fit(self.model, budget=self.budget, optimizer=self.optimizer, precision=self.precision,
-                                allow=self.allow, batch=k[0], seq=k[1], verify=self.verify)
+                                allow=self.allow, batch=k[0], seq=k[1], verify=self.verify,
+                                keep_output=self.keep_output)
         return self.plans[k]
 
     def apply(self, model: nn.Module, batch: int, seq: int) -> Plan:
