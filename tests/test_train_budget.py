@@ -73,3 +73,16 @@ def test_a_run_over_its_budget_exits_3_with_one_line_and_keeps_its_folder(tmp_pa
     assert metrics["budget"]["over_budget"] and metrics["budget"]["measured_peak_bytes"] > 2**16
     assert metrics["config"]["batch"] == 2 and metrics["config"]["accum"] == 2 and metrics["config"]["seq"] == 32
     assert (out / "checkpoint.pt").exists()
+
+
+def test_plan_and_train_share_their_shape_defaults():
+    import argparse
+
+    from memfit.cli import plan as plan_cli
+    from memfit.train.config import DEFAULT_MODEL
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    args = plan_cli.add_parser(sub).parse_args([DEFAULT_MODEL, "--budget", "1GiB"])
+    d = TrainConfig()
+    assert args.batch == d.batch * d.accum and plan_cli.default_seq(DEFAULT_MODEL) == d.seq
+    assert plan_cli.default_seq("gpt:layers=1,hidden=32,heads=2,vocab=256,seq=64") == 64  # at most the model's
