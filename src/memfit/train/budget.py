@@ -69,8 +69,9 @@ def plan_config(cfg: Any, budget: str | None = None, plan_file: str | None = Non
         plan = fit(cfg.model, budget=budget, optimizer=cfg.optimizer, precision=precision, allow=allow,
                    batch=cfg.batch * cfg.accum, seq=cfg.seq, keep_output=False)
         plan.notes.append(f"--budget kept the run's global batch {cfg.batch * cfg.accum} (--batch {cfg.batch} x "
-                          f"--accum {cfg.accum}), --seq {cfg.seq}, --precision {precision} and --optimizer "
-                          f"{cfg.optimizer}; it chose the split, the per-block actions and the head")
+                          f"--accum {cfg.accum}), --seq {cfg.seq} and --optimizer {cfg.optimizer}; it chose the "
+                          "split, the per-block actions, the head" + (f" and {plan.precision} over --precision "
+                          f"{precision} (allowed)" if plan.precision != precision else f" (--precision {precision} kept)"))
         seq = cfg.seq
     cfg = dataclasses.replace(cfg, checkpoint=to_string(plan.actions), batch=plan.micro_batch,
                               accum=plan.accumulation, precision=plan.precision, seq=seq, optimizer=plan.optimizer,
