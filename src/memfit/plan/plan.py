@@ -109,7 +109,8 @@ class Plan:
                  "  the caller's output: " + ("budgeted as held through backward (keep_output=True)" if self.keep_output
                                               else "assumed dropped before backward (keep_output=False)")]
         if self.measured_peak is not None:
-            lines.append(f"  checked by a full trace of the step: peak {format_bytes(self.measured_peak)}")
+            two = " (two micro-batches, the second holding the first's gradients)" if self.accumulation > 1 else ""
+            lines.append(f"  checked by a full trace of the step{two}: peak {format_bytes(self.measured_peak)}")
         lines += [f"  note: {n}" for n in self.notes]
         note = self.memory_note()
         if note:
