@@ -111,8 +111,12 @@ def run(args: argparse.Namespace) -> int:
 
     from memfit.train.elastic import restart_count, resumed_options
 
+    from memfit.cli import train_checks
+
     given = resumed_options(vars(args))  # an elastic restart resumes from the run folder's checkpoint
+    given = train_checks.checked(given)  # --nproc N alone: ddp, with a note
     cfg, ckpt = config_of(given)
+    train_checks.check_strategy_options(given, cfg.strategy)  # an option the strategy would ignore: refused
     if restart_count() and ckpt is not None and os.environ.get("RANK", "0") == "0":
         print(f"memfit train: restart {restart_count()}: resuming from step {ckpt['step']} in {cfg.out}",
               file=sys.stderr, flush=True)
