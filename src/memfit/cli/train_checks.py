@@ -17,9 +17,9 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "schedule": ("pipeline",),
     "dp": ("pipeline",),
     "tp": ("tensor",),
-    "compress": ("ddp", "zero1", "zero2"),
 }
-"""option (TrainConfig field) -> the strategies it changes."""
+"""option (TrainConfig field) -> the strategies it changes. (--compress: TrainConfig.validate says why
+each other strategy cannot carry it.)"""
 DEFAULT_WITH_NPROC = "ddp"
 STRATEGIES = ("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor")
 
@@ -33,8 +33,6 @@ def check_strategy_options(given: dict[str, Any], strategy: str) -> None:
     for name, strategies in APPLIES_TO.items():
         if name not in given or strategy in strategies:
             continue
-        if name == "compress" and given[name] in (None, "none"):
-            continue  # --compress none asks for nothing
         if name == "dp" and given[name] == 1:
             continue  # the default value, harmless anywhere
         where = " or ".join(f"--strategy {s}" for s in strategies)
