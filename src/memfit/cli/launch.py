@@ -88,9 +88,28 @@ def _elastic(nproc: int, argv: list[str], max_restarts: int, out: str | None) ->
         monitor_interval=0.2, start_method="spawn", signals_to_handle=ELASTIC_SIGNALS,
     )
     try:
-        return elastic_launch(config, _worker)(argv)
+        with _quiet_elastic():
+            return elastic_launch(config, _worker)(argv)
     except ChildFailedError as exc:
         raise MemfitError(_failed(exc, max_restarts, out)) from None
+
+
+@contextlib.contextmanager
+def _quiet_elastic():
+    """torch-elastic logs a failed rank as a traceback of its own monitoring code and warns for each
+    process it closes; the launcher says what happened in one line (`_failed`) instead."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _failed(exc, max_restarts: int, out: str | None) -> str:
