@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, load, save, spread  # noqa: E402
+from common import RESULTS, ROOT, load, save, spread  # noqa: E402
 
 NAME = "launcher"
 TARGET = 1.10
@@ -58,22 +58,31 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--strategy", default="zero3")
+    ap.add_argument("--keep", action="store_true", help="add these rounds to those in results/launcher.json "
+                    "(same strategy and steps): more rounds on a loaded machine, each session under ten minutes")
     args = ap.parse_args()
     names = ["nproc", "torchrun"]
-    rng, before, t0 = random.Random(0), load(), time.perf_counter()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    orders = []
-    for r in range(args.rounds):
+    old = RESULTS / f"{NAME}.json"
+    prev = json.loads(old.read_text()) if args.keep and old.exists() else None
+    if prev is not None and (prev["strategy"], prev["steps"]) != (args.strategy, args.steps):
+        raise SystemExit("--keep: results/launcher.json has another strategy or step count")
+    times: dict[str, list[float]] = {n: list(prev["step_s"][n]["times"]) if prev else [] for n in names}
+    orders = list(prev["orders"]) if prev else []
+    session = load()
+    before = prev["load_before"] if prev else session
+    rng, t0 = random.Random(len(orders)), time.perf_counter() - (prev["wall_s"] if prev else 0.0)
+    for r in range(len(orders), len(orders) + args.rounds):
         order = names[:]
         rng.shuffle(order)
         orders.append(order)
         for name in order:
             times[name].append(_launch(name, args.strategy, args.steps))
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in order), flush=True)
+        print(f"round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in order), flush=True)
     ratios = [a / b for a, b in zip(times["nproc"], times["torchrun"])]
+    sessions = (prev.get("sessions", [[prev["load_before"], prev["load_after"]]]) if prev else []) + [[session, load()]]
     result = {"script": NAME, "command": f"bench/launcher.py --rounds {args.rounds} --steps {args.steps} "
-              f"--strategy {args.strategy}", "strategy": args.strategy, "steps": args.steps, "world": 2,
-              "rounds": args.rounds, "orders": orders, "load_before": before, "load_after": load(),
+              f"--strategy {args.strategy}" + (f" (then --keep: {len(orders)} rounds in all)" if prev else ""),
+              "strategy": args.strategy, "steps": args.steps, "world": 2, "rounds": len(orders), "orders": orders, "load_before": before, "load_after": load(), "sessions": sessions,
               "wall_s": time.perf_counter() - t0, "step_s": {n: spread(times[n]) for n in names},
               "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "all": ratios},
               "target": TARGET}
@@ -86,13 +95,14 @@ def _table(result: dict) -> str:
     rows = ["| launcher | median step s | min | max |", "|---|---:|---:|---:|"]
     rows += [f"| {'`memfit train --nproc 2`' if n == 'nproc' else '`torchrun --nproc-per-node 2 -m memfit train`'} | "
              f"{s[n]['median']:.3f} | {s[n]['min']:.3f} | {s[n]['max']:.3f} |" for n in ("nproc", "torchrun")]
-    a, b = result["load_before"][0], result["load_after"][0]
+    sessions = result.get("sessions", [[result["load_before"], result["load_after"]]])
+    loads = "; ".join(f"{a[0]:.1f} before, {b[0]:.1f} after" for a, b in sessions)
     return "\n".join(rows) + (
         f"\n\n--nproc / torchrun, per round: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}) over "
         f"{result['rounds']} interleaved rounds in shuffled order, --strategy {result['strategy']}, "
         f"{result['steps']} steps per launch; target <= {result['target']:.2f}: "
-        f"{'met' if result['met'] else 'NOT met'}. Load average {a:.1f} before, {b:.1f} after, on a shared "
-        f"2-core machine (`{result['command']}`).")
+        f"{'met' if result['met'] else 'NOT met'}. Load average (1 min) per session: {loads}, on a shared "
+        f"{result['machine']['cores']}-core machine (`{result['command']}`).")
 
 
 def render(result: dict) -> str:
