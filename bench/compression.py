@@ -53,8 +53,8 @@ COMPRESSORS = {
     # bytes), each with the other second-moment choice (var=), top-k keeping the largest |x| instead
     # of the largest max(0, x y) (select=x), sign without the local clip (clip=inf), and the lossy
     # ones with targets also under memfit's ZeRO-2
-    "adamw": ["none", "topk:0.01", "topk:0.01,adam=5", "topk:0.01,adam=5,select=x", "topk:0.01,adam=5,var=rank",
-              "sign", "sign:adam=5",
+    "adamw": ["none", "topk:0.01,adam=off", "topk:0.01,adam=5", "topk:0.01,adam=5,select=x", "topk:0.01,adam=5,var=rank",
+              "sign:adam=off", "sign:adam=5",
               "sign:adam=5,var=batch", "sign:adam=5,clip=inf", "int8", "powersgd:4",
               "zero2 topk:0.01,adam=5", "zero2 sign:adam=5", "zero2 int8"],
     # DGC's and EF-SignSGD's setting: momentum SGD, with the momentum moved before compression
@@ -271,6 +271,10 @@ def render(result: dict) -> str:
         f"of both ranks. Load average {a:.1f} before, {b:.1f} after, on {result['machine']['cores']} cores; "
         f"run took {result['wall_s']:.0f} s. Loss curves: [{png}]({png}).",
         "",
+        *(["Rows `topk:0.01` and `sign` of this run ran before plain specs chose their mode from the optimizer: "
+            "they are plain error feedback (today's `topk:0.01,adam=off`, `sign:adam=off`).", ""]
+          if result.get("optimizer_name", "adamw") == "adamw"
+          and any(r["compressor"] in ("topk:0.01", "sign") and "mode" not in r for r in result["rows"]) else []),
         "| compressor | bytes/step/rank | fewer bytes | coding share | step s (median [q1, q3]) | final val loss | vs none | target |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
