@@ -100,3 +100,16 @@ def test_a_killed_rank_is_one_line_and_leaves_no_temporary_files(tmp_path):
     assert len(errors) == 1 and "was killed by SIGKILL" in errors[0], stderr[-3000:]
     assert "Traceback" not in stderr
     assert os.listdir(scratch) == []
+
+
+def test_one_process_compiler_cache_folder_is_temporary(monkeypatch):
+    from memfit.cli.launch_env import CACHE_ENV, compiler_cache
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    with compiler_cache():
+        folder = Path(os.environ[CACHE_ENV])
+        folder.mkdir(parents=True)  # what importing torch._dynamo does
+    assert CACHE_ENV not in os.environ and not folder.exists() and not folder.parent.exists()
+    monkeypatch.setenv(CACHE_ENV, "/somewhere/chosen")
+    with compiler_cache():
+        assert os.environ[CACHE_ENV] == "/somewhere/chosen"

@@ -2,6 +2,7 @@
 
 - Threads: torchrun sets OMP_NUM_THREADS=1 for every rank when the user did not set it (N ranks
   each running one thread per core oversubscribe the machine N times: 15-40x slower steps).
+- One process (`compiler_cache`): only the compiler cache folder, as below.
 - Scratch: torch-elastic's per-launch log tree (torchelastic_*), torch.multiprocessing's error
   files (pytorch-errorfile-*.pickle, left behind by a killed rank) and the compiler cache folder
   that importing torch._dynamo creates (torchinductor_<user>) all go into one temporary folder,
@@ -44,6 +45,21 @@ def scratch(prefix: str = "memfit-") -> Iterator[str]:
             yield folder
     finally:
         tempfile.tempdir = before
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def compiler_cache() -> Iterator[None]:
+    """One process's run: the folder importing torch._dynamo creates (torchinductor_<user>) goes
+    into a temporary folder removed after, unless the user chose one (TORCHINDUCTOR_CACHE_DIR)."""
+    if CACHE_ENV in os.environ:
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="memfit-cache-")
+    try:
+        with _environ(**{CACHE_ENV: os.path.join(folder, "inductor")}):
+            yield
+    finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 

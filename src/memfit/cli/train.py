@@ -105,6 +105,13 @@ def config_of(given: dict) -> tuple[TrainConfig, dict | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.cli.launch_env import compiler_cache
+
+    with compiler_cache():  # no torchinductor_<user> folder left in the temp folder
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from memfit.train import loop
     from memfit.train.report import format_summary
     from memfit.train.signals import EXIT_CODES
