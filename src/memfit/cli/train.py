@@ -74,10 +74,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress output, only the final summary")
     g = p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)")
     g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
-                   help="distributed strategy; --batch stays per process (default none)")
+                   help="distributed strategy; --batch stays per process (default none; ddp with --nproc N)")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
-                   "fp16, powersgd:4 (options: docs/compression.md; default none)")
+                   "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; docs/compression.md; default none)")
     g.add_argument("--microbatches", metavar="M", type=integer(1, 4096),
                    help="--strategy pipeline: micro-batches per step (default: the number of processes)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
