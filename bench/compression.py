@@ -274,7 +274,8 @@ def render(result: dict) -> str:
         *(["Rows `topk:0.01` and `sign` of this run ran before plain specs chose their mode from the optimizer: "
             "they are plain error feedback (today's `topk:0.01,adam=off`, `sign:adam=off`).", ""]
           if result.get("optimizer_name", "adamw") == "adamw"
-          and any(r["compressor"] in ("topk:0.01", "sign") and "mode" not in r for r in result["rows"]) else []),
+          and any(r["compressor"] in ("topk:0.01", "sign") and "mode" not in r
+                  for r in result["rows"]) else []),
         "| compressor | bytes/step/rank | fewer bytes | coding share | step s (median [q1, q3]) | final val loss | vs none | target |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]

@@ -82,7 +82,8 @@ def main() -> None:
     sessions = (prev.get("sessions", [[prev["load_before"], prev["load_after"]]]) if prev else []) + [[session, load()]]
     result = {"script": NAME, "command": f"bench/launcher.py --rounds {args.rounds} --steps {args.steps} "
               f"--strategy {args.strategy}" + (f" (then --keep: {len(orders)} rounds in all)" if prev else ""),
-              "strategy": args.strategy, "steps": args.steps, "world": 2, "rounds": len(orders), "orders": orders, "load_before": before, "load_after": load(), "sessions": sessions,
+              "strategy": args.strategy, "steps": args.steps, "world": 2, "rounds": len(orders), "orders": orders,
+              "load_before": before, "load_after": load(), "sessions": sessions,
               "wall_s": time.perf_counter() - t0, "step_s": {n: spread(times[n]) for n in names},
               "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "all": ratios},
               "target": TARGET}

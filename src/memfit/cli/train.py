@@ -77,7 +77,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="distributed strategy; --batch stays per process (default none; ddp with --nproc N)")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
-                   "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; docs/compression.md; default none)")
+                   "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; "
+                   "docs/compression.md; default none)")
     g.add_argument("--microbatches", metavar="M", type=integer(1, 4096),
                    help="--strategy pipeline: micro-batches per step (default: the number of processes)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
