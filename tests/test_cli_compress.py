@@ -26,7 +26,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
     (["--strategy", "zero3", "--compress", "int8"], "does not apply to --strategy zero3"),
     (["--strategy", "ps", "--compress", "sign"], "does not apply to --strategy ps"),
     (["--strategy", "zero2", "--compress", "powersgd:4"], "powersgd:4,batched"),
-    (["--compress", "topk:0.01"], "add --strategy ddp, zero1 or zero2"),
+    (["--strategy", "none", "--compress", "topk:0.01"], "--strategy none runs one process"),
     (["--strategy", "zero2", "--compress", "int8:adam=10"], "applies to topk and sign"),
     (["--strategy", "ddp", "--compress", "sign:adam=-1"], "0 or more"),
     (["--strategy", "ddp", "--optimizer", "sgd", "--compress", "sign:adam=5"], "adam and adamw"),

@@ -46,6 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _speaks(exc: MemfitError) -> bool:
+    """Under torchrun every rank meets the same config error: rank 0 alone prints it. Other errors
+    may be one rank's own: every rank prints those."""
+    import os
+
+    from memfit.core.errors import ConfigError
+
+    if not isinstance(exc, ConfigError):
+        return True
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -58,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = int(args._run(args) or 0)
     except MemfitError as exc:
-        print(f"memfit {args.command}: error: {exc}", file=sys.stderr)
+        if _speaks(exc):
+            print(f"memfit {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # a second Ctrl-C or SIGTERM: aborted without saving
         print("memfit: interrupted", file=sys.stderr)

@@ -3,7 +3,9 @@
 Each process runs the same `memfit train` command line (without --nproc) with torchrun's
 environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), rendezvous on 127.0.0.1 at a free port. Rank 0
 speaks; another rank's output is shown only when it ended differently from rank 0. The exit code
-is the worst rank's.
+is the worst rank's. As under torchrun, each rank runs one thread unless OMP_NUM_THREADS is set;
+torch-elastic's temporary files go into a folder removed at the end (launch_env.py); Ctrl-C and
+SIGTERM are forwarded to the ranks, which stop after their step and save (launch_signals.py).
 """
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ def to_argv(command: str, given: dict[str, Any], drop: tuple[str, ...] = ("nproc
 
 def _worker(argv: list[str]) -> tuple[int, str]:
     from memfit.cli import main
+    from memfit.cli.launch_signals import detach
 
+    detach()
     if os.environ.get("RANK", "0") == "0":
         return main(argv), ""
     err = io.StringIO()
@@ -56,26 +60,56 @@ def _worker(argv: list[str]) -> tuple[int, str]:
 def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None = None) -> int:
     """Run `memfit <argv>` on `nproc` ranks; a rank that dies restarts them all up to `max_restarts`
     times (each attempt resumes from the run folder `out`, memfit.train.elastic)."""
+    from memfit.cli.launch_env import rank_environment
+    from memfit.cli.launch_signals import forwarding
+
+    with rank_environment(), forwarding() as signals:
+        results = _elastic(nproc, argv, max_restarts, out)
+    if signals.received is not None and not results:
+        return 128 + signals.received
+    codes = {r: res[0] for r, res in results.items()}
+    for r in sorted(results):
+        if r != 0 and codes[r] != codes.get(0):
+            sys.stderr.write(f"[rank {r}] {results[r][1]}")
+    return max(codes.values())
+
+
+def _elastic(nproc: int, argv: list[str], max_restarts: int, out: str | None) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from memfit.cli.launch_signals import ELASTIC_SIGNALS
     from memfit.distributed.env import free_port
 
     port = free_port()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memfit-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=max_restarts,
-        monitor_interval=0.2, start_method="spawn",
+        monitor_interval=0.2, start_method="spawn", signals_to_handle=ELASTIC_SIGNALS,
     )
     try:
-        results = elastic_launch(config, _worker)(argv)
+        with _quiet_elastic():
+            return elastic_launch(config, _worker)(argv)
     except ChildFailedError as exc:
         raise MemfitError(_failed(exc, max_restarts, out)) from None
-    codes = {r: res[0] for r, res in results.items()}
-    for r in sorted(results):
-        if r != 0 and codes[r] != codes.get(0):
-            sys.stderr.write(f"[rank {r}] {results[r][1]}")
-    return max(codes.values())
+
+
+@contextlib.contextmanager
+def _quiet_elastic():
+    """torch-elastic logs a failed rank as a traceback of its own monitoring code and warns for each
+    process it closes; the launcher says what happened in one line (`_failed`) instead."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _failed(exc, max_restarts: int, out: str | None) -> str:

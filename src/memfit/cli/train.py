@@ -78,10 +78,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress output, only the final summary")
     g = p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)")
     g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
-                   help="distributed strategy; --batch stays per process (default none)")
+                   help="distributed strategy; --batch stays per process (default none; ddp with --nproc N)")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
-                   "fp16, powersgd:4 (options: docs/compression.md; default none)")
+                   "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; "
+                   "docs/compression.md; default none)")
     g.add_argument("--microbatches", metavar="M", type=integer(1, 4096),
                    help="--strategy pipeline: micro-batches per step (default: the number of processes)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
@@ -109,14 +110,25 @@ def config_of(given: dict) -> tuple[TrainConfig, dict | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.cli.launch_env import compiler_cache
+
+    with compiler_cache():  # no torchinductor_<user> folder left in the temp folder
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from memfit.train import loop
     from memfit.train.report import format_summary
     from memfit.train.signals import EXIT_CODES
 
     from memfit.train.elastic import restart_count, resumed_options
 
+    from memfit.cli import train_checks
+
     given = resumed_options(vars(args))  # an elastic restart resumes from the run folder's checkpoint
+    given = train_checks.checked(given)  # --nproc N alone: ddp, with a note
     cfg, ckpt = config_of(given)
+    train_checks.check_strategy_options(given, cfg.strategy)  # an option the strategy would ignore: refused
     if restart_count() and ckpt is not None and os.environ.get("RANK", "0") == "0":
         print(f"memfit train: restart {restart_count()}: resuming from step {ckpt['step']} in {cfg.out}",
               file=sys.stderr, flush=True)

@@ -18,13 +18,23 @@ from typing import Any
 FOLDER = "compression"
 
 
-def attach(opt: Any, spec: str | None) -> Any:
-    """Register `spec` on the strategy's optimizer; the CompressionState (None when off)."""
+def attach(opt: Any, spec: str | None, cfg: Any = None) -> Any:
+    """Register `spec` on the strategy's optimizer; the CompressionState (None when off).
+
+    Plain topk / sign take the mode measured best for the optimizer (distributed/compression/
+    defaults.py); under zero2 with --accum > 1, where adam mode cannot run (its local moments move
+    once per step, ZeRO-2 reduces every micro-batch), they keep plain error feedback."""
     if spec in (None, "none"):
         return None
-    from memfit.distributed.compression import register_compression
+    import dataclasses
 
-    return register_compression(opt, spec)
+    from memfit.distributed.compression import parse_compression, register_compression
+    from memfit.distributed.compression.defaults import names_no_mode
+
+    parsed = parse_compression(spec)
+    if cfg is not None and cfg.strategy == "zero2" and cfg.accum > 1 and names_no_mode(parsed):
+        parsed = dataclasses.replace(parsed, adam_off=True)
+    return register_compression(opt, parsed)
 
 
 def summary(state: Any, step_seconds: list[float]) -> dict[str, Any] | None:

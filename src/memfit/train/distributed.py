@@ -140,7 +140,7 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
                      precision=precision, clip=cfg.clip,
                      offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer,
                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg), **strategy_options(cfg))
-    opt.compression = compression.attach(opt, getattr(cfg, "compress", "none"))  # --compress
+    opt.compression = compression.attach(opt, getattr(cfg, "compress", "none"), cfg)  # --compress
     return opt
 
 

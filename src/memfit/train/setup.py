@@ -160,6 +160,7 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
     corpus = data_mod.load_run_corpus(cfg.data, cfg.seq, checkpoint)
     with memory_errors(lambda: "while building the model"):
         model = build_model(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model: pipeline ranks keep one stage's
     apply_checkpoint(model, cfg.checkpoint, spill_dir=cfg.spill_dir)
     if cfg.head_chunks:
         from memfit.apply.head_swap import chunk_head
@@ -172,7 +173,6 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
     opt = cleanup.enter_context(dist_train.make_optimizer(ctx, model, cfg, precision) if ctx
                                 else build_optimizer(cfg, model, precision))
     run_dir = prepare_run_dir(cfg.out, log)  # the last refusal: a bad request leaves no empty run folder
-    n_params = sum(p.numel() for p in model.parameters())
     info = {"device": str(device), "precision": precision, "params": n_params,
             # The resolved files beside their digest: a resume reads the same bytes from any folder.
             "corpus": {"name": corpus.name, "files": len(corpus.files), "bytes": corpus.num_bytes,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _torch_psgd
 
 from memfit.distributed.compression.cpu_sync import cpu_buckets_on_cuda_hosts
+from memfit.distributed.compression.defaults import for_optimizer
 from memfit.distributed.compression.exchange import Traffic, allreduce_bytes
 from memfit.distributed.compression.powersgd import torch_powersgd_bytes, torch_powersgd_state
 from memfit.core.errors import ConfigError
@@ -116,13 +117,19 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None,
     ConfigError (one line) for a bad spec or a target whose reduction cannot carry it.
     group: the process group of a torch DDP model (None = the default group).
     optimizer: for specs with adam= (frozen-variance Adam, onebit.py), the Adam(W) optimizer of a
-    torch DDP model; memfit's strategies bring their own."""
+    torch DDP model; memfit's strategies bring their own. Plain topk / sign run in adam mode when
+    that optimizer is an Adam(W) that can carry it (defaults.py); without one, plain error feedback."""
     engine = getattr(target, "engine", target)
+    if optimizer is None and not isinstance(target, torch.nn.parallel.DistributedDataParallel) and target is not engine:
+        optimizer = target  # memfit's strategies: what distribute() returned is the optimizer
+    if optimizer is None and getattr(target, "comm_hook", None) is not None:
+        optimizer = target
+    spec = for_optimizer(parse_compression(spec), optimizer)
     if hasattr(engine, "stage") and hasattr(engine, "compression"):  # memfit's ZeRO: ShardedOptimizer, ZeroEngine
         strategy = f"zero{engine.stage}"
         state = CompressionState(check_compression_strategy(strategy, spec), engine.group, average=False)
         state.per_call_steps = False  # the engine reports optimizer steps; micro-batches are not steps
-        _compressed_adam(state, optimizer or (target if target is not engine else None))
+        _compressed_adam(state, optimizer)
         if engine.stage < 3:  # zero3 passes the check only uncompressed ("none"): nothing to attach
             engine.compression = state
         return state
@@ -130,7 +137,7 @@ def register_compression(target, spec: str | CompressionSpec | None, group=None,
     if memfit_ddp is not None:  # memfit's DDPOptimizer: its one hook dispatches to ours
         state, hook = _state_and_hook(check_compression_strategy("ddp", spec), memfit_ddp.group, average=False)
         state.param_index, state.params = _positions(target.ddp.module)
-        _compressed_adam(state, optimizer or target)
+        _compressed_adam(state, optimizer)
         memfit_ddp.compression = functools.partial(hook, state)
         target.compression = state
         return state

@@ -14,6 +14,10 @@ A spec is a name, an optional main value after ":" and optional ",key=value" opt
                                     top-k keeps the elements where direction and residual agree most
     topk:0.01,adam=5,select=x       ... keeping the largest |direction + residual| instead
     sign:adam=5,var=batch           adam mode dividing by the batch's estimated second moment
+    topk:0.01,adam=off              plain error feedback even under Adam(W) (see defaults.py)
+
+Plain `topk:R` and `sign` pick their mode from the optimizer when registered (defaults.py): adam
+mode (adam=5) under an Adam(W) that can carry it, plain error feedback otherwise (SGD).
 """
 from __future__ import annotations
 
@@ -72,6 +76,8 @@ class CompressionSpec:
     """adam mode, top-k: how the k elements are chosen from x = direction + residual. "agree": the
     largest max(0, x y) with y the rank's current Adam direction (onebit.agreement); "x": the
     largest |x| (DGC's top-k). None = "agree"."""
+    adam_off: bool = False
+    """adam=off: plain error feedback whatever the optimizer (no adam mode chosen by default)."""
     clip: float | None = None
     """Local gradient clipping (DGC): each rank scales its bucket's gradient to norm <= clip before
     momentum and compression; None = off (adam mode: the optimizer's clip norm; clip=inf for off)."""
@@ -96,7 +102,8 @@ class CompressionSpec:
 
     def __str__(self) -> str:
         main = {"topk": f":{self.ratio:g}", "powersgd": f":{self.rank}"}.get(self.name, "")
-        adam = (f",adam={self.adam}" + (",warm=fp32" if self.warm == "fp32" else "")
+        adam = ",adam=off" if self.adam_off else ""
+        adam += (f",adam={self.adam}" + (",warm=fp32" if self.warm == "fp32" else "")
                 + (f",var={self.var}" if self.var else "")
                 + (f",select={self.select}" if self.select else "")) if self.adam is not None else ""
         return self.name + main + (",batched" if self.batched and self.name == "powersgd" else "") + adam
@@ -138,6 +145,8 @@ def parse_compression(spec: str | CompressionSpec | None) -> CompressionSpec:
                      "select": str}
             if key == "ef":
                 fields[key] = value in ("1", "true", "on", "yes")
+            elif key == "adam" and value in ("off", "none", "no"):
+                fields["adam_off"] = True
             else:
                 kind = kinds.get(key, int)
                 fields[key] = value if kind is str else _number(spec, key, value, kind)
@@ -172,6 +181,9 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
     if s.select is not None and s.select not in SELECTIONS:
         raise ConfigError(f"compression {spec!r}: select={s.select!r}; accepted: {', '.join(SELECTIONS)} "
                           "(adam-mode top-k ranks x = direction + residual by max(0, x y), or by |x|)")
+    if s.adam_off and s.name not in ("topk", "sign"):
+        raise ConfigError(f"compression {spec!r}: adam=off applies to topk and sign (the compressors with an "
+                          "adam mode); leave it out")
     if s.adam is not None:
         _validate_adam(s, spec)
     elif s.var or s.select:

@@ -1,0 +1,115 @@
+"""SIGTERM / Ctrl-C to the `--nproc` launcher: forwarded once to every rank, which finishes its step
+and saves; the launcher exits 143 / 130 without a traceback and leaves no temporary files. A rank
+killed with SIGKILL is one line, exit 2, and leaves no temporary files either."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memfit.cli.launch_env import rank_environment
+
+SMALL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def test_rank_environment_sets_one_thread_unless_given_and_removes_its_folder(monkeypatch):
+    import tempfile
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with rank_environment() as folder:
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+        assert tempfile.gettempdir() == folder and os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(folder)
+        Path(folder, "pytorch-errorfile-x.pickle").write_text("x")
+    assert "OMP_NUM_THREADS" not in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert not Path(folder).exists() and tempfile.gettempdir() != folder
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with rank_environment():
+        assert os.environ["OMP_NUM_THREADS"] == "3"  # the user's choice stands
+
+
+def _ranks(pid: int) -> list[int]:
+    """The launcher's rank processes (multiprocessing spawn children, not its resource tracker)."""
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    cmdlines = {c: Path(f"/proc/{c}/cmdline").read_bytes() for c in children if Path(f"/proc/{c}").exists()}
+    return [c for c, cmd in cmdlines.items() if b"spawn_main" in cmd and b"resource_tracker" not in cmd]
+
+
+def _start(tmp_path: Path, steps: int = 100000) -> tuple[subprocess.Popen, Path, Path]:
+    scratch, out = tmp_path / "tmp", tmp_path / "run"
+    scratch.mkdir()
+    env = {"PYTHONPATH": SRC, "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin", "TMPDIR": str(scratch)}
+    cmd = [sys.executable, "-m", "memfit", "train", "--model", SMALL, "--seq", "32", "--batch", "2", "--steps",
+           str(steps), "--eval-every", "0", "--eval-batches", "1", "--save-every", "0", "--no-track", "--device",
+           "cpu", "--strategy", "ddp", "--nproc", "2", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, scratch, out
+
+
+def _wait_for_training(proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until rank 0 has printed a progress line (the ranks are in their step loop)."""
+    end, seen = time.monotonic() + timeout, []
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if line.startswith("step "):
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"the run ended before training: {''.join(seen)[-3000:]}")
+    raise AssertionError("no progress line")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("signum, code, stopped", [
+    (signal.SIGTERM, 143, "SIGTERM"),
+    pytest.param(signal.SIGINT, 130, "interrupted", marks=pytest.mark.slow),
+])
+def test_a_signal_to_the_launcher_saves_every_rank_and_exits_with_the_shells_code(tmp_path, signum, code, stopped):
+    proc, scratch, out = _start(tmp_path)
+    _wait_for_training(proc)
+    proc.send_signal(signum)
+    stderr, _ = proc.communicate(timeout=240)  # stdout and stderr together
+    assert proc.returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr and "Closing process" not in stderr
+    assert "stopping after this step and saving" in stderr
+    assert f"steps, " in stderr and f"({stopped})" in stderr  # rank 0's summary line names why it stopped
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["summary"]["steps"] >= 1 and (out / "checkpoint.pt").exists()
+    assert os.listdir(scratch) == []
+
+
+@pytest.mark.multiproc
+def test_a_killed_rank_is_one_line_and_leaves_no_temporary_files(tmp_path):
+    proc, scratch, out = _start(tmp_path)
+    _wait_for_training(proc)
+    ranks = _ranks(proc.pid)
+    assert ranks, "no rank processes found"
+    os.kill(ranks[-1], signal.SIGKILL)
+    stderr, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 2
+    errors = [line for line in stderr.splitlines() if line.startswith("memfit train: error:")]
+    assert len(errors) == 1 and "was killed by SIGKILL" in errors[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert os.listdir(scratch) == []
+
+
+def test_one_process_compiler_cache_folder_is_temporary(monkeypatch):
+    from memfit.cli.launch_env import CACHE_ENV, compiler_cache
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    with compiler_cache():
+        folder = Path(os.environ[CACHE_ENV])
+        folder.mkdir(parents=True)  # what importing torch._dynamo does
+    assert CACHE_ENV not in os.environ and not folder.exists() and not folder.parent.exists()
+    monkeypatch.setenv(CACHE_ENV, "/somewhere/chosen")
+    with compiler_cache():
+        assert os.environ[CACHE_ENV] == "/somewhere/chosen"
