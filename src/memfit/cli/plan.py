@@ -6,6 +6,7 @@ import json
 
 from memfit.cli.options import add, add_model, model_of
 from memfit.core.units import format_bytes
+from memfit.plan.costs import PlanError
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -15,7 +16,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "prints the ranked configurations and the chosen plan. Exit code 2 when nothing fits.")
     add_model(p)
     p.add_argument("--budget", required=True, metavar="SIZE", help="device memory budget, e.g. 8GiB or 300MiB")
-    add(p, "batch", default=1, help="global batch per step")
+    add(p, "batch", default=None, shown="1; 256 with --gpus", help="global batch per step")
     add(p, "seq", default=None, shown="the model's, at most 4096")
     add(p, "precision", default="32-true")
     add(p, "optimizer", default="adamw")
@@ -28,6 +29,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the chosen plan with a full trace of the step")
     add(p, "json", help="print one JSON object with a `plan` field (for memfit train --plan)")
+    from memfit.cli.plan_cluster import add_flags
+
+    add_flags(p)
     return p
 
 
@@ -37,6 +41,11 @@ def run(args: argparse.Namespace) -> int:
 
     args.model = model_of(args)
     device = resolve_device(args.device).type
+    if args.gpus is not None:  # several devices: memfit.plan.cluster_fit
+        from memfit.cli.plan_cluster import run_cluster
+
+        return run_cluster(args, args.model, "cuda" if args.device is None else device)
+    args.batch = args.batch or 1
     costs = None
     if args.profile:
         from memfit.plan.costs import parse_budget
@@ -46,9 +55,14 @@ def run(args: argparse.Namespace) -> int:
         parse_budget(args.budget), parse_allow(args.allow)  # fail on bad input before measuring
         costs = profile(args.model, batch=args.batch, seq=args.seq, precision=args.precision,
                         optimizer=args.optimizer).blocks
-    plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
-               allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs,
-               device=device)
+    try:
+        plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
+                   allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs,
+                   device=device)
+    except PlanError as exc:  # name the smallest cluster that would fit
+        from memfit.cli.plan_cluster import smallest_cluster_hint
+
+        raise PlanError(str(exc) + smallest_cluster_hint(args, args.model, "cuda")) from None
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0
