@@ -112,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
     from memfit.train.elastic import restart_count, resumed_options
 
     given = resumed_options(vars(args))  # an elastic restart resumes from the run folder's checkpoint
+    from memfit.train.cluster_launch import apply_cluster_plan
+
+    given = apply_cluster_plan(given)  # a cluster plan's process count and strategy
     cfg, ckpt = config_of(given)
     if restart_count() and ckpt is not None and os.environ.get("RANK", "0") == "0":
         print(f"memfit train: restart {restart_count()}: resuming from step {ckpt['step']} in {cfg.out}",

@@ -75,7 +75,7 @@ class ClusterPlan:
         return Layout(**self.layout)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "torchrun": self.torchrun_command()}
 
     def train_command(self) -> str:
         b, a = per_process_batch(self.lay)
