@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         from memfit.cli.plan_cluster import run_cluster
 
         return run_cluster(args, args.model, "cuda" if args.device is None else device)
-    args.batch = args.batch or 1
+    batch = args.batch or 1
     costs = None
     if args.profile:
         from memfit.plan.costs import parse_budget
@@ -53,16 +53,16 @@ def run(args: argparse.Namespace) -> int:
         from memfit.profile.measure import profile
 
         parse_budget(args.budget), parse_allow(args.allow)  # fail on bad input before measuring
-        costs = profile(args.model, batch=args.batch, seq=args.seq, precision=args.precision,
+        costs = profile(args.model, batch=batch, seq=args.seq, precision=args.precision,
                         optimizer=args.optimizer).blocks
     try:
         plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
-                   allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs,
+                   allow=args.allow, batch=batch, seq=args.seq, verify=args.verify, costs=costs,
                    device=device)
     except PlanError as exc:  # name the smallest cluster that would fit
         from memfit.cli.plan_cluster import smallest_cluster_hint
 
-        raise PlanError(str(exc) + smallest_cluster_hint(args, args.model, "cuda")) from None
+        raise PlanError(str(exc) + smallest_cluster_hint(args, args.model, device)) from None
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0

@@ -65,11 +65,12 @@ def smallest_cluster_hint(args: argparse.Namespace, model: str, device: str) -> 
 
     try:
         cp = plan_cluster(model, args.budget, "auto", interconnect=args.interconnect, nodes=args.nodes,
-                          precision=args.precision, optimizer=args.optimizer, allow=args.allow, device=device,
+                          batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer, allow=args.allow, device=device,
                           verify=False)
     except MemfitError:
         return ""
     lay = cp.lay
-    return (f"; the smallest cluster that fits: {cp.gpus} devices of {format_bytes(cp.budget)}, {lay.strategy} "
+    return (f"; or several devices: the smallest cluster that fits is {cp.gpus} devices of {format_bytes(cp.budget)}, {lay.strategy} "
             f"({cp.ranked[0]['degrees']}), predicted peak {format_bytes(cp.peak)} per rank at a global batch of "
-            f"{cp.global_batch}: memfit plan {model} --budget {args.budget} --gpus auto")
+            f"{cp.global_batch}: memfit plan {model} --budget {args.budget} --gpus auto"
+            + ("" if args.batch else f" --batch {cp.global_batch}"))

@@ -12,11 +12,13 @@ action (`saved`), what the embeddings and the head + loss save (`embed_saved`, `
 includes the logits), and the step's temporaries at one and two sequences (linear in between and
 beyond). Activations are linear in the rows of a micro-batch at a fixed sequence length, so every
 rank of every layout composes from these figures (memfit.plan.cluster_memory). Element counts come
-from fake builds at one and two blocks. Cached in this process and on disk (memfit.core.cache).
+from fake builds at one and two blocks. Cached in this process and on disk (memfit.core.cache;
+MEMFIT_NO_CACHE=1 traces again).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from memfit.core import cache
@@ -119,14 +121,16 @@ def unit_profile(spec, seq: int, tp: int, precision: str, optimizer: str) -> Uni
     got = _MEMO.get(memo)
     if got is not None:
         return got
-    data = cache.load(key, "cluster")
+    off = bool(os.environ.get("MEMFIT_NO_CACHE"))  # as memfit.measure.chain_cache
+    data = None if off else cache.load(key, "cluster")
     if data is None:
         c = states_only(spec, seq, tp)
         block, embed, head, bt, rt = c.block_numel, c.embed_numel, c.head_numel, c.block_tensors, c.rest_tensors
         data = {"block_numel": block, "embed_numel": embed, "head_numel": head, "block_tensors": bt,
                 "rest_tensors": rt, **_traced(spec, seq, tp, precision, optimizer)}
         try:
-            cache.store(key, data, "cluster")
+            if not off:
+                cache.store(key, data, "cluster")
         except OSError:
             pass  # a read-only cache folder only costs the traces next time
     fields = {f.name for f in dataclasses.fields(UnitProfile)}
