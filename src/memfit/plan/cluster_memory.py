@@ -9,8 +9,10 @@ the per-rank figures of memfit.distributed.rank_memory: ZeRO-3 gathers the rest 
 norms) and two blocks (running, prefetched); ZeRO-2/3 copy one block's full gradients into a flat
 bucket for the reduce-scatter, ZeRO-1 the largest bucket at the step; DDP keeps its gradient
 buckets beside the gradients between steps. A pipeline stage holds the activations of the
-micro-batches in flight (gpipe all M; 1f1b min(M, stages - r)) and, at gpipe's peak, no gradients
-yet (memfit.measure.parallel_estimate.pipeline_ranks, whose full trace checks the chosen plan).
+micro-batches in flight (gpipe all M; 1f1b min(M, stages - r)) and its gradients: under gpipe the
+last stage's peak is in its first backward, with every micro-batch's activations still held and the
+gradients being made (measured: 8.17 MiB on a 2-stage run that pipeline_ranks, which leaves gpipe's
+gradients out, put at 7.20 MiB; tests/test_plan_cluster_train.py).
 
 Activations per micro-batch: rows x (per block, its action's saved bytes; the embeddings' on the
 first stage; the head's and the logits on the last, or the stage's output elsewhere), plus, when
@@ -119,8 +121,6 @@ def rank_peaks(lay: Layout, unit: UnitProfile, layers: int, tied: bool = False) 
     for r in range(lay.pp):
         numel, tensors = stage_numel(lay, unit, layers, r, tied and lay.pp > 1)
         params, grads, opt, extra = _states(lay, unit, numel, tensors)
-        if lay.strategy == "pipeline" and lay.schedule == "gpipe":
-            grads = 0  # every forward runs before the first backward
         counts = lay.counts[r] if r < len(lay.counts) else (stage_sizes(layers, lay.pp)[r], 0, 0)
         acts = _activations(lay, unit, r, counts)
         temps = unit.temporaries(lay.rows)

@@ -27,7 +27,9 @@ def traced_peak(spec, lay: Layout, seq: int, actions: list) -> int:
         mode = actions[0].mode
         b, _ = per_process_batch(lay)
         rows = pipeline_ranks(spec, b, seq, lay.pp, lay.accum, lay.schedule, checkpoint=_CHECKPOINT[mode], **common)
-        return max(r["total"] for r in rows)
+        # gpipe's rows leave the gradients out; the last stage's first backward holds them beside
+        # every micro-batch's activations (see memfit.plan.cluster_memory)
+        return max(r["total"] + (r["params"] if r["grads"] == 0 else 0) for r in rows)
     if lay.strategy == "tensor":
         from memfit.measure.parallel_estimate import tensor_ranks
 
