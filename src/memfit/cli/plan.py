@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     except PlanError as exc:  # name the smallest cluster that would fit
         from memfit.cli.plan_cluster import smallest_cluster_hint
 
-        raise PlanError(str(exc) + smallest_cluster_hint(args, args.model, device)) from None
+        hint = smallest_cluster_hint(args, args.model, "cuda" if args.device is None else device)
+        raise PlanError(str(exc) + hint) from None
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0

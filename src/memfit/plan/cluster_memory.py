@@ -123,10 +123,16 @@ def rank_peaks(lay: Layout, unit: UnitProfile, layers: int, tied: bool = False) 
         params, grads, opt, extra = _states(lay, unit, numel, tensors)
         counts = lay.counts[r] if r < len(lay.counts) else (stage_sizes(layers, lay.pp)[r], 0, 0)
         acts = _activations(lay, unit, r, counts)
-        temps = unit.temporaries(lay.rows)
+        # two moments: backward (activations and its temporaries, which grow with the rows) and the
+        # optimizer step (its temporaries, in proportion to the weights the rank updates)
+        one_block = unit.block_numel + unit.rest_numel
+        shard = numel / (lay.dp if lay.zero else 1)
+        t_bwd = unit.temps[1] * lay.rows // 2
+        t_step = int(unit.temps[0] * min(1.0, shard / max(one_block, 1)))
+        moving = max(acts + t_bwd, t_step)
         row = {"rank": r, "params": params, "grads": grads, "optimizer": opt, "extra": extra,
-               "activations": acts, "temporaries": temps}
-        row["total"] = params + grads + opt + extra + acts + temps
+               "activations": acts, "temporaries": moving - acts if moving > acts else 0}
+        row["total"] = params + grads + opt + extra + moving
         out.append(row)
     return out
 
