@@ -48,6 +48,9 @@ class Layout:
     head_chunks: int | None = None
     counts: list = field(default_factory=list)
     """Per stage (one entry unless pipeline): (keep, selective, recompute) block counts."""
+    dp_shard: int = 0
+    """A ZeRO stage over dp beside tp/pp: on paper only (3-D layouts as published; memfit's
+    trainer shards over dp only under zero1-3)."""
 
     @property
     def gpus(self) -> int:
@@ -55,7 +58,7 @@ class Layout:
 
     @property
     def zero(self) -> int:
-        return int(self.strategy[-1]) if self.strategy.startswith("zero") else 0
+        return int(self.strategy[-1]) if self.strategy.startswith("zero") else self.dp_shard
 
 
 def stage_sizes(layers: int, stages: int) -> list[int]:

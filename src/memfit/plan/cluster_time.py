@@ -85,9 +85,9 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
         recompute = max(recompute, extra * lay.rows / flops)
     mb = max(per_stage)  # one micro-batch on the slowest stage
     comm, exposed, sent = 0.0, 0.0, 0
-    if lay.tp > 1:  # the hidden states all-reduced over TP, per block
-        rec = sum(c[2] for c in lay.counts) if lay.counts else 0
-        n_ar = 4 * cfg.layers + 2 * rec
+    if lay.tp > 1:  # the hidden states all-reduced over TP, per block of the (fullest) stage
+        rec = max((c[2] for c in lay.counts), default=0)
+        n_ar = 4 * max(sizes) + 2 * rec
         size = 2 * lay.rows * act * (lay.tp - 1) / lay.tp
         t = ring_seconds(topo.group_link(lay.tp), size * n_ar, lay.tp, steps=2 * n_ar)
         comm, exposed, sent = comm + t * lay.accum, exposed + t * lay.accum, sent + int(size * n_ar * lay.accum)
