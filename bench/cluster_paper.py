@@ -57,11 +57,11 @@ def _auto(model: str, seq: int, batch: int) -> dict:
 def _published(model: str, pub: dict, batch: int) -> dict | None:
     if pub["gpus"] is None:
         return None
-    from memfit.plan.cluster_fit import _problem
+    from memfit.plan.cluster_fit import problem_of
     from memfit.plan.cluster_memory import Layout, stage_sizes
     from memfit.plan.cluster_search import _solve, evaluate
 
-    p = _problem(model, "80GiB", None, None, batch, pub["seq"], "bf16-master", "adamw", None, "cuda", None)
+    p = problem_of(model, "80GiB", None, None, batch, pub["seq"], "bf16-master", "adamw", None, "cuda", None)
     per_replica = batch // pub["dp"]
     m = per_replica // pub["microbatch_rows"]
     out = {}

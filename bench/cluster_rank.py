@@ -79,10 +79,10 @@ def _layout(name: str):
 def _predicted(flops: float) -> dict[str, dict]:
     from dataclasses import replace
 
-    from memfit.plan.cluster_fit import _problem
+    from memfit.plan.cluster_fit import problem_of
     from memfit.plan.cluster_search import evaluate
 
-    p = _problem(MODEL, "1GiB", str(LINK_GBS), None, 2 * BATCH, SEQ, "32-true", "adamw", "recompute", "cpu", flops)
+    p = problem_of(MODEL, "1GiB", str(LINK_GBS), None, 2 * BATCH, SEQ, "32-true", "adamw", "recompute", "cpu", flops)
     layers = p.spec.config.layers
     out = {}
     for name in CONTENDERS:

@@ -41,7 +41,7 @@ def test_counts_match_brute_force():
 def test_auto_is_the_smallest_count_and_its_check_holds():
     cp = plan_cluster(TINY, "8MiB", "auto", **ARGS)
     assert cp.gpus == 2  # one process does not fit 8 MiB (below), two do
-    assert not any(r.feasible for r in candidates(_problem("8MiB"), 1))
+    assert not any(r.feasible for r in candidates(_tiny("8MiB"), 1))
     assert cp.peak <= cp.budget and cp.traced_peak is not None and cp.traced_peak <= cp.budget
     # the composed figure is close to the full trace's
     assert abs(cp.peak - cp.traced_peak) <= 0.1 * cp.traced_peak
@@ -53,18 +53,18 @@ def test_auto_is_the_smallest_count_and_its_check_holds():
     assert "FLOP model" in cp.time_basis
 
 
-def _problem(budget):
-    from memfit.plan.cluster_fit import _problem as make
+def _tiny(budget):
+    from memfit.plan.cluster_fit import problem_of
 
-    return make(TINY, budget, None, None, 4, 32, "32-true", "adamw", None, "cpu", None)
+    return problem_of(TINY, budget, None, None, 4, 32, "32-true", "adamw", None, "cpu", None)
 
 
 def test_sharding_lowers_the_per_rank_states_and_more_memory_never_loses_a_fit():
-    rows = {(r.layout.strategy, r.layout.rows, r.layout.accum): r for r in candidates(_problem("1GiB"), 4)}
+    rows = {(r.layout.strategy, r.layout.rows, r.layout.accum): r for r in candidates(_tiny("1GiB"), 4)}
     states = {s: rows[(s, 1, 1)].ranks[0]["params"] + rows[(s, 1, 1)].ranks[0]["grads"]
               + rows[(s, 1, 1)].ranks[0]["optimizer"] for s in ("ddp", "zero1", "zero2", "zero3")}
     assert states["ddp"] > states["zero1"] > states["zero2"] > states["zero3"]
-    small, big = candidates(_problem("7MiB"), 4), candidates(_problem("9MiB"), 4)
+    small, big = candidates(_tiny("7MiB"), 4), candidates(_tiny("9MiB"), 4)
     fit_small = {(r.layout.strategy, r.layout.tp, r.layout.pp, r.layout.rows, r.layout.accum) for r in small if r.feasible}
     fit_big = {(r.layout.strategy, r.layout.tp, r.layout.pp, r.layout.rows, r.layout.accum) for r in big if r.feasible}
     assert fit_small < fit_big
@@ -104,3 +104,11 @@ def test_nothing_fits_one_device_names_the_smallest_cluster(capsys):
     assert "the smallest cluster that fits is 2 devices of 8.00 MiB" in capsys.readouterr().err
     with pytest.raises(PlanError, match="no layout of up to"):
         plan_cluster(TINY, "1MiB", "auto", verify=False, **ARGS)
+
+
+def test_fit_with_gpus_returns_the_cluster_plan():
+    import memfit
+
+    cp = memfit.fit(TINY, budget="8MiB", gpus=2, interconnect="ib", batch=4, seq=32, device="cpu", verify=False)
+    assert cp.gpus == 2 and cp.peak <= cp.budget and cp.interconnect.startswith("ib")
+    assert cp.ranked[0]["feasible"] and cp.ranked[0]["step_s"] <= min(r["step_s"] for r in cp.ranked if r["feasible"])

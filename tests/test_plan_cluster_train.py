@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # ~2-4 min on 2 busy cor
 def test_cluster_plan_trains_within_the_budget_on_every_rank(tmp_path, budget, gpus):
     cp = plan_cluster(TINY, budget, "auto", batch=4, seq=32, device="cpu")
     assert cp.gpus == gpus
-    from memfit.plan.cluster_fit import _problem
+    from memfit.plan.cluster_fit import problem_of
 
-    p = _problem(TINY, budget, None, None, 4, 32, "32-true", "adamw", None, "cpu", None)
+    p = problem_of(TINY, budget, None, None, 4, 32, "32-true", "adamw", None, "cpu", None)
     assert not any(r.feasible for r in candidates(p, 1))  # too big for one process at this budget
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"plan": cp.plan, "cluster": cp.to_json()}))

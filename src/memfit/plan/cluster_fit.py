@@ -45,8 +45,10 @@ def actions_of(lay: Layout, layers: int) -> list[BlockAction]:
     return out
 
 
-def _problem(model: Any, budget: Any, interconnect, nodes, batch, seq, precision, optimizer, allow, device,
+def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precision, optimizer, allow, device,
              flops) -> ClusterProblem:
+    """The search's inputs, checked (a model name or spec with memfit's GPT config; the allow list for
+    `device`; the FLOP rate for the time model)."""
     from memfit.models.spec import parse_model
 
     spec = parse_model(model) if isinstance(model, str) else model
@@ -69,7 +71,7 @@ def plan_cluster(model: Any, budget: Any, gpus: int | str = "auto", *, interconn
     """The cluster plan (see the module docstring). `batch`: the global batch in sequences (default 256);
     `flops`: sustained FLOP/s per device (measured: the time basis says calibrated)."""
     t0 = time.perf_counter()
-    p = _problem(model, budget, interconnect, nodes, batch, seq, precision, optimizer, allow, device, flops)
+    p = problem_of(model, budget, interconnect, nodes, batch, seq, precision, optimizer, allow, device, flops)
     if gpus == "auto":
         n, rows = smallest(p)
         if n is None:
