@@ -45,15 +45,16 @@ def run_cluster(args: argparse.Namespace, model: str, device: str) -> int:
 
 
 def table(rows: list[dict], limit: int = 12) -> str:
-    head = (f"  {'strategy':<10}{'degrees':<27}{'micro x accum':<15}{'offload':<9}{'peak/rank':>12}{'step s':>10}"
-            f"{'tokens/s':>12}{'comm/step':>12}  blocks (keep/sel/rec)")
+    head = (f"  {'strategy':<10}{'degrees':<27}{'micro x accum':<15}{'offload':<9}{'head':>5}{'peak/rank':>12}"
+            f"{'step s':>10}{'tokens/s':>12}{'comm/step':>12}  blocks (keep/sel/rec)")
     out = [head]
     for r in rows[:limit]:
         step = f"{r['step_s']:.3g}" if r["feasible"] else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r["feasible"] else "does not fit"
         acts = " | ".join("/".join(map(str, c)) for c in r["counts"][:2]) + (" ..." if len(r["counts"]) > 2 else "")
         out.append(f"  {r['strategy']:<10}{r['degrees']:<27}{str(r['micro_batch']) + ' x ' + str(r['accumulation']):<15}"
-                   f"{r['offload_optimizer'] or '-':<9}{format_bytes(r['peak']):>12}{step:>10}{tps:>12}"
+                   f"{r['offload_optimizer'] or '-':<9}{r['head_chunks'] or '-':>5}{format_bytes(r['peak']):>12}"
+                   f"{step:>10}{tps:>12}"
                    f"{format_bytes(r['comm_bytes']):>12}  {acts}")
     return "\n".join(out)
 
@@ -62,15 +63,18 @@ def smallest_cluster_hint(args: argparse.Namespace, model: str, device: str) -> 
     """For the fit report when nothing fits one device: the smallest cluster that would, or ''."""
     from memfit.core.errors import MemfitError
     from memfit.plan.cluster_fit import plan_cluster
+    from memfit.plan.cluster_plan import degrees
 
     try:
         cp = plan_cluster(model, args.budget, "auto", interconnect=args.interconnect, nodes=args.nodes,
-                          batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer, allow=args.allow, device=device,
+                          batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
+                          allow=args.allow, device=device,
                           verify=False)
     except MemfitError:
         return ""
     lay = cp.lay
-    return (f"; or several devices: the smallest cluster that fits is {cp.gpus} devices of {format_bytes(cp.budget)}, {lay.strategy} "
-            f"({cp.ranked[0]['degrees']}), predicted peak {format_bytes(cp.peak)} per rank at a global batch of "
+    return (f"; or several devices: the smallest cluster that fits is {cp.gpus} devices of "
+            f"{format_bytes(cp.budget)}, {lay.strategy} "
+            f"({degrees(lay)}), predicted peak {format_bytes(cp.peak)} per rank at a global batch of "
             f"{cp.global_batch}: memfit plan {model} --budget {args.budget} --gpus auto"
             + ("" if args.batch else f" --batch {cp.global_batch}"))

@@ -85,7 +85,8 @@ class ClusterPlan:
     def torchrun_command(self) -> str:
         """For users who launch their own processes (one node; add --nnodes/--rdzv-endpoint for more)."""
         flags = train_flags(self.lay)[2:]  # torchrun starts the processes: no --nproc
-        return (f"torchrun --nproc-per-node {min(self.gpus, 8)}" + (f" --nnodes {-(-self.gpus // 8)}" if self.gpus > 8 else "")
+        nodes = f" --nnodes {-(-self.gpus // 8)}" if self.gpus > 8 else ""
+        return (f"torchrun --nproc-per-node {min(self.gpus, 8)}{nodes}"
                 + f" -m memfit train --model {self.model} --plan PLAN.json --seq {self.seq} " + " ".join(flags))
 
     def summary(self) -> str:

@@ -112,7 +112,8 @@ def _over_floor(p: ClusterProblem, lay: Layout) -> bool:
     cfg = p.spec.config
     unit = states_only(p.spec, p.seq, lay.tp)
     probe = replace(lay, counts=[(0, 0, 0)] * lay.pp)
-    return max(r["total"] for r in rank_peaks(probe, unit, cfg.layers, bool(getattr(cfg, "tied_embeddings", False)))) > p.budget
+    tied = bool(getattr(cfg, "tied_embeddings", False))
+    return max(r["total"] for r in rank_peaks(probe, unit, cfg.layers, tied)) > p.budget
 
 
 def _solve(p: ClusterProblem, lay: Layout) -> Layout | None:
