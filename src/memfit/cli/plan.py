@@ -6,6 +6,7 @@ import json
 
 from memfit.cli.options import add, add_model, model_of
 from memfit.core.units import format_bytes, format_seconds
+from memfit.plan.costs import PlanError
 from memfit.train.config import DEFAULT_BATCH, DEFAULT_SEQ
 
 
@@ -16,8 +17,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "prints the ranked configurations and the chosen plan. Exit code 2 when nothing fits.")
     add_model(p)
     p.add_argument("--budget", required=True, metavar="SIZE", help="device memory budget, e.g. 8GiB or 300MiB")
-    add(p, "batch", default=DEFAULT_BATCH, help="global batch per step (as memfit train's --batch x --accum)")
-    add(p, "seq", default=None, shown=f"{DEFAULT_SEQ} (memfit train's), at most the model's")
+    add(p, "batch", default=None, shown=f"{DEFAULT_BATCH} (memfit train's); 256 with --gpus",
+        help="global batch per step (as memfit train's --batch x --accum)")
+    add(p, "seq", default=None, shown=f"{DEFAULT_SEQ} (memfit train's), at most the model's; with --gpus the "
+        "model's, at most 4096")
     p.add_argument("--drop-output", dest="keep_output", action="store_false",
                    help="the training loop drops the model's output (logits) before backward, as memfit train does "
                    "(default: budget for `out = model(...)` held through backward)")
@@ -32,6 +35,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the chosen plan with a full trace of the step")
     add(p, "json", help="print one JSON object with a `plan` field (for memfit train --plan)")
+    from memfit.cli.plan_cluster import add_flags
+
+    add_flags(p)
     return p
 
 
@@ -40,9 +46,14 @@ def run(args: argparse.Namespace) -> int:
     from memfit.plan.fit import fit
 
     args.model = model_of(args)
+    device = resolve_device(args.device).type
+    if args.gpus is not None:  # several devices: memfit.plan.cluster_fit
+        from memfit.cli.plan_cluster import run_cluster
+
+        return run_cluster(args, args.model, "cuda" if args.device is None else device)
     if args.seq is None:
         args.seq = default_seq(args.model)
-    device = resolve_device(args.device).type
+    batch = args.batch or DEFAULT_BATCH
     costs = None
     if args.profile:
         from memfit.plan.costs import parse_budget
@@ -50,11 +61,17 @@ def run(args: argparse.Namespace) -> int:
         from memfit.profile.measure import profile
 
         parse_budget(args.budget), parse_allow(args.allow)  # fail on bad input before measuring
-        costs = profile(args.model, batch=args.batch, seq=args.seq, precision=args.precision,
+        costs = profile(args.model, batch=batch, seq=args.seq, precision=args.precision,
                         optimizer=args.optimizer).blocks
-    plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
-               allow=args.allow, batch=args.batch, seq=args.seq, verify=args.verify, costs=costs,
-               device=device, keep_output=args.keep_output)
+    try:
+        plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
+                   allow=args.allow, batch=batch, seq=args.seq, verify=args.verify, costs=costs,
+                   device=device, keep_output=args.keep_output)
+    except PlanError as exc:  # name the smallest cluster that would fit
+        from memfit.cli.plan_cluster import smallest_cluster_hint
+
+        hint = smallest_cluster_hint(args, args.model, "cuda" if args.device is None else device)
+        raise PlanError(str(exc) + hint) from None
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0

@@ -126,6 +126,9 @@ def _run(args: argparse.Namespace) -> int:
     from memfit.cli import train_checks
 
     given = resumed_options(vars(args))  # an elastic restart resumes from the run folder's checkpoint
+    from memfit.train.cluster_launch import apply_cluster_plan
+
+    given = apply_cluster_plan(given)  # a cluster plan's process count and strategy
     given = train_checks.checked(given)  # --nproc N alone: ddp, with a note
     cfg, ckpt = config_of(given)
     train_checks.check_strategy_options(given, cfg.strategy)  # an option the strategy would ignore: refused

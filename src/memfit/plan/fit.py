@@ -150,9 +150,12 @@ def _check_weights(problem: _Problem, limit: int, precision: str, allowed: tuple
 def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str = "adamw",
         precision: str = "32-true", allow: Any = None, loss_fn: Callable | None = None,
         batch: int | None = None, seq: int | None = None, verify: bool = True, costs: Any = None,
-        device: str | None = None, keep_output: bool = True) -> Plan:
+        device: str | None = None, keep_output: bool = True, gpus: int | str | None = None,
+        interconnect: Any = None) -> Plan:
     """Plan `model` (a module, a zero-argument factory, or a model name/spec for the CLI) to fit `budget`.
 
+    `gpus`: N or "auto" plans a cluster of devices of `budget` each over `interconnect` (nvlink, pcie, ib
+    or GB/s) and returns a ClusterPlan (docs/planner.md, "Cluster plans"); `batch` is then the global batch.
     `device`: where it trains (default: the module's parameters' device; for a name, cuda when available,
     else cpu). On a CPU device the default `allow` leaves out host offload (docs/planner.md).
     `keep_output`: the loop holds the model's output (logits, a Hugging Face KV cache) through backward,
@@ -160,6 +163,11 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
     when it drops the output before backward (memfit.plan.loop_step)."""
     if budget is None:
         raise ConfigError("give a budget, e.g. budget='8GiB'")
+    if gpus is not None:  # several devices: a ClusterPlan (memfit.plan.cluster_fit)
+        from memfit.plan.cluster_fit import plan_cluster
+
+        return plan_cluster(model, budget, gpus, interconnect=interconnect, batch=batch, seq=seq, precision=precision,
+                            optimizer=optimizer, allow=allow, device=device or "cuda", verify=verify)
     limit = _budget(budget)
     device = device or _device_of(model)
     allowed = parse_allow(allow, device)

@@ -1,0 +1,158 @@
+"""memfit.fit(..., gpus=N or "auto"): the fastest layout on N devices of `budget` each, or the
+smallest N with one that fits and the fastest there.
+
+    cp = plan_cluster("llama-2-70b", budget="80GiB", gpus="auto", precision="bf16-master", batch=256)
+    print(cp.summary())
+
+The search composes every figure (memfit.plan.cluster_search); the chosen plan's largest rank is
+then checked by a full trace (memfit.plan.cluster_verify), and when the trace finds it over the
+budget the next fastest is checked instead (at most MAX_REFUSED times).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from memfit.apply.policy import BlockAction
+from memfit.core.errors import ConfigError
+from memfit.core.units import format_bytes
+from memfit.plan.cluster_links import parse_interconnect, topology
+from memfit.plan.cluster_memory import Layout, stage_sizes
+from memfit.plan.cluster_plan import ClusterPlan, degrees, per_process_batch
+from memfit.plan.cluster_search import ClusterProblem, Row, candidates, counts_to_try, smallest
+from memfit.plan.costs import FLOPS, PlanError, parse_budget
+from memfit.plan.plan import Plan, parse_allow
+
+DEVICE_FLOPS = {"cuda": 4e14, "cpu": FLOPS}
+"""Sustained FLOP/s per device for the FLOP model: on CUDA about 40% of an H100's dense 16-bit peak
+(989 TFLOP/s; 32-true runs on TF32 at half that); on CPU the single-device planner's figure."""
+DEFAULT_BATCH = 256
+MAX_REFUSED = 3
+
+
+def _basis(flops: float, calibrated: bool) -> str:
+    if calibrated:
+        return f"calibrated: {flops / 1e12:.3g} TFLOP/s per device and the link bandwidth given, measured on this machine"
+    return (f"FLOP model: {flops / 1e12:.3g} TFLOP/s sustained per device assumed (not measured) and the "
+            "interconnect's published bandwidth; seconds for ranking and sizing, not a measurement")
+
+
+def actions_of(lay: Layout, layers: int) -> list[BlockAction]:
+    """Per block of the whole model: each stage's recomputed blocks first, then selective, then kept."""
+    out = []
+    for size, (keep, sel, rec) in zip(stage_sizes(layers, lay.pp), lay.counts or [(layers, 0, 0)]):
+        out += [BlockAction("recompute")] * rec + [BlockAction("selective")] * sel + [BlockAction("keep")] * keep
+    return out
+
+
+def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precision, optimizer, allow, device,
+             flops) -> ClusterProblem:
+    """The search's inputs, checked (a model name or spec with memfit's GPT config; the allow list for
+    `device`; the FLOP rate for the time model)."""
+    from memfit.models.spec import parse_model
+
+    spec = parse_model(model) if isinstance(model, str) else model
+    if getattr(spec, "config", None) is None:
+        raise ConfigError("a cluster plan cuts memfit's GPT (pipeline stages, TP shapes): give a known name or a "
+                          "gpt:/llama: spec, not a module or a Hugging Face config")
+    allowed = parse_allow(allow, device)
+    precisions = (precision,) + (("bf16-master",) if "precision" in allowed and precision != "bf16-master" else ())
+    parse_interconnect(interconnect)  # fail on a bad name before any work
+    return ClusterProblem(spec, seq or min(spec.config.seq or 1024, 4096), batch or DEFAULT_BATCH,
+                          parse_budget(budget), lambda n: topology(n, interconnect, nodes), precisions, optimizer,
+                          allowed, flops or DEVICE_FLOPS.get(device, FLOPS) / (2 if precision == "32-true" and
+                                                                               device == "cuda" else 1))
+
+
+def plan_cluster(model: Any, budget: Any, gpus: int | str = "auto", *, interconnect: Any = None,
+                 nodes: int | None = None, batch: int | None = None, seq: int | None = None,
+                 precision: str = "32-true", optimizer: str = "adamw", allow: Any = None, device: str = "cuda",
+                 verify: bool = True, flops: float | None = None) -> ClusterPlan:
+    """The cluster plan (see the module docstring). `batch`: the global batch in sequences (default 256);
+    `flops`: sustained FLOP/s per device (measured: the time basis says calibrated)."""
+    t0 = time.perf_counter()
+    p = problem_of(model, budget, interconnect, nodes, batch, seq, precision, optimizer, allow, device, flops)
+    if gpus == "auto":
+        n, rows = smallest(p)
+        if n is None:
+            raise PlanError(f"no layout of up to {counts_to_try(p.batch)[-1]} devices fits {format_bytes(p.budget)} "
+                            f"at a global batch of {p.batch}; give a larger --budget or a smaller --seq")
+    else:
+        n = int(gpus)
+        if n < 1 or p.batch % n:
+            raise ConfigError(f"--gpus {gpus}: the global batch of {p.batch} sequences must split over the devices; "
+                              f"give --batch a multiple of {gpus}")
+        rows = candidates(p, n)
+    chosen, notes = _checked(p, rows, verify)
+    cp = _result(p, n, chosen, rows, notes, verify, flops is not None)
+    if gpus == "auto":
+        cp.by_count = by_count(p, n, rows)
+    cp.seconds = time.perf_counter() - t0
+    return cp
+
+
+def _checked(p: ClusterProblem, rows: list[Row], verify: bool) -> tuple[tuple[Row, int | None], list[str]]:
+    from memfit.plan.cluster_verify import traced_peak
+
+    notes = []
+    feasible = [r for r in rows if r.feasible]
+    if not feasible:
+        least = min(rows, key=lambda r: r.peak) if rows else None
+        raise PlanError(f"no layout on {rows[0].layout.gpus if rows else '?'} devices fits {format_bytes(p.budget)}"
+                        + (f"; the smallest needs {format_bytes(least.peak)} per rank" if least else "")
+                        + "; try --gpus auto")
+    for row in feasible[:MAX_REFUSED]:
+        if not verify:
+            return (row, None), notes
+        traced = traced_peak(p.spec, row.layout, p.seq, actions_of(row.layout, p.spec.config.layers))
+        if traced <= p.budget:
+            return (row, traced), notes
+        notes.append(f"refused by the full trace ({format_bytes(traced)} > budget): {row.layout.strategy} "
+                     f"{degrees(row.layout)}; the next fastest checked")
+    raise PlanError(f"no layout fits {format_bytes(p.budget)} once checked by a full trace: " + "; ".join(notes))
+
+
+def _result(p: ClusterProblem, n: int, chosen, rows, notes, verify: bool, calibrated: bool) -> ClusterPlan:
+    row, traced = chosen
+    lay, layers = row.layout, p.spec.config.layers
+    b, a = per_process_batch(lay)
+    single = Plan(model=p.spec.name, budget=p.budget, actions=actions_of(lay, layers), micro_batch=b, accumulation=a,
+                  optimizer=lay.optimizer, precision=lay.precision, offload_optimizer=lay.offload_optimizer,
+                  predicted_peak=row.peak, predicted_time=row.time["total"], n_blocks=layers,
+                  head_chunks=lay.head_chunks, measured_peak=traced, device="cuda")
+    topo = p.topo_of(n)
+    link = topo.intra.name + (f" in nodes of {topo.per_node}, {topo.inter.name} between" if topo.nodes > 1 else "")
+    if lay.offload_optimizer:
+        from memfit.plan.cluster_memory import rank_peaks
+
+        on = rank_peaks(Layout(**{**lay.__dict__, "offload_optimizer": None}), p.unit(lay.tp, lay.precision), layers)
+        host = max(r["optimizer"] + r["grads"] for r in on)
+        notes.append(f"optimizer offload: each rank's optimizer state and gradients ({format_bytes(host)}) live in "
+                     f"host memory: {format_bytes(host * min(n, 8))} per node of {min(n, 8)}")
+    return ClusterPlan(model=p.spec.name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
+                       ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
+                       time_basis=_basis(p.flops, calibrated), interconnect=link, global_batch=p.batch, seq=p.seq,
+                       plan=single.to_json(), traced_peak=traced, ranked=[_brief(r) for r in rows[:20]], notes=notes)
+
+
+def _brief(r: Row) -> dict:
+    lay = r.layout
+    b, a = per_process_batch(lay)
+    return {"strategy": lay.strategy, "degrees": degrees(lay), "gpus": lay.gpus, "micro_batch": b, "accumulation": a,
+            "precision": lay.precision, "offload_optimizer": lay.offload_optimizer, "head_chunks": lay.head_chunks,
+            "counts": lay.counts, "peak": r.peak, "feasible": r.feasible, "step_s": r.time["total"],
+            "tokens_per_s": r.tokens_per_s, "comm_bytes": r.time["comm_bytes"]}
+
+
+def by_count(p: ClusterProblem, n: int, rows: list[Row], more: int = 3) -> list[dict]:
+    """The best plan at n and at the next `more` counts up that the global batch allows (2n, 4n, ...)."""
+    out, k = [], n
+    for _ in range(more + 1):
+        if p.batch % k:
+            break
+        got = rows if k == n else candidates(p, k)
+        best = next((r for r in got if r.feasible), None)
+        if best is not None:
+            out.append({**_brief(best), "tokens_per_s_per_device": best.tokens_per_s / k})
+        k *= 2
+    return out
