@@ -11,8 +11,8 @@ fp16 (memfit.apply.loss_scale), and master weights / optimizer offload (memfit.a
 Without master weights and offload the torch optimizer updates the parameters directly.
 
 It is a `torch.optim.Optimizer`, so `torch.optim.lr_scheduler` schedulers drive it: they see one
-param group (all trainable parameters) whose hyperparameters (lr, betas, ...) reach the real update
-in every mode, also when it is streamed over chunk optimizers on the CPU or on disk.
+param group (all trainable parameters; one per group with `groups=` / `no_decay=`) whose
+hyperparameters (lr, betas, ...) reach the real update in every mode, also when it is streamed over chunk optimizers on the CPU or on disk.
 Optimizer arguments left out take torch's defaults (AdamW: betas (0.9, 0.999), eps 1e-8,
 weight_decay 0.01, lr 1e-3).
 """
@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overflow_message, warn_overflow
 from memfit.apply import optimizers
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
+from memfit.apply.param_groups import regroup, resolve_groups
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
 from memfit.apply.torch_optim import (OPTIMIZERS, GroupMirror, make_torch_optimizer, optimizer_class,
                                       torch_kwargs)
@@ -71,6 +72,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
         chunk_bytes: int | None = None,
         loss_scale: LossScaler | dict | None = None,
         keep_grad_files: bool = False,
+        groups: list[dict] | None = None,
+        no_decay: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         """optimizer: one of OPTIMIZERS; lr, weight_decay and optimizer_kwargs (betas, eps, momentum,
@@ -84,7 +87,12 @@ class TrainingOptimizer(torch.optim.Optimizer):
             one tensor at a time on the device.
         loss_scale: LossScaler or its keyword arguments (fp16 modes), e.g. {"hysteresis": 2}.
         keep_grad_files: offload="disk": keep the gradient files between steps instead of deleting
-            them after each step (faster rewrites; the folder is still removed on close)."""
+            them after each step (faster rewrites; the folder is still removed on close).
+        groups: torch-style parameter groups ({"params": [...], "weight_decay": 0.0, ...}), each
+            trainable parameter in exactly one; param_groups then has one group per given group.
+        no_decay: True (one-dimensional parameters: biases and norm weights), parameter names, or a
+            callable (name, param) -> bool: these get weight_decay 0 in a second group
+            (memfit.apply.param_groups)."""
         self.mode = precision_mode(precision)
         self.precision = self.mode.name
         offload = None if offload in (None, "none") else offload
@@ -105,6 +113,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         if not named:
             raise ConfigError(f"{type(model).__name__} has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        group_index, overrides = resolve_groups(named, groups, no_decay)
         self.device_type = self.params[0].device.type
 
         self.scaler: LossScaler | None = None
@@ -112,8 +121,14 @@ class TrainingOptimizer(torch.optim.Optimizer):
             self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else LossScaler(**(loss_scale or {}))
         self._locator: InfNanLocator | None = None
 
+        group_of: dict[int, int] = {id(p): k for p, k in zip(self.params, group_index)}
+
         def make(ps):
-            return cls(ps, **kwargs)
+            opt = cls(ps, **kwargs)
+            if len(overrides) > 1 or overrides[0]:
+                if all(id(p) in group_of for p in ps):
+                    regroup(opt, group_of, overrides)
+            return opt
 
         self.optimizer: torch.optim.Optimizer | None = None
         self.streamed: StreamedOptimizer | None = None
@@ -125,7 +140,11 @@ class TrainingOptimizer(torch.optim.Optimizer):
                 check_finite=self.scaler is not None, keep_grad_files=keep_grad_files,
             )
             streamed = self.streamed
-            self._mirror = GroupMirror(self.params, lambda: streamed.param_groups)
+            if len(overrides) > 1 or overrides[0]:  # masters now exist: split each chunk's group
+                group_of.update({id(m): k for m, k in zip(streamed.masters, group_index)})
+                for c in streamed.chunks:
+                    regroup(c.optimizer, group_of, overrides)
+            self._mirror = GroupMirror(self.params, lambda: streamed.param_groups, group_index)
             defaults = self.streamed.chunks[0].optimizer.defaults
         else:
             self.optimizer = make(self.params)
@@ -147,10 +166,10 @@ class TrainingOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ torch.optim.Optimizer interface
     @property
     def param_groups(self) -> list[dict]:
-        """One group of all trainable parameters (the wrapped torch optimizer's own group, or one that
-        stands for the chunk optimizers' groups). Changing "lr" (or any hyperparameter) here, by hand
+        """One group of all trainable parameters, or one per memfit group (the wrapped torch optimizer's
+        own groups, or mirrors that stand for the chunk optimizers' groups). Changing "lr" (or any hyperparameter) here, by hand
         or through a torch.optim.lr_scheduler, changes the next update."""
-        return [self._mirror.group] if self._mirror is not None else self.optimizer.param_groups
+        return self._mirror.groups if self._mirror is not None else self.optimizer.param_groups
 
     @property
     def state(self) -> dict:
