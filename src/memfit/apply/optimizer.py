@@ -120,6 +120,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         if self.mode.loss_scaling:
             self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else LossScaler(**(loss_scale or {}))
         self._locator: InfNanLocator | None = None
+        self._norm: torch.Tensor | None = None  # grad_norm() before step(): the streamed total, not recomputed
 
         group_of: dict[int, int] = {id(p): k for p, k in zip(self.params, group_index)}
 
@@ -209,6 +210,19 @@ class TrainingOptimizer(torch.optim.Optimizer):
             if self.streamed is not None:
                 self.streamed.end_backward()
 
+    def grad_norm(self) -> float | None:
+        """The total gradient norm now (unscaled), for loops that log or clip before step(), wherever the
+        gradients are (offloaded ones included); step() clips with this norm instead of computing it again."""
+        if self.streamed is not None:
+            total = self.streamed.grad_norm()
+            self._norm = total
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if self.scaler is not None:
+            total = total / self.scaler.scale
+        return _value(total)
+
     def step(self, closure: None = None) -> StepResult:
         """Check fp16 overflow, unscale, clip, update, zero the gradients. (closure: not supported;
         present for torch.optim.Optimizer's signature.)"""
@@ -225,13 +239,14 @@ class TrainingOptimizer(torch.optim.Optimizer):
         if self.streamed is not None:
             norm, factor = None, inv
             if self.clip is not None:
-                total = self.streamed.grad_norm()
+                total = self._norm if self._norm is not None else self.streamed.grad_norm()
                 if inv is not None:
                     total = total * inv
                 # Same expression as torch.nn.utils.clip_grad_norm_, so fp32 offload stays bit-identical.
                 coef = torch.clamp(self.clip / (total + 1e-6), max=1.0)
                 factor = coef if inv is None else coef * inv
                 norm = _value(total)
+            self._norm = None
             self.streamed.step(factor)
             self._mark_host()
             return StepResult(stepped=True, grad_norm=norm, loss_scale=scale)
@@ -248,6 +263,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients (always set to None: offloaded gradients have no tensor to zero)."""
+        self._norm = None
         if self.streamed is not None:
             self.streamed.discard_grads()
         else:
