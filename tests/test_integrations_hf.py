@@ -17,9 +17,10 @@ from memfit.plan.costs import PlanError  # noqa: E402
 
 
 def make_trainer(model, tmp_path, steps=3, callbacks=None, optimizers=(None, None), **kw):
-    kw = {"per_device_train_batch_size": 4, "learning_rate": 1e-3, "lr_scheduler_type": "constant", **kw}
+    kw = {"per_device_train_batch_size": 4, "learning_rate": 1e-3, "lr_scheduler_type": "constant",
+          "save_strategy": "no", **kw}
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=steps, use_cpu=True, report_to=[],
-                                          logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
+                                          logging_steps=1, seed=0, disable_tqdm=True,
                                           train_sampling_strategy="sequential", **kw)
     return transformers.Trainer(model=model, args=args, train_dataset=tl.rows(), callbacks=callbacks,
                                 optimizers=optimizers)
@@ -146,3 +147,20 @@ def test_optimizer_offload_bf16_master_clips_and_logs_through_memfits_optimizer(
     broken = make_trainer(m, tmp_path, max_grad_norm=0.05, optimizers=(opt, None))
     broken.train()
     assert losses(broken)[1:] != pytest.approx(ref[1:], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_save_and_resume_through_trainer_are_bitwise(tmp_path):
+    budget = _offload_budget()
+
+    def run(out, resume=None):
+        trainer = make_trainer(tl.model(), out, steps=4, save_strategy="steps", save_steps=2)
+        fit_trainer(trainer, budget, allow="optimizer-offload,precision")
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = run(tmp_path / "a")
+    resumed = run(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-2"))
+    for (n, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), n
+    assert losses(resumed) == losses(whole)  # steps 1-2 from the checkpoint's history, 3-4 run again
