@@ -43,3 +43,14 @@ def peaks(m, b: dict) -> tuple[int, int]:
     keep = memfit.estimate(m, b, checkpoint="none").per_device["total"]
     full = memfit.estimate(m, b, checkpoint="full").per_device["total"]
     return keep, full
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny vocabulary ("t0" ... "t511"; t0 pads and ends), made in memory."""
+    import tokenizers
+    import transformers
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t1"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t0", unk_token="t1")

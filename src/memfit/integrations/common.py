@@ -43,7 +43,7 @@ def needs_memfit_optimizer(plan: Plan) -> bool:
 
 
 def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, precision: str, allow: Any,
-               keep_effective_batch: bool, where: str) -> Plan:
+               keep_effective_batch: bool, where: str, exclude: tuple[str, ...] = ()) -> Plan:
     """memfit.fit on `example` (one batch as the framework collates it); with keep_effective_batch the
     planner may split it into micro-batches x accumulation, else it plans the batch as it is. A budget
     nothing fits raises PlanError before any step, with the fit report in one line."""
@@ -52,8 +52,8 @@ def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, p
 
     device = next((p.device.type for p in model.parameters() if p.device.type != "meta"), "cpu")
     names = parse_allow(allow, device)
-    if not keep_effective_batch:
-        names = tuple(a for a in names if a != "accumulate")
+    exclude = exclude + (() if keep_effective_batch else ("accumulate",))
+    names = tuple(a for a in names if a not in exclude)
     try:
         return fit(model, example, budget=budget, optimizer=optimizer, precision=precision, allow=names)
     except PlanError as exc:

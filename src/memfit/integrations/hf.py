@@ -86,9 +86,21 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
     batch = collated_batch(trainer, per_device)
     optimizer = optimizer_name(args.optim)
     precision = mixed_precision(args.bf16, args.fp16)
-    plan = plan_batch(_inner(model), batch, budget, optimizer=optimizer, precision=precision, allow=allow,
-                      keep_effective_batch=keep_effective_batch, where=WHERE)
-    plan.install(_inner(model))
+    inner = _inner(model)
+    own = inner.__dict__.get("forward")
+    if own is not None and getattr(getattr(own, "__func__", None), "_memfit_chunked", False):
+        own = None  # memfit's chunked head: planned again from the plain one
+        del inner.forward
+    if own is not None:  # a framework's own instance forward (trl's fused LM head): planned with the class
+        del inner.forward  # forward and the plain head (more memory than the fused head needs), head left to it
+    try:
+        plan = plan_batch(inner, batch, budget, optimizer=optimizer, precision=precision, allow=allow,
+                          keep_effective_batch=keep_effective_batch, where=WHERE,
+                          exclude=("chunked-head",) if own is not None else ())
+    finally:
+        if own is not None:
+            inner.forward = own
+    plan.install(inner)
     args.per_device_train_batch_size = plan.micro_batch
     args.gradient_accumulation_steps = args.gradient_accumulation_steps * plan.accumulation
     trainer._train_batch_size = args.train_batch_size
