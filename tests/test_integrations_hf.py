@@ -79,6 +79,7 @@ def test_accumulation_keeps_per_device_batch_times_accumulation(tmp_path):
     assert losses(trainer) == pytest.approx(losses(plain), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_floor_raises_before_step_0(tmp_path):
     trainer = make_trainer(tl.model(), tmp_path)
     with pytest.raises(PlanError, match="nothing fits before step 0.*need"):
