@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overflow_message, warn_overflow
 from memfit.apply import optimizers
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
-from memfit.apply.param_groups import regroup, resolve_groups
+from memfit.apply.param_groups import Grouping, resolve_groups
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
 from memfit.apply.torch_optim import (OPTIMIZERS, GroupMirror, make_torch_optimizer, optimizer_class,
                                       torch_kwargs)
@@ -88,11 +88,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
         loss_scale: LossScaler or its keyword arguments (fp16 modes), e.g. {"hysteresis": 2}.
         keep_grad_files: offload="disk": keep the gradient files between steps instead of deleting
             them after each step (faster rewrites; the folder is still removed on close).
-        groups: torch-style parameter groups ({"params": [...], "weight_decay": 0.0, ...}), each
-            trainable parameter in exactly one; param_groups then has one group per given group.
-        no_decay: True (one-dimensional parameters: biases and norm weights), parameter names, or a
-            callable (name, param) -> bool: these get weight_decay 0 in a second group
-            (memfit.apply.param_groups)."""
+        groups / no_decay: torch-style parameter groups, or the parameters without weight decay (True:
+            biases and norm weights; names; a callable): memfit.apply.param_groups."""
         self.mode = precision_mode(precision)
         self.precision = self.mode.name
         offload = None if offload in (None, "none") else offload
@@ -113,7 +110,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         if not named:
             raise ConfigError(f"{type(model).__name__} has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
-        group_index, overrides = resolve_groups(named, groups, no_decay)
+        grouping = Grouping(self.params, *resolve_groups(named, groups, no_decay))
         self.device_type = self.params[0].device.type
 
         self.scaler: LossScaler | None = None
@@ -122,15 +119,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         self._locator: InfNanLocator | None = None
         self._norm: torch.Tensor | None = None  # grad_norm() before step(): the streamed total, not recomputed
 
-        group_of: dict[int, int] = {id(p): k for p, k in zip(self.params, group_index)}
-
-        def make(ps):
-            opt = cls(ps, **kwargs)
-            if len(overrides) > 1 or overrides[0]:
-                if all(id(p) in group_of for p in ps):
-                    regroup(opt, group_of, overrides)
-            return opt
-
+        make = grouping.maker(lambda ps: cls(ps, **kwargs))
         self.optimizer: torch.optim.Optimizer | None = None
         self.streamed: StreamedOptimizer | None = None
         self._mirror: GroupMirror | None = None
@@ -141,11 +130,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
                 check_finite=self.scaler is not None, keep_grad_files=keep_grad_files,
             )
             streamed = self.streamed
-            if len(overrides) > 1 or overrides[0]:  # masters now exist: split each chunk's group
-                group_of.update({id(m): k for m, k in zip(streamed.masters, group_index)})
-                for c in streamed.chunks:
-                    regroup(c.optimizer, group_of, overrides)
-            self._mirror = GroupMirror(self.params, lambda: streamed.param_groups, group_index)
+            grouping.split_streamed(streamed.masters, [c.optimizer for c in streamed.chunks])
+            self._mirror = GroupMirror(self.params, lambda: streamed.param_groups, grouping.index)
             defaults = self.streamed.chunks[0].optimizer.defaults
         else:
             self.optimizer = make(self.params)

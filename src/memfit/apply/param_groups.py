@@ -75,3 +75,28 @@ def regroup(opt: torch.optim.Optimizer, group_of: dict[int, int], overrides: lis
         mine = [p for p in params if group_of[id(p)] == k]
         if mine:
             opt.add_param_group({"params": mine, **over, GROUP_KEY: k})
+
+
+class Grouping:
+    """Which memfit group each parameter is in, applied to the torch optimizers TrainingOptimizer makes."""
+
+    def __init__(self, params: list[nn.Parameter], index: list[int], overrides: list[dict[str, Any]]) -> None:
+        self.index, self.overrides = index, overrides
+        self.of: dict[int, int] = {id(p): k for p, k in zip(params, index)}
+        self.active = len(overrides) > 1 or bool(overrides[0])
+
+    def maker(self, make: Callable) -> Callable:
+        """`make(params)`, split into groups when the parameters are known ones."""
+        def grouped(ps):
+            opt = make(ps)
+            if self.active and all(id(p) in self.of for p in ps):
+                regroup(opt, self.of, self.overrides)
+            return opt
+        return grouped
+
+    def split_streamed(self, masters: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> None:
+        """Streamed: the master weights exist once the chunk optimizers do; split each chunk's group."""
+        if self.active:
+            self.of.update({id(m): k for m, k in zip(masters, self.index)})
+            for opt in optimizers:
+                regroup(opt, self.of, self.overrides)
