@@ -2,6 +2,8 @@
 plain run, for HF Trainer, a peft LoRA model under Trainer, accelerate's loop and Lightning's Trainer.
 
     python bench/integrations.py            # tiny Llama (2 blocks, hidden 64, vocab 512), batch 4 x 32 tokens
+    python bench/integrations.py --render   # the table in docs/integrations.md from the JSON
+    python bench/integrations.py --only lightning   # run again some of them (the others kept from the JSON)
 
 The budget is halfway between the all-recompute and all-keep peaks (memfit.estimate); the plan is
 memfit's recompute-only one for it. Measured peak: memfit's tracker over each optimizer step (the
@@ -76,7 +78,7 @@ def accelerate_run(plan=None, steps=STEPS):
     return max(peaks)
 
 
-def lightning_run(plan=None, steps=STEPS):
+def lightning_run(plan=None, watch=None, steps=STEPS):
     import lightning.pytorch as L
 
     from memfit.integrations.lightning import MemfitCallback, MemfitPrecision, memfit_optimizer
@@ -98,14 +100,40 @@ def lightning_run(plan=None, steps=STEPS):
                     else memfit_optimizer(plan, self, lr=1e-3, no_decay=None))
 
     extra = {} if plan is None else {"plugins": [MemfitPrecision(plan)]}
-    cb = MemfitCallback(plan if plan is not None else memfit.fit(tl.model(), tl.batch(4), budget="1GiB",
-                                                                  allow="recompute"), check_steps=steps)
+    cb = MemfitCallback(watch, check_steps=steps, on_exceed="warn")  # the plain run: the plan's budget watched only
     L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, callbacks=[cb], **extra).fit(Lit())
     return max(cb.peaks)
 
 
+DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+BEGIN, END = "<!-- bench/integrations.py begin -->", "<!-- bench/integrations.py end -->"
+
+
+def render() -> None:
+    import json
+
+    from common import fmt_bytes, load_line, run_line
+
+    r = json.loads((Path(__file__).resolve().parent / "results" / "integrations.json").read_text())
+    rows = ["| framework | plan | budget | predicted peak | measured peak | plain run's peak | run time vs plain (median, min-max) |",
+            "|---|---|---|---|---|---|---|"]
+    for name, f in r["frameworks"].items():
+        q = f["memfit_over_plain"]
+        rows.append(f"| {name} | {f['actions'].removeprefix('blocks (2): ')} | {fmt_bytes(f['budget'])} | "
+                    f"{fmt_bytes(f['predicted_peak'])} | {fmt_bytes(f['measured_peak'])} | {fmt_bytes(f['plain_peak'])} | "
+                    f"{q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f}) |")
+    first = next(iter(r["frameworks"].values()))["timing"]
+    text = "\n".join([BEGIN, f"Measured on {r['machine'].get('cpu', 'this machine')} ({r['date']}), a shared and "
+                      f"loaded machine: {load_line(first)} {run_line(r)}", "", *rows, END])
+    doc = DOC.read_text()
+    DOC.write_text(doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):])
+
+
 def main() -> None:
+    if "--render" in sys.argv:
+        render()
+        return
     warnings.filterwarnings("ignore")
     keep, full = tl.peaks(tl.model(), tl.batch(4))
     budget = (keep + full) // 2
@@ -116,9 +144,13 @@ def main() -> None:
     lf = memfit.estimate(lora_base, tl.batch(4), checkpoint="full").per_device["total"]
     lora_plan = memfit.fit(lora_base, tl.batch(4), budget=(lk + lf) // 2, allow="recompute")
     runs = {"hf": (lambda p: hf_run(p), plan), "peft": (lambda p: hf_run(p, lora=True), lora_plan),
-            "accelerate": (accelerate_run, plan), "lightning": (lightning_run, plan)}
-    out = {}
+            "accelerate": (accelerate_run, plan), "lightning": (lambda p: lightning_run(p, watch=plan), plan)}
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else list(runs)
+    path = Path(__file__).resolve().parent / "results" / "integrations.json"
+    out = __import__("json").loads(path.read_text())["frameworks"] if "--only" in sys.argv else {}
     for name, (fn, p) in runs.items():
+        if name not in only:
+            continue
         measured, plain_peak = fn(p), fn(None)
         timing = interleaved({"plain": lambda: fn(None), "memfit": lambda: fn(p)}, rounds=5)
         out[name] = {"budget": p.budget, "predicted_peak": p.predicted_peak, "measured_peak": measured,
