@@ -113,7 +113,8 @@ BEGIN, END = "<!-- bench/integrations.py begin -->", "<!-- bench/integrations.py
 def render() -> None:
     import json
 
-    from common import fmt_bytes, load_line, run_line
+    from common import load_line, run_line
+    from memfit.core.units import format_bytes as fmt_bytes
 
     r = json.loads((Path(__file__).resolve().parent / "results" / "integrations.json").read_text())
     rows = ["| framework | plan | budget | predicted peak | measured peak | plain run's peak | run time vs plain (median, min-max) |",
