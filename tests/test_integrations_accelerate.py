@@ -80,7 +80,7 @@ def test_offload_plan_clips_through_memfits_optimizer_and_keeps_the_effective_ba
 @pytest.mark.slow
 def test_a_budget_below_the_floor_raises_before_step_0():
     acc = fresh_accelerator()
-    with pytest.raises(PlanError, match="nothing fits before step 0"):
+    with pytest.raises(PlanError, match="nothing fits before step 0.*needs .*most of it"):
         prepare(acc, tl.model(), "200KiB", example=tl.batch(4))
 
 

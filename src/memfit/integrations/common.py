@@ -58,7 +58,27 @@ def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, p
         return fit(model, example, budget=budget, optimizer=optimizer, precision=precision, allow=names)
     except PlanError as exc:
         msg = " ".join(str(exc).split())
+        if "need" not in msg:
+            msg += "; " + _smallest_need(model, example, optimizer, precision, names)
         raise PlanError(f"{where}: nothing fits before step 0: {msg}") from None
+
+
+def _smallest_need(model: nn.Module, example: Any, optimizer: str, precision: str, names: tuple[str, ...]) -> str:
+    """The fit report's tail: what one row, every block recomputed (and the optimizer offloaded, when
+    allowed) needs, and the category that dominates it."""
+    from memfit.core.units import format_bytes
+    from memfit.measure.estimate import estimate
+
+    one = {k: v[:1] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in example.items()} \
+        if isinstance(example, dict) else example
+    off = "cpu" if "optimizer-offload" in names else None
+    need = estimate(model, one, optimizer=optimizer, precision=precision, offload_optimizer=off,
+                    checkpoint="full" if "recompute" in names else "none").per_device
+    top = max((k for k in need if k != "total"), key=need.get)
+    how = "micro-batch 1" + (", every block recomputed" if "recompute" in names else "") + \
+        (", optimizer offloaded" if off else "")
+    return (f"the smallest configuration ({how}) needs {format_bytes(need['total'])}, most of it {top} "
+            f"({format_bytes(need[top])}): raise the budget to at least that")
 
 
 def training_optimizer(plan: Plan, model: nn.Module, *, lr: float, weight_decay: float | None, clip: float | None,
