@@ -23,6 +23,7 @@ LAYERS = {
     "plan": 6,
     "train": 7,
     "cli": 8,
+    "integrations": 8,
 }
 
 

@@ -12,6 +12,7 @@ model's own forward. Parameters, state_dict keys and call signatures are unchang
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import Any
@@ -54,9 +55,9 @@ def chunk_head(model: nn.Module, chunks: int | None) -> nn.Module:
         model.head_loss = ChunkedHeadLoss(chunks) if chunks else None
     elif chunks:
         _check_hf(model)
-        model.forward = types.MethodType(_chunked_forward, model)
+        model.forward = types.MethodType(_signed_forward(type(model).forward), model)
     else:
-        if getattr(model.__dict__.get("forward"), "__func__", None) is _chunked_forward:
+        if getattr(getattr(model.__dict__.get("forward"), "__func__", None), "_memfit_chunked", False):
             del model.forward  # only our own instance forward: the model's class forward is back
         model.__dict__.pop("_memfit_head_chunks", None)
         return model
@@ -104,6 +105,17 @@ def head_cross_entropy(model: nn.Module, hidden: torch.Tensor, targets: torch.Te
     head = model.get_output_embeddings()
     return chunked_cross_entropy(hidden, head.weight, targets, head.bias, chunks=head_chunks(model) or 1,
                                  ignore_index=ignore_index, reduction=reduction)
+
+
+def _signed_forward(plain):
+    """_chunked_forward under the class forward's name and signature: Trainer's column filter
+    (remove_unused_columns) and its loss-kwargs check read `inspect.signature(model.forward)`."""
+    def forward(self: nn.Module, *args: Any, **kwargs: Any):
+        return _chunked_forward(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, plain)
+    forward._memfit_chunked = True
+    return forward
 
 
 def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any):

@@ -11,8 +11,8 @@ fp16 (memfit.apply.loss_scale), and master weights / optimizer offload (memfit.a
 Without master weights and offload the torch optimizer updates the parameters directly.
 
 It is a `torch.optim.Optimizer`, so `torch.optim.lr_scheduler` schedulers drive it: they see one
-param group (all trainable parameters) whose hyperparameters (lr, betas, ...) reach the real update
-in every mode, also when it is streamed over chunk optimizers on the CPU or on disk.
+param group (all trainable parameters; one per group with `groups=` / `no_decay=`) whose
+hyperparameters (lr, betas, ...) reach the real update in every mode, also when it is streamed over chunk optimizers on the CPU or on disk.
 Optimizer arguments left out take torch's defaults (AdamW: betas (0.9, 0.999), eps 1e-8,
 weight_decay 0.01, lr 1e-3).
 """
@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overflow_message, warn_overflow
 from memfit.apply import optimizers
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
+from memfit.apply.param_groups import Grouping, resolve_groups
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
 from memfit.apply.torch_optim import (OPTIMIZERS, GroupMirror, make_torch_optimizer, optimizer_class,
                                       torch_kwargs)
@@ -71,6 +72,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
         chunk_bytes: int | None = None,
         loss_scale: LossScaler | dict | None = None,
         keep_grad_files: bool = False,
+        groups: list[dict] | None = None,
+        no_decay: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         """optimizer: one of OPTIMIZERS; lr, weight_decay and optimizer_kwargs (betas, eps, momentum,
@@ -84,7 +87,9 @@ class TrainingOptimizer(torch.optim.Optimizer):
             one tensor at a time on the device.
         loss_scale: LossScaler or its keyword arguments (fp16 modes), e.g. {"hysteresis": 2}.
         keep_grad_files: offload="disk": keep the gradient files between steps instead of deleting
-            them after each step (faster rewrites; the folder is still removed on close)."""
+            them after each step (faster rewrites; the folder is still removed on close).
+        groups / no_decay: torch-style parameter groups, or the parameters without weight decay (True:
+            biases and norm weights; names; a callable): memfit.apply.param_groups."""
         self.mode = precision_mode(precision)
         self.precision = self.mode.name
         offload = None if offload in (None, "none") else offload
@@ -105,16 +110,16 @@ class TrainingOptimizer(torch.optim.Optimizer):
         if not named:
             raise ConfigError(f"{type(model).__name__} has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        grouping = Grouping(self.params, *resolve_groups(named, groups, no_decay))
         self.device_type = self.params[0].device.type
 
         self.scaler: LossScaler | None = None
         if self.mode.loss_scaling:
             self.scaler = loss_scale if isinstance(loss_scale, LossScaler) else LossScaler(**(loss_scale or {}))
         self._locator: InfNanLocator | None = None
+        self._norm: torch.Tensor | None = None  # grad_norm() before step(): the streamed total, not recomputed
 
-        def make(ps):
-            return cls(ps, **kwargs)
-
+        make = grouping.maker(lambda ps: cls(ps, **kwargs))
         self.optimizer: torch.optim.Optimizer | None = None
         self.streamed: StreamedOptimizer | None = None
         self._mirror: GroupMirror | None = None
@@ -125,7 +130,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
                 check_finite=self.scaler is not None, keep_grad_files=keep_grad_files,
             )
             streamed = self.streamed
-            self._mirror = GroupMirror(self.params, lambda: streamed.param_groups)
+            grouping.split_streamed(streamed.masters, [c.optimizer for c in streamed.chunks])
+            self._mirror = GroupMirror(self.params, lambda: streamed.param_groups, grouping.index)
             defaults = self.streamed.chunks[0].optimizer.defaults
         else:
             self.optimizer = make(self.params)
@@ -147,10 +153,10 @@ class TrainingOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ torch.optim.Optimizer interface
     @property
     def param_groups(self) -> list[dict]:
-        """One group of all trainable parameters (the wrapped torch optimizer's own group, or one that
-        stands for the chunk optimizers' groups). Changing "lr" (or any hyperparameter) here, by hand
+        """One group of all trainable parameters, or one per memfit group (the wrapped torch optimizer's
+        own groups, or mirrors that stand for the chunk optimizers' groups). Changing "lr" (or any hyperparameter) here, by hand
         or through a torch.optim.lr_scheduler, changes the next update."""
-        return [self._mirror.group] if self._mirror is not None else self.optimizer.param_groups
+        return self._mirror.groups if self._mirror is not None else self.optimizer.param_groups
 
     @property
     def state(self) -> dict:
@@ -190,6 +196,19 @@ class TrainingOptimizer(torch.optim.Optimizer):
             if self.streamed is not None:
                 self.streamed.end_backward()
 
+    def grad_norm(self) -> float | None:
+        """The total gradient norm now (unscaled), for loops that log or clip before step(), wherever the
+        gradients are (offloaded ones included); step() clips with this norm instead of computing it again."""
+        if self.streamed is not None:
+            total = self.streamed.grad_norm()
+            self._norm = total
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if self.scaler is not None:
+            total = total / self.scaler.scale
+        return _value(total)
+
     def step(self, closure: None = None) -> StepResult:
         """Check fp16 overflow, unscale, clip, update, zero the gradients. (closure: not supported;
         present for torch.optim.Optimizer's signature.)"""
@@ -206,13 +225,14 @@ class TrainingOptimizer(torch.optim.Optimizer):
         if self.streamed is not None:
             norm, factor = None, inv
             if self.clip is not None:
-                total = self.streamed.grad_norm()
+                total = self._norm if self._norm is not None else self.streamed.grad_norm()
                 if inv is not None:
                     total = total * inv
                 # Same expression as torch.nn.utils.clip_grad_norm_, so fp32 offload stays bit-identical.
                 coef = torch.clamp(self.clip / (total + 1e-6), max=1.0)
                 factor = coef if inv is None else coef * inv
                 norm = _value(total)
+            self._norm = None
             self.streamed.step(factor)
             self._mark_host()
             return StepResult(stepped=True, grad_norm=norm, loss_scale=scale)
@@ -229,6 +249,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients (always set to None: offloaded gradients have no tensor to zero)."""
+        self._norm = None
         if self.streamed is not None:
             self.streamed.discard_grads()
         else:

@@ -13,6 +13,7 @@ import torch
 
 from memfit.apply import optimizers
 from memfit.apply.optimizers import optimizer_class
+from memfit.apply.param_groups import GROUP_KEY
 from memfit.core.errors import ConfigError
 
 OPTIMIZERS = optimizers.NAMES  # the one table: memfit.apply.optimizers
@@ -42,21 +43,30 @@ def make_torch_optimizer(name: str, params, lr: float | None = None, weight_deca
 
 
 class GroupMirror:
-    """One param group (the hyperparameters of `template`, all parameters) that stands for the
-    groups of several chunk optimizers. A scheduler changes the mirror; `push()` copies every
-    hyperparameter to the chunk groups before they are used, `pull()` reads them back after a load.
-    `chunk_groups` is asked each time: a torch optimizer's load_state_dict replaces its group dicts."""
+    """The param groups (the hyperparameters of the chunk groups, the parameters of each memfit group)
+    that stand for the groups of several chunk optimizers. A scheduler changes the mirror; `push()`
+    copies every hyperparameter to the chunk groups of the same memfit group (GROUP_KEY) before they
+    are used, `pull()` reads them back after a load. `chunk_groups` is asked each time: a torch
+    optimizer's load_state_dict replaces its group dicts."""
 
-    def __init__(self, params: list[torch.nn.Parameter], chunk_groups: Callable[[], list[dict]]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], chunk_groups: Callable[[], list[dict]],
+                 group_index: list[int] | None = None) -> None:
         self.chunk_groups = chunk_groups
-        self.group: dict[str, Any] = {"params": list(params)}
+        index = group_index or [0] * len(params)
+        self.groups: list[dict[str, Any]] = [{"params": [p for p, k in zip(params, index) if k == g]}
+                                             for g in range(max(index) + 1)]
         self.pull()
 
+    @property
+    def group(self) -> dict[str, Any]:
+        """The first group (the only one without parameter groups)."""
+        return self.groups[0]
+
     def push(self) -> None:
-        hyper = {k: v for k, v in self.group.items() if k != "params"}
         for g in self.chunk_groups():
-            g.update(hyper)
+            mirror = self.groups[g.get(GROUP_KEY, 0)]
+            g.update({k: v for k, v in mirror.items() if k != "params"})
 
     def pull(self) -> None:
-        self.group.update({k: v for k, v in self.chunk_groups()[0].items() if k != "params"})
-
+        for g in self.chunk_groups():
+            self.groups[g.get(GROUP_KEY, 0)].update({k: v for k, v in g.items() if k != "params"})

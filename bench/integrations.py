@@ -1,0 +1,165 @@
+"""memfit in the frameworks: predicted and measured peak, and a short run's time against the framework's
+plain run, for HF Trainer, a peft LoRA model under Trainer, accelerate's loop and Lightning's Trainer.
+
+    python bench/integrations.py            # tiny Llama (2 blocks, hidden 64, vocab 512), batch 4 x 32 tokens
+    python bench/integrations.py --render   # the table in docs/integrations.md from the JSON
+    python bench/integrations.py --only lightning   # run again some of them (the others kept from the JSON)
+
+The budget is halfway between the all-recompute and all-keep peaks (memfit.estimate); the plan is
+memfit's recompute-only one for it. Measured peak: memfit's tracker over each optimizer step (the
+largest of 3 steps). Time: a whole 4-step run (framework set-up included, the same in both), plain
+against planned, interleaved in shuffled order (bench/common.py). CPU: the peak is the tracker's
+device accounting. Writes bench/results/integrations.json.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from common import interleaved, paired_ratio, save  # noqa: E402
+
+import memfit  # noqa: E402
+import tiny_llama as tl  # noqa: E402
+
+STEPS = 4
+
+
+def hf_run(plan=None, lora=False, steps=STEPS):
+    import transformers
+
+    from memfit.integrations.hf_callback import MemfitCallback
+
+    model = tl.model()
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    if plan is not None:
+        plan.install(model.get_base_model() if lora else model)
+    cb = MemfitCallback(budget=plan.budget if plan else 1 << 40, check_steps=steps)
+    args = transformers.TrainingArguments(output_dir="/tmp/memfit-bench-hf", per_device_train_batch_size=4,
+                                          max_steps=steps, use_cpu=True, report_to=[], save_strategy="no",
+                                          disable_tqdm=True, logging_strategy="no")
+    transformers.Trainer(model=model, args=args, train_dataset=tl.rows(), callbacks=[cb]).train()
+    return max(cb.peaks)
+
+
+def accelerate_run(plan=None, steps=STEPS):
+    import accelerate
+    from accelerate.state import AcceleratorState, GradientState
+
+    from memfit.integrations.accelerate import prepare
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = accelerate.Accelerator(cpu=True)
+    m = tl.model()
+    if plan is None:
+        model, opt = acc.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-3))
+    else:
+        model, opt, _ = prepare(acc, m, plan=plan, lr=1e-3, no_decay=None)
+    data, peaks = tl.batch(4 * steps), []
+    with memfit.track(model, opt) as tr:
+        for s in range(steps):
+            tr.reset_peak()
+            with acc.accumulate(model):
+                b = {k: v[4 * s: 4 * s + 4] for k, v in data.items()}
+                acc.backward(model(**b).loss)
+                opt.step()
+                opt.zero_grad()
+            peaks.append(tr.peak_bytes)
+    return max(peaks)
+
+
+def lightning_run(plan=None, watch=None, steps=STEPS):
+    import lightning.pytorch as L
+
+    from memfit.integrations.lightning import MemfitCallback, MemfitPrecision, memfit_optimizer
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.batch_size = tl.model(), 4
+
+        def training_step(self, batch, idx):
+            return self.model(**batch).loss
+
+        def train_dataloader(self):
+            rows = [{k: r[k] for k in ("input_ids", "labels")} for r in tl.rows()]
+            return torch.utils.data.DataLoader(rows, batch_size=self.batch_size)
+
+        def configure_optimizers(self):
+            return (torch.optim.AdamW(self.parameters(), lr=1e-3) if plan is None
+                    else memfit_optimizer(plan, self, lr=1e-3, no_decay=None))
+
+    extra = {} if plan is None else {"plugins": [MemfitPrecision(plan)]}
+    cb = MemfitCallback(watch, check_steps=steps, on_exceed="warn")  # the plain run: the plan's budget watched only
+    L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, callbacks=[cb], **extra).fit(Lit())
+    return max(cb.peaks)
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+BEGIN, END = "<!-- bench/integrations.py begin -->", "<!-- bench/integrations.py end -->"
+
+
+def render() -> None:
+    import json
+
+    from common import load_line, run_line
+    from memfit.core.units import format_bytes as fmt_bytes
+
+    r = json.loads((Path(__file__).resolve().parent / "results" / "integrations.json").read_text())
+    rows = ["| framework | plan | budget | predicted peak | measured peak | plain run's peak | run time vs plain (median, min-max) |",
+            "|---|---|---|---|---|---|---|"]
+    for name, f in r["frameworks"].items():
+        q = f["memfit_over_plain"]
+        rows.append(f"| {name} | {f['actions'].removeprefix('blocks (2): ')} | {fmt_bytes(f['budget'])} | "
+                    f"{fmt_bytes(f['predicted_peak'])} | {fmt_bytes(f['measured_peak'])} | {fmt_bytes(f['plain_peak'])} | "
+                    f"{q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f}) |")
+    first = next(iter(r["frameworks"].values()))["timing"]
+    text = "\n".join([BEGIN, f"Measured on {r['machine'].get('cpu', 'this machine')} ({r['date']}), a shared and "
+                      f"loaded machine: {load_line(first)} {run_line(r)}", "", *rows, END])
+    doc = DOC.read_text()
+    DOC.write_text(doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):])
+
+
+def main() -> None:
+    if "--render" in sys.argv:
+        render()
+        return
+    warnings.filterwarnings("ignore")
+    keep, full = tl.peaks(tl.model(), tl.batch(4))
+    budget = (keep + full) // 2
+    plan = memfit.fit(tl.model(), tl.batch(4), budget=budget, allow="recompute")
+    lora_base = __import__("peft").get_peft_model(tl.model(), __import__("peft").LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"])).get_base_model()
+    lk = memfit.estimate(lora_base, tl.batch(4), checkpoint="none").per_device["total"]
+    lf = memfit.estimate(lora_base, tl.batch(4), checkpoint="full").per_device["total"]
+    lora_plan = memfit.fit(lora_base, tl.batch(4), budget=(lk + lf) // 2, allow="recompute")
+    runs = {"hf": (lambda p: hf_run(p), plan), "peft": (lambda p: hf_run(p, lora=True), lora_plan),
+            "accelerate": (accelerate_run, plan), "lightning": (lambda p: lightning_run(p, watch=plan), plan)}
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else list(runs)
+    path = Path(__file__).resolve().parent / "results" / "integrations.json"
+    out = __import__("json").loads(path.read_text())["frameworks"] if "--only" in sys.argv else {}
+    for name, (fn, p) in runs.items():
+        if name not in only:
+            continue
+        measured, plain_peak = fn(p), fn(None)
+        timing = interleaved({"plain": lambda: fn(None), "memfit": lambda: fn(p)}, rounds=5)
+        out[name] = {"budget": p.budget, "predicted_peak": p.predicted_peak, "measured_peak": measured,
+                     "plain_peak": plain_peak, "actions": str(p.summary().splitlines()[1].strip()),
+                     "timing": timing, "memfit_over_plain": paired_ratio(timing, "memfit", "plain")}
+        print(name, {k: v for k, v in out[name].items() if k != "timing"}, flush=True)
+    print(save("integrations", {"steps": STEPS, "frameworks": out}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Hugging Face Trainer (transformers 5.x, and trl's SFTTrainer, a Trainer subclass) planned by memfit.
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collate)
+    plan = fit_trainer(trainer, budget="6GiB")      # before .train(): plan chosen and installed
+    trainer.train()
+
+fit_trainer estimates from the Trainer's own model, arguments and one batch of its data collator,
+chooses the plan (memfit.fit), installs it on the model before accelerate wraps it, and sets
+per-device batch and accumulation so that per_device_train_batch_size x gradient_accumulation_steps
+is unchanged. When the plan offloads the optimizer or keeps master weights, memfit's
+TrainingOptimizer becomes the Trainer's optimizer: its backward takes the gradients off the device,
+and the logged grad_norm and the clipping (max_grad_norm) are its own.
+"""
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any
+
+import torch
+
+from memfit.core.errors import ConfigError
+from memfit.integrations.common import (adam_kwargs, mixed_precision, needs_memfit_optimizer, optimizer_name,
+                                        plan_batch, replace_checkpointing, tensors_only, to_device,
+                                        training_optimizer)
+from memfit.plan.plan import Plan
+
+WHERE = "memfit.integrations.hf.fit_trainer"
+
+
+def _refuse(trainer: Any) -> None:
+    """One line for what fit_trainer cannot honour."""
+    args = trainer.args
+    if args.auto_find_batch_size:
+        raise ConfigError("auto_find_batch_size=True: memfit chooses micro-batch x accumulation itself (keeping "
+                          "their product); set auto_find_batch_size=False")
+    if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError("a DeepSpeed config is set: fit_trainer plans one device's memory without DeepSpeed; "
+                          "remove deepspeed= (or use `memfit plan --strategy zero2/zero3`)")
+    if getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
+        raise ConfigError("an FSDP config is set: fit_trainer does not plan FSDP yet; remove fsdp= "
+                          "(or use `memfit plan --strategy zero3`)")
+    if args.world_size > 1:
+        raise ConfigError(f"world_size={args.world_size}: fit_trainer plans one process; run it with one process")
+
+
+def collated_batch(trainer: Any, rows: int) -> dict:
+    """`rows` examples of the Trainer's training set through its data collator, with the column filter
+    Trainer applies (remove_unused_columns), on the model's device."""
+    ds = trainer.train_dataset
+    if ds is None:
+        raise ConfigError("the Trainer has no train_dataset: fit_trainer plans from one of its batches")
+    collator = trainer.data_collator
+    try:
+        import datasets
+
+        if isinstance(ds, datasets.Dataset):
+            ds = trainer._remove_unused_columns(ds, description="training")
+        else:
+            collator = trainer._get_collator_with_removed_columns(collator, description="training")
+    except ImportError:
+        collator = trainer._get_collator_with_removed_columns(collator, description="training")
+    if len(ds) < rows:
+        raise ConfigError(f"the training set has {len(ds)} examples, fewer than one batch of {rows}")
+    batch = collator([ds[i] for i in range(rows)])
+    device = next(trainer.model.parameters()).device
+    return to_device(tensors_only(dict(batch)), device)
+
+
+def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_batch: bool = True) -> Plan:
+    """Plan `trainer`'s model to fit `budget` and set the Trainer up to carry the plan out (call before train()).
+
+    allow: the planner's mechanisms (memfit.fit's `allow`; default: its default for the model's device).
+    keep_effective_batch: per_device_train_batch_size x gradient_accumulation_steps stays as given (the
+    planner may split the per-device batch); False plans the per-device batch as it is.
+    Raises PlanError (nothing fits, with the smallest need) or ConfigError (a setting it cannot honour)
+    before any step."""
+    _refuse(trainer)
+    args, model = trainer.args, trainer.model
+    if args.activation_checkpointing:
+        warnings.warn(f"{WHERE}: activation_checkpointing=True is turned off; memfit's plan chooses which "
+                      "blocks recompute", stacklevel=2)
+        args.activation_checkpointing = False
+    replace_checkpointing(model, WHERE)
+    per_device = args.per_device_train_batch_size
+    batch = collated_batch(trainer, per_device)
+    optimizer = optimizer_name(args.optim)
+    precision = mixed_precision(args.bf16, args.fp16)
+    inner = _inner(model)
+    own = inner.__dict__.get("forward")
+    if own is not None and getattr(getattr(own, "__func__", None), "_memfit_chunked", False):
+        own = None  # memfit's chunked head: planned again from the plain one
+        del inner.forward
+    if own is not None:  # a framework's own instance forward (trl's fused LM head): planned with the class
+        del inner.forward  # forward and the plain head (more memory than the fused head needs), head left to it
+    try:
+        plan = plan_batch(inner, batch, budget, optimizer=optimizer, precision=precision, allow=allow,
+                          keep_effective_batch=keep_effective_batch, where=WHERE,
+                          exclude=("chunked-head",) if own is not None else ())
+    finally:
+        if own is not None:
+            inner.forward = own
+    plan.install(inner)
+    args.per_device_train_batch_size = plan.micro_batch
+    args.gradient_accumulation_steps = args.gradient_accumulation_steps * plan.accumulation
+    trainer._train_batch_size = args.train_batch_size
+    if needs_memfit_optimizer(plan):
+        _install_optimizer(trainer, plan)
+    trainer.memfit_plan = plan
+    return plan
+
+
+def _inner(model: Any) -> Any:
+    """The model whose blocks the plan acts on: a peft model's base model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _install_optimizer(trainer: Any, plan: Plan) -> None:
+    """memfit's TrainingOptimizer as the Trainer's optimizer, with Trainer's two weight-decay groups; the
+    Trainer's backward, clipping and logged gradient norm go through it."""
+    args, model = trainer.args, trainer.model
+    if trainer.optimizer is not None:
+        raise ConfigError("the Trainer was given an optimizer; the plan needs memfit's (optimizer offload or "
+                          "master weights): build the Trainer without optimizers=")
+    decay = set(trainer.get_decay_parameter_names(model))
+    no_decay = [n for n, p in model.named_parameters() if p.requires_grad and n not in decay]
+    opt = training_optimizer(plan, model, lr=args.learning_rate, weight_decay=args.weight_decay,
+                             clip=args.max_grad_norm or None, no_decay=no_decay,
+                             **adam_kwargs(plan.optimizer, (args.adam_beta1, args.adam_beta2), args.adam_epsilon))
+    trainer.optimizer = opt
+    acc = trainer.accelerator
+    prepare_optimizer = acc.prepare_optimizer
+
+    def prepare(optimizer, device_placement=None):
+        # memfit's optimizer keeps its state where the plan put it: no round trip through the device
+        return prepare_optimizer(optimizer, device_placement=False if optimizer is opt else device_placement)
+
+    def backward(loss, **kwargs):
+        opt.backward(loss)
+
+    acc.prepare_optimizer = prepare
+    acc.backward = backward
+    trainer._clip_grad_norm = types.MethodType(lambda self, model: opt.grad_norm(), trainer)
+    trainer._get_grad_norm = types.MethodType(
+        lambda self, model, grad_norm=None: opt.grad_norm() if grad_norm is None else grad_norm, trainer)
+
