@@ -131,7 +131,19 @@ def _times(r: dict) -> list[str]:
 def snippets(r: dict) -> dict[str, str]:
     text = "\n".join([f"From `python bench/chunked_head.py`, run {r['date']}; peaks of a training step, fp32, AdamW "
                       f"(small GPT: `{r['small']['model']}`).", "", *_table(r), "", *_times(r)])
-    return {"chunked_head": text}
+    return {"chunked_head": text, "chunked_head_summary": _summary(r)}
+
+
+def _summary(r: dict) -> str:
+    """The CPU-time ratios of the tables above, as one sentence: the range of the chunked heads'
+    medians (every shape, 2 to 16 chunks) and of the recompute path's."""
+    cpu = [t["ratio"]["cpu"] for t in r["head_time"].values()]
+    chunked = [q[k]["median"] for q in cpu for k in q if k.endswith(" chunks")]
+    recompute = [q["8 chunks, recomputed"]["median"] for q in cpu if "8 chunks, recomputed" in q]
+    return (f"On one thread, by process CPU time (the wall times above also count the time a loaded machine gave "
+            f"to other processes): {min(chunked):.2f}-{max(chunked):.2f}x the plain head at 2 to 16 chunks, against "
+            f"{min(recompute):.2f}-{max(recompute):.2f}x on the recompute path (backward recomputes the gradient wrt "
+            "the hidden states, as when the upstream gradient is not the expected one).")
 
 
 def render(r: dict) -> str:

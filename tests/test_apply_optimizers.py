@@ -28,6 +28,10 @@ def test_one_set_everywhere():
         assert set(action.choices) == expected, cmd
 
 
+RATIO_20_STEPS = {"sgd": 0.4057, "momentum": 0.1317, "adam": 0.2648, "adamw": 0.2648, "adagrad": 0.000427,
+                  "rmsprop": 0.000495, "lion": 0.6914, "adafactor": 0.4176, "adamw8bit": 0.2651, "adamw4bit": 0.3408}
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_every_optimizer_trains_a_step(name):
     torch.manual_seed(0)
@@ -41,7 +45,10 @@ def test_every_optimizer_trains_a_step(name):
             opt.backward(loss)
             opt.step()
             losses.append(float(loss.detach()))
-    assert losses[-1] < 0.9 * losses[0], (name, losses)
+    # Seeded and deterministic on CPU: torch 2.13.0 and 2.14.1 give the same 20-step loss ratios to
+    # 1e-6. Each bound is that ratio plus 10%, headroom for a BLAS that sums in another order; an
+    # update rule that is slowed (a lost momentum, a wrong bias correction) lands above it.
+    assert losses[-1] < 1.1 * RATIO_20_STEPS[name] * losses[0], (name, losses[-1] / losses[0])
 
 
 def test_unknown_optimizer_is_a_config_error_and_exit_2(capsys):

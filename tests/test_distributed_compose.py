@@ -8,7 +8,7 @@ import torch
 from memfit.distributed.spawn import run_world
 from memfit.models.gpt import GPT, GPTConfig
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # ~1 min on 2 busy cores
+pytestmark = pytest.mark.multiproc
 
 CFG = dict(layers=3, hidden=32, heads=4, vocab=64, seq=16)
 BATCH, STEPS = 4, 3
@@ -20,6 +20,9 @@ CASES = [
     ("zero1", "32-true", "none", "cpu"),
     ("ddp", "bf16-master", "full", None),
 ]
+# The default tier's subset: one strategy each with a 16-bit master, a checkpoint policy and
+# optimizer offload (the whole list and the overflow test are slow: ~1 min on 2 busy cores).
+QUICK = [CASES[0], CASES[1], CASES[3]]
 RTOL = {"32-true": 1e-5, "bf16-master": 2e-3}
 
 
@@ -50,16 +53,18 @@ def _train(opt, call, rows, count, inject=None) -> list:
     return out
 
 
-def _work(rank: int, world: int) -> dict:
+def _work(rank: int, world: int, cases=CASES, overflow=True) -> dict:
     from memfit.distributed import distribute, global_count
 
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     res = {}
-    for case in CASES:
+    for case in cases:
         strategy, precision, policy, offload = case
         with distribute(_model(policy), strategy, "adamw", lr=1e-2, precision=precision, clip=1.0,
                         offload=offload) as opt:
             res[case] = _train(opt, opt.model, rows, global_count)
+    if not overflow:
+        return res
     # fp16 overflow on rank 0's shard only, at step 1: every rank must skip that step.
     with distribute(_model("none"), "zero2", "adamw", lr=1e-2, precision="16-master") as opt:
         def inject(step):
@@ -74,8 +79,23 @@ def world():
     return run_world(_work, 2, timeout_s=240)
 
 
+@pytest.fixture(scope="module")
+def quick_world():
+    return run_world(_work, 2, args=(QUICK, False), timeout_s=240)
+
+
+@pytest.mark.parametrize("case", QUICK, ids=lambda c: "-".join(str(x) for x in c))
+def test_a_subset_composes_and_matches_one_process(quick_world, case):
+    _matches_one_process(quick_world, case)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
 def test_composes_and_matches_one_process(world, case):
+    _matches_one_process(world, case)
+
+
+def _matches_one_process(world, case):
     from memfit.apply.optimizer import TrainingOptimizer
 
     strategy, precision, policy, offload = case
@@ -87,6 +107,7 @@ def test_composes_and_matches_one_process(world, case):
         assert got == pytest.approx(ref, rel=RTOL[precision]), (rank, got, ref)
 
 
+@pytest.mark.slow
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(world):
     for rank in range(2):
         steps = world[rank]["overflow"]

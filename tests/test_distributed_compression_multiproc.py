@@ -128,8 +128,11 @@ def test_replicas_stay_identical(ranks, spec):
     assert torch.equal(ranks[0][spec]["params"], ranks[1][spec]["params"])
 
 
+# The data are seeded, so each cosine is fixed up to the summation order of the gradient kernels
+# (~1e-6 relative), which can only swap near-tied elements in or out of a top-k: 0.05 of headroom
+# below the measured value (top-k 1%: 0.342 with torch 2.13.0) covers that many times over.
 @pytest.mark.parametrize("spec, min_cos", [
-    ("topk:0.01", 0.05), ("topk:0.001,momentum=0.9,warmup=2", 0.3), ("int8", 0.9999), ("int8:stochastic", 0.999),
+    ("topk:0.01", 0.29), ("topk:0.001,momentum=0.9,warmup=2", 0.3), ("int8", 0.9999), ("int8:stochastic", 0.999),
     ("sign", 0.5), ("bf16", 0.99999), ("fp16", 0.99999), ("powersgd:2", 0.3), ("powersgd:2,batched", 0.15),
 ])
 def test_first_step_gradient_matches_the_exact_mean(ranks, spec, min_cos):
@@ -144,10 +147,15 @@ def test_first_step_gradient_matches_the_exact_mean(ranks, spec, min_cos):
         assert int((got != 0).sum()) <= WORLD * (exact.numel() // 100 + 4)
 
 
+# Bytes are counted from payload sizes, which follow from the tensor shapes and the spec alone, so
+# each ratio is the same on every run (measured: top-k 0.1% with DGC warm-up 14.89, its 4-step mean
+# dominated by step 0's 25%; PowerSGD rank 2 1.88 per layer, 1.90 batched, the biases sent whole).
+# The ranges are +-3% around those: room for a header's size, not for another k, rank or warm-up.
 @pytest.mark.parametrize("spec, at_least, at_most", [
-    ("none", 1.0, 1.0), ("topk:1.0,values=fp32", 0.49, 0.67), ("topk:0.01", 50, 100), ("topk:0.001,momentum=0.9,warmup=2", 4, 700),
-    ("int8", 3.5, 4.0), ("sign", 25, 32), ("bf16", 2.0, 2.0), ("fp16", 2.0, 2.0), ("powersgd:2,batched", 1.2, 60),
-    ("powersgd:2", 1.2, 60),
+    ("none", 1.0, 1.0), ("topk:1.0,values=fp32", 0.49, 0.67), ("topk:0.01", 50, 100),
+    ("topk:0.001,momentum=0.9,warmup=2", 14.4, 15.4),
+    ("int8", 3.5, 4.0), ("sign", 25, 32), ("bf16", 2.0, 2.0), ("fp16", 2.0, 2.0), ("powersgd:2,batched", 1.84, 1.96),
+    ("powersgd:2", 1.82, 1.94),
 ])
 def test_bytes_sent_are_counted_and_smaller(ranks, spec, at_least, at_most):
     s = ranks[0][spec]["summary"]

@@ -107,8 +107,11 @@ def test_replicas_stay_identical_and_training_goes_on(ranks, strategy, spec):
     assert not torch.equal(a["params"], ranks[0][(strategy, None)]["params"]) or spec.startswith("topk:1.0")
 
 
+# Seeded data: each cosine is fixed up to the gradient kernels' summation order (~1e-6 relative),
+# which can only swap near-tied elements of a top-k; 0.05 below the measured 0.462 (top-k 1%,
+# torch 2.13.0) covers that many times over.
 @pytest.mark.parametrize("strategy, spec, min_cos", [
-    ("ddp", "topk:0.01", 0.05), ("zero2", "topk:0.01", 0.05), ("zero1", "topk:0.01", 0.05),
+    ("ddp", "topk:0.01", 0.41), ("zero2", "topk:0.01", 0.41), ("zero1", "topk:0.01", 0.41),
     ("ddp", "int8", 0.999), ("zero2", "int8", 0.999), ("zero1", "int8", 0.999),
     ("ddp", "sign", 0.5), ("zero2", "sign", 0.5), ("ddp", "bf16", 0.9999), ("zero2", "bf16", 0.9999),
     ("ddp", "fp16", 0.9999), ("zero2", "fp16", 0.9999),
@@ -124,9 +127,12 @@ def test_first_update_approximates_the_summed_gradient(ranks, strategy, spec, mi
         assert float(got.norm() / exact.norm()) == pytest.approx(1.0, rel=0.02)
 
 
+# Bytes follow from the shapes and the spec alone, so each ratio is the same on every run; PowerSGD
+# rank 2 measured 1.425 over 3 steps (its first 2 are uncompressed all-reduces): +-3% leaves room
+# for a header's size, not for another rank or warm-up.
 @pytest.mark.parametrize("strategy, spec, at_least, at_most", [
     ("ddp", "none", 1.0, 1.0), ("ddp", "topk:0.01", 50, 100), ("ddp", "int8", 3.5, 4.0), ("ddp", "sign", 20, 32),
-    ("ddp", "bf16", 2.0, 2.0), ("ddp", "powersgd:2", 1.2, 60),
+    ("ddp", "bf16", 2.0, 2.0), ("ddp", "powersgd:2", 1.38, 1.47),
     # ZeRO's uncompressed baseline is a reduce-scatter, half an all-reduce's bytes; the gathered
     # codecs send each shard's payload to its rank alone (all_to_all), half a gathered payload
     ("zero2", "none", 0.5, 0.5), ("zero2", "topk:0.01", 50, 100), ("zero2", "int8", 3.5, 4.0),

@@ -23,12 +23,24 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_too_big_for_one_process_trains_with_zero3_on_two(tmp_path, capsys):
-    common = ["--model", MODEL, "--seq", "64", "--batch", "2", "--steps", "3", "--eval-batches", "1", "--quiet", "--device",
-              "cpu"]
-    assert main(["train", *common, "--budget", BUDGET, "--allow", ALLOW, "--out", str(tmp_path / "one")]) == 2
+    _too_big_for_one_trains_on_two(tmp_path, capsys, MODEL, BUDGET, BUDGET_BYTES, steps=3)
+
+
+@pytest.mark.multiproc
+def test_a_small_model_too_big_for_one_process_trains_with_zero3_on_two(tmp_path, capsys):
+    """The default tier's version: hidden 128, whose parameters, gradients and Adam state (12.7 MiB)
+    are over 12 MiB while a ZeRO-3 rank's estimate is about 11.2 MiB."""
+    _too_big_for_one_trains_on_two(tmp_path, capsys, "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=64", "12MiB",
+                                   12 * 2**20, steps=2)
+
+
+def _too_big_for_one_trains_on_two(tmp_path, capsys, model, budget, budget_bytes, steps):
+    common = ["--model", model, "--seq", "64", "--batch", "2", "--steps", str(steps), "--eval-batches", "1", "--quiet",
+              "--device", "cpu"]
+    assert main(["train", *common, "--budget", budget, "--allow", ALLOW, "--out", str(tmp_path / "one")]) == 2
     assert "is too small" in capsys.readouterr().err
-    assert main(["estimate", MODEL, "--batch", "2", "--strategy", "zero3", "--world", "2",
-                 "--device-memory", BUDGET, "--json"]) == 0
+    assert main(["estimate", model, "--batch", "2", "--strategy", "zero3", "--world", "2",
+                 "--device-memory", budget, "--json"]) == 0
     ranks = json.loads(capsys.readouterr().out)["ranks"]
     assert all(r["fits"] for r in ranks)
 
@@ -40,5 +52,5 @@ def test_too_big_for_one_process_trains_with_zero3_on_two(tmp_path, capsys):
     tracked = json.loads((out / "metrics.json").read_text())["memory"]["step_breakdown"]["ranks"]
     assert [r["rank"] for r in tracked] == [0, 1]
     for r, est in zip(tracked, ranks):
-        assert r["peak_bytes"] < BUDGET_BYTES
+        assert r["peak_bytes"] < budget_bytes
         assert est["total"] == pytest.approx(r["peak_bytes"], rel=0.03)

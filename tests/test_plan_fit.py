@@ -73,3 +73,36 @@ def test_a_loop_holding_more_than_planned_is_replanned_to_fit():
     new = check(plan, model, opt, step)
     assert plan.measured_peak > budget
     assert new is not plan and new.measured_peak <= budget and "over the budget" in new.notes[-1]
+
+
+def test_fit_on_a_tiny_model_runs_under_budget_and_a_larger_loop_is_replanned():
+    """The default tier's end-to-end check of memfit.fit and plan/verify.py (the slow tests above do
+    the same on a 4-block model): a budget 7% under the plain step's tracked peak is met by the real
+    step, and a loop that keeps its logits alive through backward is planned again to fit."""
+    from memfit.apply.optimizer import TrainingOptimizer
+    from memfit.plan.verify import check
+
+    cfg = GPTConfig(layers=2, hidden=32, heads=2, vocab=256, seq=64)
+    x = torch.randint(0, 256, (4, 32))
+    model = GPT(cfg)
+    opt = TrainingOptimizer(model, "adamw", lr=1e-3)
+    with memfit.track(model, opt) as tr:
+        opt.backward(model(x, x)[1])
+        opt.step()
+    budget = int(tr.peak_bytes * 0.93)
+    model = GPT(cfg)
+    plan = fit(model, (x, x), budget=budget, allow=("recompute", "selective"))
+    assert plan.predicted_peak <= budget and plan.measured_peak <= budget
+    assert any(a.mode != "keep" for a in plan.actions)  # the plain step does not fit: something recomputes
+    opt = plan.apply(model, lr=1e-3)
+    held = {}
+
+    def step():  # keeps the logits alive through backward, which the planned step does not
+        with opt.autocast():
+            held["logits"], loss, _ = model(x, x)
+        opt.backward(loss)
+        opt.step()
+
+    new = check(plan, model, opt, step)
+    assert plan.measured_peak > budget
+    assert new is not plan and new.measured_peak <= budget and "over the budget" in new.notes[-1]

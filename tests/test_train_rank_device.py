@@ -57,6 +57,11 @@ def _rank_on_one_gpu_machine(rank, world, out):
 
     torch.cuda.is_available = lambda: True  # this spawned rank's view: CUDA with one GPU
     torch.cuda.device_count = lambda: 1
+    # A CUDA build of torch (2.14.1 from PyPI) asks the accelerator for its current stream in every
+    # optimizer step, which initialises CUDA: with no driver behind the fake view that raises. This
+    # rank trains on the CPU, so the accelerator it would ask about is none.
+    if hasattr(torch, "accelerator"):
+        torch.accelerator.current_accelerator = lambda check_available=False: None
     said: list[str] = []
     cfg = loop.TrainConfig(model=TINY, seq=32, batch=2, steps=1, warmup=1, eval_batches=1, strategy="ddp", out=out,
                            track=False)

@@ -17,7 +17,6 @@ store's hooks are pushed just before the segment opens and popped after it close
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,11 +28,11 @@ from memfit.apply import selective
 from memfit.apply.offload import ActivationStore
 from memfit.core.spill import validate_spill_dir
 from memfit.apply.policy import BlockAction, resolve_policy, segments
+from memfit.core.compat import checkpoint_generator_flags
 from memfit.core.errors import ConfigError
 
 # Attribute paths where well-known models keep their repeated blocks.
 _BLOCK_PATHS = ("blocks", "transformer.h", "model.layers", "transformer.layers", "layers", "h", "model.decoder.layers")
-_HAS_EARLY_STOP = "early_stop" in inspect.signature(_tc._checkpoint_without_reentrant_generator).parameters
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -144,7 +143,7 @@ class _Region:
         hooks = self.store.hooks(self.idx[0], a.offload, a.compress) if (a.offload or a.compress) else None
         if hooks is not None:
             hooks.__enter__()
-        flags = (True, self.context_fn, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
+        flags = checkpoint_generator_flags(self.context_fn)
         gen = _tc._checkpoint_without_reentrant_generator(recompute, *flags, *args)
         try:
             next(gen)

@@ -22,7 +22,6 @@ for all ranks, clipping, optimizer offload) is memfit.distributed.mp_optimizer's
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, Iterable
 
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from memfit.core.compat import initialize_pipeline_stage
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
 from memfit.distributed.mp_optimizer import ModelParallelOptimizer
@@ -188,10 +188,7 @@ class PipelineOptimizer(ModelParallelOptimizer):
         args = (x[:rows],) if self.rank == 0 else ()
         init = self.schedule._initialize_stage
         with _no_global_module_hooks():
-            if "target" in inspect.signature(init).parameters:
-                init(args, {}, None if target is None else target[:rows])
-            else:  # torch before 2.13: (args, kwargs), its backward set-up needs no target
-                init(args, {})
+            initialize_pipeline_stage(init, args, None if target is None else target[:rows])
 
     def accumulate_step(self, micro: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_sum: Any = None):
         """The train loop's step: (global mean loss, global tokens, StepResult). Every rank holds the

@@ -1,0 +1,72 @@
+"""Figures in the docs come from a command: a measured figure (a number with a unit of time, memory
+or a ratio) sits in a block bench/render.py generates (<!-- bench:NAME --> ... <!-- /bench:NAME -->)
+or in a paragraph that names the bench/results JSON it comes from. A paragraph of settings or
+constants (a budget, a threshold, a chunk size) says so with <!-- not measured: WHY -->.
+
+CHECKED lists the docs this holds for; a doc joins it once its remaining figures are sourced."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+CHECKED = ["activations.md", "compatibility.md", "design.md", "optimizers.md", "precision.md"]
+
+_UNIT = r"(?:%|x\b|×|\s?(?:s|ms|µs|min|MiB|GiB|KiB|MB|GB|kB|B)\b)"
+FIGURE = re.compile(r"(?<![\w.\-/=:])\d+(?:[.,]\d+)?(?:\s?[-–]\s?\d+(?:\.\d+)?)?" + _UNIT)
+BLOCK = re.compile(r"<!-- bench:([\w-]+) -->.*?<!-- /bench:\1 -->", re.S)
+JSON = re.compile(r"bench/results/([\w-]+)\.json")
+
+
+def unsourced(text: str) -> list[tuple[str, str]]:
+    """(figure, paragraph start) for each figure outside generated blocks, code and sourced paragraphs."""
+    text = re.sub(r"```.*?```", "", BLOCK.sub("", text), flags=re.S)
+    out = []
+    for para in re.split(r"\n\s*\n", text):
+        if "<!-- not measured:" in para:
+            continue
+        names = JSON.findall(para)
+        if names and all((ROOT / "bench" / "results" / f"{n}.json").exists() for n in names):
+            continue
+        for fig in FIGURE.findall(re.sub(r"`[^`]*`", "", para)):
+            out.append((fig, para.strip()[:80]))
+    return out
+
+
+def test_the_check_finds_typed_figures_and_accepts_sourced_ones():
+    assert [f for f, _ in unsourced("It took 3.7 s against 1.19 s, 48% less.")] == ["3.7 s", "1.19 s", "48%"]
+    assert unsourced("It took 3.7 s (bench/results/gpu_offload.json).") == []
+    assert unsourced("It took 3.7 s (bench/results/no_such_bench.json).") != []
+    assert unsourced("<!-- bench:x -->\n3.7 s\n<!-- /bench:x -->\n\n`--budget 4GiB` at commit c4f0d41") == []
+    assert unsourced("Chunks of 16 MiB. <!-- not measured: a setting -->") == []
+
+
+@pytest.mark.parametrize("doc", CHECKED)
+def test_every_figure_in_the_doc_has_a_source(doc):
+    assert unsourced((DOCS / doc).read_text()) == []
+
+
+def test_generated_blocks_name_a_result():
+    """Every generated block is filled by some bench's snippets() (bench/render.py pastes them)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import render
+
+    names = set()
+    for f in (ROOT / "bench" / "results").glob("*.json"):
+        import json
+
+        result = json.loads(f.read_text())
+        module = render._load_bench(result.get("script", result.get("bench", f.stem)))
+        if hasattr(module, "snippets"):
+            try:
+                names |= set(module.snippets(result))
+            except (KeyError, TypeError):
+                pass
+    for doc in DOCS.glob("*.md"):
+        for name in BLOCK.findall(doc.read_text()):
+            assert name in names, f"{doc.name}: <!-- bench:{name} --> is filled by no bench"
