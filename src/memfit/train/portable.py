@@ -141,7 +141,8 @@ def _from_mp(full: dict, model: nn.Module) -> tuple[dict, torch.Tensor, dict | N
     for k, v in full.items():
         base, _, part = k.partition(".part")
         joined.setdefault(base, []).append((int(part or 0), v))
-    whole = {k: torch.cat([v for _, v in sorted(parts, key=lambda t: t[0])]) for k, parts in joined.items()}
+    whole = {k: parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in sorted(parts, key=lambda t: t[0])])
+             for k, parts in joined.items()}
     optim: dict[str, dict[str, torch.Tensor]] = {n: {} for n in _names(model)}
     for k, v in whole.items():
         if k.startswith("optim.") and k != "optim.step":
