@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,10 +28,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TINY = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=16"
-STEPS, SAVE_EVERY = 8, 2
+STEPS, SAVE_EVERY = 6, 2
 PHASES = ("step", "save", "collective", "time")
-COMBOS = [(s, "none") for s in ("ddp", "ps")] + [(s, o) for s in ("zero1", "zero2", "zero3", "pipeline", "tensor")
-                                               for o in ("none", "cpu", "disk")]
+# Disk offload first (the newest checkpoint path), then the rest: a bench stopped early has covered it.
+COMBOS = [(s, o) for o in ("disk", "none", "cpu") for s in ("zero1", "zero2", "zero3", "pipeline", "tensor")] \
+    + [("ddp", "none"), ("ps", "none")]
 
 
 def command(out: Path, strategy: str, offload: str, restarts: int) -> list[str]:
@@ -85,10 +87,11 @@ def reference(work: Path, strategy: str, offload: str) -> dict:
     return {"out": out, "seconds": time.perf_counter() - t0, "calls": calls}
 
 
-def trial(work: Path, ref: dict, strategy: str, offload: str, rng: random.Random, n: int) -> dict:
-    """One killed run, restarted; its outcome against the reference."""
+def trial(work: Path, ref: dict, strategy: str, offload: str, rng: random.Random, n: int,
+          phase: str | None = None) -> dict:
+    """One killed run, restarted; its outcome against the reference (`phase`: drawn when None)."""
     out = work / f"trial-{strategy}-{offload}-{n}"
-    rank, phase = rng.randrange(2), rng.choice(PHASES)
+    rank, phase = rng.randrange(2), phase or rng.choice(PHASES)
     record: dict = {"strategy": strategy, "offload": offload, "rank": rank, "phase": phase}
     if phase == "time":
         record["after_s"] = round(rng.uniform(0.3, 0.9) * ref["seconds"], 2)
@@ -148,7 +151,8 @@ def same_state(a: Path, b: Path) -> bool:
                                                                   for k, v in pa.optim[n].items()) for n in pa.optim)
 
 
-def run(combos: list[tuple[str, str]], trials: int, seed: int, work: Path, log=print) -> list[dict]:
+def run(combos: list[tuple[str, str]], trials: int, seed: int, work: Path, log=print, each=None) -> list[dict]:
+    """`trials` per combination; `each(records)` after every trial (the bench saves as it goes)."""
     rng = random.Random(seed)
     records = []
     for strategy, offload in combos:
@@ -157,6 +161,9 @@ def run(combos: list[tuple[str, str]], trials: int, seed: int, work: Path, log=p
             rec = trial(work, ref, strategy, offload, rng, n)
             log(json.dumps(rec))
             records.append(rec)
+            if each is not None:
+                each(records)
+        shutil.rmtree(ref["out"], ignore_errors=True)
     return records
 
 
@@ -170,11 +177,13 @@ def main() -> None:
     sys.path[:0] = [str(ROOT / "src"), str(HERE)]
     from common import save
 
+    def write(records: list[dict]) -> Path:  # after every trial: a stopped bench keeps what it did
+        return save("chaos", {"script": "chaos", "steps": STEPS, "save_every": SAVE_EVERY, "model": TINY,
+                              "trials_per_combination": args.trials, "seed": args.seed, "trials": records})
+
     with tempfile.TemporaryDirectory(prefix="memfit-chaos-") as tmp:
-        records = run(combos, args.trials, args.seed, Path(tmp), log=lambda s: print(s, flush=True))
-    path = save("chaos", {"script": "chaos", "steps": STEPS, "save_every": SAVE_EVERY, "model": TINY,
-                          "trials_per_combination": args.trials, "seed": args.seed, "trials": records})
-    print(f"wrote {path}")
+        records = run(combos, args.trials, args.seed, Path(tmp), log=lambda s: print(s, flush=True), each=write)
+    print(f"wrote {write(records)}")
 
 
 def _summary(result: dict) -> dict:

@@ -79,3 +79,28 @@ LAYOUTS = [
 @pytest.mark.parametrize("source,target", LAYOUTS, ids=lambda c: f"{c[0]}{c[1]}")
 def test_resume_in_another_layout(tmp_path, reference, source, target):
     _resume_case(tmp_path, reference, source, target)
+
+
+def test_resume_keeps_the_global_batch_and_drops_the_old_layouts_options(tmp_path):
+    import torch
+
+    from memfit.core.errors import ConfigError
+    from memfit.train import loop
+
+    run = tmp_path / "run"
+    loop.train(loop.TrainConfig(**{**_cfg("none", 1), "steps": 1, "out": str(run)}), progress=False,
+               log=lambda m: None)
+    cfg, _ = loop.resume_config(run, {"strategy": "zero2"}, world=2)
+    assert (cfg.strategy, cfg.batch) == ("zero2", GLOBAL // 2)  # 1 x 4 sequences = 2 x 2
+    with pytest.raises(ConfigError, match="global batch is 4 sequences .* 3 processes cannot share it evenly"):
+        loop.resume_config(run, {"strategy": "zero2"}, world=3)
+    with pytest.raises(ConfigError, match="cannot change --batch when resuming"):
+        loop.resume_config(run, {"batch": 1})
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)  # as if a 2-replica pipeline had written it
+    ckpt["config"].update(strategy="pipeline", dp=2, microbatches=4, batch=2)
+    ckpt["world"] = 2
+    torch.save(ckpt, run / "checkpoint.pt")
+    cfg, _ = loop.resume_config(run, {"strategy": "tensor"}, world=2)
+    assert (cfg.strategy, cfg.dp, cfg.microbatches, cfg.tp, cfg.batch) == ("tensor", 1, None, None, 2)
+    cfg, _ = loop.resume_config(run, {"strategy": "none"}, world=1)
+    assert cfg.batch == GLOBAL
