@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -24,6 +24,14 @@ RESHARD = "reshard"
 
 def source_folder(checkpoint: dict, run_dir: Path) -> Path | None:
     return dist_train.complete_folder(run_dir, checkpoint["step"])
+
+
+def restorer(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, ctx: Any) -> Callable[[], None] | None:
+    """What loads the model and optimizer state for memfit.train.resume.restore: None for one process
+    resuming a one-process, ddp or ps checkpoint (restore's own loads, each with its own message)."""
+    if ctx is None and kind(checkpoint["config"].get("strategy")) == "pt":
+        return None
+    return lambda: restore_states(opt, model, checkpoint, run_dir, ctx)
 
 
 def restore_states(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, ctx: Any) -> None:

@@ -182,10 +182,9 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
               auto_horizon=cfg.steps is None and (checkpoint is None or checkpoint["horizon"] is None), ctx=ctx)
     if checkpoint is not None:
         # The layout's own files, or another layout's resharded (memfit.train.reshard).
-        from memfit.train.reshard import restore_states
+        from memfit.train.reshard import restorer
 
-        restore(checkpoint, repr(str(run_dir)), model, opt, sampler,
-                lambda: restore_states(opt, model, checkpoint, run_dir, ctx))
+        restore(checkpoint, repr(str(run_dir)), model, opt, sampler, restorer(opt, model, checkpoint, run_dir, ctx))
         run.step, run.history, run.breakdown = checkpoint["step"], checkpoint["history"], checkpoint.get("breakdown")
         run.horizon = cfg.steps if cfg.steps is not None else checkpoint["horizon"]
         run.saver.saved_step = run.step
