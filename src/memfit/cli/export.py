@@ -49,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
     strategy = ckpt["config"].get("strategy") or "none"
     if args.master or args.optimizer:
         sharded = dist_train.complete_folder(folder, ckpt["step"]) if kind(strategy) != "pt" else None
-        portable = read_portable(ckpt, sharded)
+        try:
+            portable = read_portable(ckpt, sharded)
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:  # a damaged or foreign folder
+            raise ConfigError(f"cannot read the optimizer state of {folder} ({type(exc).__name__}: {exc})"
+                              .splitlines()[0]) from None
         masters = {n: s["master"] for n, s in portable.optim.items() if "master" in s}
         if args.master and not masters:
             raise ConfigError("--master: this run kept no master weights (its precision has none); leave --master out")
