@@ -104,3 +104,18 @@ def test_resume_keeps_the_global_batch_and_drops_the_old_layouts_options(tmp_pat
     assert (cfg.strategy, cfg.dp, cfg.microbatches, cfg.tp, cfg.batch) == ("tensor", 1, None, None, 2)
     cfg, _ = loop.resume_config(run, {"strategy": "none"}, world=1)
     assert cfg.batch == GLOBAL
+
+
+@pytest.mark.parametrize("strategy,optimizer,refused", [
+    ("zero2", "adamw8bit", True), ("tensor", "adafactor", True), ("pipeline", "adamw4bit", True),
+    ("zero3", "adafactor", False), ("pipeline", "lion", False), ("none", "adamw8bit", False),
+])
+def test_a_layout_whose_checkpoints_cannot_be_written_is_refused_before_training(strategy, optimizer, refused):
+    from memfit.core.errors import ConfigError
+    from memfit.train.portable import check_checkpointable
+
+    if refused:
+        with pytest.raises(ConfigError, match=f"--optimizer {optimizer} with --strategy {strategy}: its checkpoints"):
+            check_checkpointable(strategy, optimizer)
+    else:
+        check_checkpointable(strategy, optimizer)
