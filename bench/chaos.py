@@ -172,14 +172,19 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", action="append", help="strategy:offload (repeatable; default: every combination)")
+    p.add_argument("--resume", action="store_true", help="keep bench/results/chaos.json's trials and skip their "
+                   "combinations")
     args = p.parse_args()
     combos = [tuple(c.split(":")) for c in args.only] if args.only else COMBOS
     sys.path[:0] = [str(ROOT / "src"), str(HERE)]
-    from common import save
+    from common import RESULTS, save
+
+    kept = json.loads((RESULTS / "chaos.json").read_text())["trials"] if args.resume else []
+    combos = [c for c in combos if not any((t["strategy"], t["offload"]) == c for t in kept)]
 
     def write(records: list[dict]) -> Path:  # after every trial: a stopped bench keeps what it did
         return save("chaos", {"script": "chaos", "steps": STEPS, "save_every": SAVE_EVERY, "model": TINY,
-                              "trials_per_combination": args.trials, "seed": args.seed, "trials": records})
+                              "trials_per_combination": args.trials, "seed": args.seed, "trials": kept + records})
 
     with tempfile.TemporaryDirectory(prefix="memfit-chaos-") as tmp:
         records = run(combos, args.trials, args.seed, Path(tmp), log=lambda s: print(s, flush=True), each=write)

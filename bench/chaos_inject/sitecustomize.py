@@ -4,7 +4,8 @@ the n-th call of its phase on the first attempt (TORCHELASTIC_RESTART_COUNT 0):
 
     step        loss.backward (mid-step: forward done, gradients not)
     save        os.fsync (a checkpoint file written, not yet renamed or not yet named by checkpoint.pt)
-    collective  a torch.distributed call (all_reduce, reduce_scatter, all_gather, broadcast, send, ...)
+    collective  a torch.distributed call (all_reduce, reduce_scatter, all_gather, broadcast, send, ...;
+                not isend/irecv, which P2POp checks by identity: batch_isend_irecv counts those)
 
 MEMFIT_CHAOS="count:<file>" counts the calls instead; each rank keeps its counts in <file>.<rank>, so
 the driver can draw n within the run.
@@ -13,7 +14,7 @@ import os
 
 _SPEC = os.environ.get("MEMFIT_CHAOS")
 _COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast",
-                "send", "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list", "barrier",
+                "send", "recv", "all_gather_object", "broadcast_object_list", "barrier",
                 "reduce_scatter", "all_to_all_single", "batch_isend_irecv")
 
 
