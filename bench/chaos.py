@@ -156,9 +156,15 @@ def run(combos: list[tuple[str, str]], trials: int, seed: int, work: Path, log=p
     rng = random.Random(seed)
     records = []
     for strategy, offload in combos:
-        ref = reference(work, strategy, offload)
+        try:
+            ref = reference(work, strategy, offload)
+        except RuntimeError as exc:  # recorded, and the other combinations still run
+            records.append({"strategy": strategy, "offload": offload, "phase": "none", "seed": seed,
+                            "outcome": "reference failed", "said": str(exc)[:300]})
+            log(json.dumps(records[-1]))
+            continue
         for n in range(trials):
-            rec = trial(work, ref, strategy, offload, rng, n)
+            rec = {**trial(work, ref, strategy, offload, rng, n), "seed": seed}
             log(json.dumps(rec))
             records.append(rec)
             if each is not None:
@@ -194,8 +200,10 @@ def main() -> None:
 def _summary(result: dict) -> dict:
     rows: dict = {}
     for r in result["trials"]:
-        row = rows.setdefault((r["strategy"], r["offload"]), {"n": 0, "bitwise": 0, "phases": {}, "other": []})
+        row = rows.setdefault((r["strategy"], r["offload"]), {"n": 0, "bitwise": 0, "phases": {}, "other": [],
+                                                              "resumed": []})
         row["n"] += 1
+        row["resumed"].append("start" if r.get("resumed_from") is None else str(r["resumed_from"]))
         row["bitwise"] += r["outcome"] == "bitwise"
         row["phases"][r["phase"]] = row["phases"].get(r["phase"], 0) + 1
         if r["outcome"] != "bitwise":
@@ -213,13 +221,16 @@ def snippets(result: dict) -> dict[str, str]:
     lines = [f"`.venv/bin/python bench/chaos.py --trials {result['trials_per_combination']}` "
              f"({result['steps']} steps, a save every {result['save_every']}, 2 processes, `{result['model']}`); "
              + machine_line(result), "",
-             f"{good} of {total} trials ended bitwise equal to the uninterrupted run ({killed} of them had a rank "
-             "killed before the run ended; the others' kill came after the last step).", "",
-             "| strategy | optimizer offload | trials | bitwise | killed during (trials) | other outcomes |",
-             "|---|---|---:|---:|---|---|"]
+             f"{good} of {total} trials ended bitwise equal to the uninterrupted run; in {killed} a rank was killed "
+             "before the run ended (a timed kill can come after the last step). Load average "
+             f"{result['run']['load_start'][0]} at the start and {result['run']['load_end'][0]} at the end "
+             f"(other jobs shared the 2 cores), {result['run']['wall_seconds'] / 60:.0f} minutes in all.", "",
+             "| strategy | optimizer offload | trials | bitwise | killed during (trials) | restarted from step | "
+             "other outcomes |", "|---|---|---:|---:|---|---|---|"]
     for (strategy, offload), r in rows.items():
         phases = ", ".join(f"{k} {v}" for k, v in sorted(r["phases"].items()))
-        lines.append(f"| {strategy} | {offload} | {r['n']} | {r['bitwise']} | {phases} | {'; '.join(r['other']) or '-'} |")
+        lines.append(f"| {strategy} | {offload} | {r['n']} | {r['bitwise']} | {phases} | {', '.join(r['resumed'])} | "
+                     f"{'; '.join(r['other']) or '-'} |")
     return {"chaos": "\n".join(lines)}
 
 
