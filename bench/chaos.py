@@ -224,7 +224,8 @@ def snippets(result: dict) -> dict[str, str]:
              f"{good} of {total} trials ended bitwise equal to the uninterrupted run; in {killed} a rank was killed "
              "before the run ended (a timed kill can come after the last step). Load average "
              f"{result['run']['load_start'][0]} at the start and {result['run']['load_end'][0]} at the end "
-             f"(other jobs shared the 2 cores), {result['run']['wall_seconds'] / 60:.0f} minutes in all.", "",
+             f"(other jobs shared the 2 cores); the killed runs took "
+             f"{sum(t.get('seconds', 0) for t in result['trials']) / 60:.0f} minutes in all.", "",
              "| strategy | optimizer offload | trials | bitwise | killed during (trials) | restarted from step | "
              "other outcomes |", "|---|---|---:|---:|---|---|---|"]
     for (strategy, offload), r in rows.items():
