@@ -151,7 +151,8 @@ def same_state(a: Path, b: Path) -> bool:
                                                                   for k, v in pa.optim[n].items()) for n in pa.optim)
 
 
-def run(combos: list[tuple[str, str]], trials: int, seed: int, work: Path, log=print, each=None) -> list[dict]:
+def run(combos: list[tuple[str, str]], trials: int, seed: int, work: Path, log=print, each=None,
+        phase: str | None = None) -> list[dict]:
     """`trials` per combination; `each(records)` after every trial (the bench saves as it goes)."""
     rng = random.Random(seed)
     records = []
@@ -164,7 +165,7 @@ def run(combos: list[tuple[str, str]], trials: int, seed: int, work: Path, log=p
             log(json.dumps(records[-1]))
             continue
         for n in range(trials):
-            rec = {**trial(work, ref, strategy, offload, rng, n), "seed": seed}
+            rec = {**trial(work, ref, strategy, offload, rng, n, phase), "seed": seed}
             log(json.dumps(rec))
             records.append(rec)
             if each is not None:
@@ -178,22 +179,25 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", action="append", help="strategy:offload (repeatable; default: every combination)")
-    p.add_argument("--resume", action="store_true", help="keep bench/results/chaos.json's trials and skip their "
-                   "combinations")
+    p.add_argument("--phase", choices=PHASES, help="kill in this phase only (default: drawn per trial)")
+    p.add_argument("--resume", action="store_true", help="keep bench/results/chaos.json's trials (and, without "
+                   "--phase, skip their combinations)")
     args = p.parse_args()
     combos = [tuple(c.split(":")) for c in args.only] if args.only else COMBOS
     sys.path[:0] = [str(ROOT / "src"), str(HERE)]
     from common import RESULTS, save
 
     kept = json.loads((RESULTS / "chaos.json").read_text())["trials"] if args.resume else []
-    combos = [c for c in combos if not any((t["strategy"], t["offload"]) == c for t in kept)]
+    if args.phase is None:
+        combos = [c for c in combos if not any((t["strategy"], t["offload"]) == c for t in kept)]
 
     def write(records: list[dict]) -> Path:  # after every trial: a stopped bench keeps what it did
         return save("chaos", {"script": "chaos", "steps": STEPS, "save_every": SAVE_EVERY, "model": TINY,
                               "trials_per_combination": args.trials, "seed": args.seed, "trials": kept + records})
 
     with tempfile.TemporaryDirectory(prefix="memfit-chaos-") as tmp:
-        records = run(combos, args.trials, args.seed, Path(tmp), log=lambda s: print(s, flush=True), each=write)
+        records = run(combos, args.trials, args.seed, Path(tmp), log=lambda s: print(s, flush=True), each=write,
+                      phase=args.phase)
     print(f"wrote {write(records)}")
 
 
