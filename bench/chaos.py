@@ -187,13 +187,17 @@ def main() -> None:
     sys.path[:0] = [str(ROOT / "src"), str(HERE)]
     from common import RESULTS, save
 
-    kept = json.loads((RESULTS / "chaos.json").read_text())["trials"] if args.resume else []
+    earlier = json.loads((RESULTS / "chaos.json").read_text()) if args.resume else {"trials": []}
+    kept = earlier["trials"]
+    commands = earlier.get("commands", [f"--trials {earlier.get('trials_per_combination')} --seed "
+                                         f"{earlier.get('seed')}"] if kept else []) + [" ".join(sys.argv[1:])]
     if args.phase is None:
         combos = [c for c in combos if not any((t["strategy"], t["offload"]) == c for t in kept)]
 
     def write(records: list[dict]) -> Path:  # after every trial: a stopped bench keeps what it did
         return save("chaos", {"script": "chaos", "steps": STEPS, "save_every": SAVE_EVERY, "model": TINY,
-                              "trials_per_combination": args.trials, "seed": args.seed, "trials": kept + records})
+                              "trials_per_combination": args.trials, "seed": args.seed, "commands": commands,
+                              "trials": kept + records})
 
     with tempfile.TemporaryDirectory(prefix="memfit-chaos-") as tmp:
         records = run(combos, args.trials, args.seed, Path(tmp), log=lambda s: print(s, flush=True), each=write,
@@ -222,7 +226,8 @@ def snippets(result: dict) -> dict[str, str]:
     total = sum(r["n"] for r in rows.values())
     good = sum(r["bitwise"] for r in rows.values())
     killed = sum(bool(t.get("killed")) for t in result["trials"])
-    lines = [f"`.venv/bin/python bench/chaos.py --trials {result['trials_per_combination']}` "
+    runs = result.get("commands") or [f"--trials {result['trials_per_combination']}"]
+    lines = [", then ".join(f"`.venv/bin/python bench/chaos.py {c}`" for c in runs) + " "
              f"({result['steps']} steps, a save every {result['save_every']}, 2 processes, `{result['model']}`); "
              + machine_line(result), "",
              f"{good} of {total} trials ended bitwise equal to the uninterrupted run; in {killed} a rank was killed "
