@@ -87,5 +87,5 @@ def test_resumed_strategy_run_continues_the_trajectory(tmp_path, strategy):
     run_world(train_rank, 2, args=({**cfg, "out": part}, 2, None), timeout_s=300)
     resumed = run_world(train_rank, 2, args=(cfg, None, part), timeout_s=300)
     assert len(whole[0]) == len(resumed[0]) == 4
-    assert resumed[0] == pytest.approx(whole[0], rel=1e-6)
+    assert resumed[0] == whole[0]  # the same layout: the same sums in the same order, bitwise
 

@@ -70,6 +70,7 @@ def test_resume_continues_the_same_trajectory_bit_for_bit(tmp_path):
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _counter(tmp_path / "split") == 8.0  # the optimizer's step counter came back and went on
 
     # Control: without restoring the RNG and sampler state the trajectory differs.
     other = loop.train(_config(tmp_path / "other", seed=1), progress=False)
@@ -185,6 +186,14 @@ def test_memory_options_pass_through_and_resume_exactly(tmp_path):
     loop.train(_config(tmp_path / "b", **opts), stop_at=2, progress=False, log=lambda msg: None)
     resumed = loop.train(*loop.resume_config(tmp_path / "b", {}), progress=False, log=lambda msg: None)
     assert resumed.metrics["steps"]["loss"] == m["steps"]["loss"]
+    assert _counter(tmp_path / "b") == 4.0
+
+
+def _counter(run_dir) -> float:
+    """The optimizer's step counter in a run folder's checkpoint (Adam's bias correction reads it)."""
+    from memfit.train.portable import read_portable
+
+    return float(read_portable(torch.load(run_dir / "checkpoint.pt", weights_only=True), None).step)
 
 
 def test_diverged_loss_is_a_one_line_error(tmp_path, monkeypatch, capsys):

@@ -16,7 +16,7 @@ from memfit.core.errors import MemfitError
 # Commands that only print (and write the profile cache, closed when written): see main's end.
 _PRINT_ONLY = {"estimate", "plan"}
 # Subcommands in the order `memfit --help` lists them. A module that is not there yet is skipped.
-SUBCOMMANDS = ["estimate", "plan", "profile", "train", "track"]
+SUBCOMMANDS = ["estimate", "plan", "profile", "train", "track", "export"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -105,7 +105,7 @@ def config_of(given: dict) -> tuple[TrainConfig, dict | None]:
     if overrides.get("clip") == 0:
         overrides["clip"] = None
     if "resume" in given:
-        return loop.resume_config(given["resume"], overrides)
+        return loop.resume_config(given["resume"], overrides, world=given.get("nproc"))
     return TrainConfig(**overrides), None
 
 

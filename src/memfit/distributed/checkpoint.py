@@ -19,32 +19,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from memfit.apply.param_state import (masters_follow_weights, param_states, set_step, step_of,
+                                     weights_follow_masters)
 from memfit.core.errors import ConfigError
 
 
-def _slots(opt, create: dict[str, torch.dtype] | None = None) -> list[dict[str, torch.Tensor]]:
-    """Per shard slice, its live tensors: weights, master (master modes) and optimizer state.
-    `create`: state names and dtypes to create where the optimizer has none yet (before loading)."""
-    inner = opt.inner
-    streamed = inner.streamed
-    if streamed is not None and streamed.where == "disk":
-        raise ConfigError("sharded checkpoints of disk-offloaded optimizer state are not supported; "
-                          "use --offload-optimizer cpu or none")
+def _slots(opt, slots) -> list[dict[str, torch.Tensor]]:
+    """Per shard slice, its live tensors: weights, master (master modes, offload) and optimizer state."""
     out = []
-    for i, s in enumerate(opt.engine.shards):
-        slot = {"weights": s.data}
-        if streamed is not None:
-            m = streamed.masters[i]
-            slot["master"] = m.data
-            state = streamed.chunks[streamed.chunk_index[i]].optimizer.state[m]
-        else:
-            m, state = s, inner.optimizer.state[s]
-        for name, dtype in (create or {}).items():
-            if name not in state:
-                state[name] = torch.zeros(m.shape, dtype=dtype, device=m.device)
-        if create is not None:
-            state.setdefault("step", torch.tensor(0.0))
-        slot.update({k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1})
+    for s in slots:
+        slot = {"weights": s.param.data}
+        if s.master is not None:
+            slot["master"] = s.master.data
+        slot.update({k: v for k, v in s.state.items() if torch.is_tensor(v) and v.dim() == 1})
         out.append(slot)
     return out
 
@@ -61,28 +48,15 @@ def _dtensors(opt, slots) -> dict[str, DTensor]:
     return state
 
 
-def _step_of(opt) -> float:
-    for slot_state in _opt_states(opt):
-        step = slot_state.get("step")
-        if step is not None:
-            return float(step)
-    return 0.0
-
-
-def _opt_states(opt) -> list[dict]:
-    inner, st = opt.inner, opt.inner.streamed
-    if st is not None:
-        return [st.chunks[st.chunk_index[i]].optimizer.state[st.masters[i]] for i in range(len(st.masters))]
-    return [inner.optimizer.state[s] for s in opt.engine.shards]
-
-
 def save_sharded(opt, path: str | Path) -> None:
-    """Write this rank's slices of a ShardedOptimizer (zero1-3) under `path` (all ranks call it)."""
-    state = _dtensors(opt, _slots(opt))
-    state["step"] = torch.tensor(_step_of(opt))
-    if opt.scaler is not None:
-        state["loss_scale"] = torch.tensor(opt.scaler.scale)
-    dcp.save(state, checkpoint_id=str(path))
+    """Write this rank's slices of a ShardedOptimizer (zero1-3) under `path` (all ranks call it).
+    Disk-offloaded state is read chunk by chunk into memory for the save and written back after."""
+    with param_states(opt.inner) as slots:
+        state = _dtensors(opt, _slots(opt, slots))
+        state["step"] = step_of(slots)
+        if opt.scaler is not None:
+            state["loss_scale"] = torch.tensor(opt.scaler.scale)
+        dcp.save(state, checkpoint_id=str(path))
 
 
 def load_sharded(opt, path: str | Path) -> None:
@@ -92,24 +66,22 @@ def load_sharded(opt, path: str | Path) -> None:
     if "weights" not in names:
         raise ConfigError(f"{path} is not a memfit sharded checkpoint (no bucket0.weights)")
     names.pop("weights")
-    names.pop("master", None)
-    state = _dtensors(opt, _slots(opt, create=names))
-    state["step"] = torch.tensor(0.0)
-    if "loss_scale" in meta and opt.scaler is not None:
-        state["loss_scale"] = torch.tensor(0.0, dtype=torch.float64)
-    missing = set(state) - set(meta)
-    if missing:
-        raise ConfigError(f"{path} lacks {sorted(missing)[:3]}: it was written for another model, optimizer "
-                          "or precision")
-    dcp.load(state, checkpoint_id=str(path))
-    for s in _opt_states(opt):
-        s["step"] = state["step"].clone()
+    has_master = names.pop("master", None) is not None
+    with param_states(opt.inner, create=names) as slots:
+        state = _dtensors(opt, _slots(opt, slots))
+        if not has_master:  # written without master weights: the masters follow the weights below
+            state = {k: v for k, v in state.items() if not k.endswith(".master")}
+        state["step"] = torch.tensor(0.0)
+        if "loss_scale" in meta and opt.scaler is not None:
+            state["loss_scale"] = torch.tensor(0.0, dtype=torch.float64)
+        missing = set(state) - set(meta)
+        if missing:
+            raise ConfigError(f"{path} lacks {sorted(missing)[:3]}: it was written for another model, optimizer "
+                              "or precision")
+        dcp.load(state, checkpoint_id=str(path))
+        set_step(slots, state["step"])
+        (weights_follow_masters if has_master else masters_follow_weights)(slots)
     if "loss_scale" in state:
         opt.scaler.scale = float(state["loss_scale"])
-    with torch.no_grad():  # master modes: the weights follow the masters
-        st = opt.inner.streamed
-        if st is not None:
-            for p, m in zip(opt.engine.shards, st.masters):
-                p.data.copy_(m.detach())
     opt.engine.after_step()
     dist.barrier()

@@ -21,40 +21,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from memfit.apply.param_state import (masters_follow_weights, param_states, set_step, step_of,
+                                     weights_follow_masters)
 from memfit.core.errors import ConfigError
 
 _SCALER = ("scale", "clean_steps", "overflows_in_a_row", "hysteresis_left", "skipped_steps")
 
 
-def _states(opt, create: dict[str, torch.dtype] | None = None) -> list[tuple[torch.Tensor | None, dict]]:
-    """Per parameter: its master weight (None: the weights are the master) and its optimizer state.
-    `create`: state names and dtypes to make where the optimizer has none yet (before loading)."""
-    inner, st = opt.inner, opt.inner.streamed
-    if st is not None and st.where == "disk":
-        raise ConfigError("checkpoints of disk-offloaded optimizer state under pipeline or tensor are not "
-                          "supported; use --offload-optimizer cpu or none")
-    out = []
-    for i, q in enumerate(opt.local_params.items):
-        if st is not None:
-            m = st.masters[i]
-            state = st.chunks[st.chunk_index[i]].optimizer.state[m]
-            master = None if i in st._shared else m
-        else:
-            m, master, state = q, None, inner.optimizer.state[q]
-        for name, dtype in (create or {}).items():
-            state.setdefault(name, torch.zeros(m.shape, dtype=dtype, device=m.device))
-        if create is not None:
-            state.setdefault("step", torch.tensor(0.0))
-        out.append((master, state))
-    return out
-
-
-def _entries(opt, states) -> dict[str, torch.Tensor]:
+def _entries(opt, slots) -> dict[str, torch.Tensor]:
     entries: dict[str, torch.Tensor] = {}
-    for i, (q, (master, state)) in enumerate(zip(opt.local_params.items, states)):
+    for i, (q, slot) in enumerate(zip(opt.local_params.items, slots)):
         name = opt.checkpoint_name(i)
+        master = slot.master if slot.master is not None and not slot.shared else None
         tensors = {"": q.data, **({"master": master.data} if master is not None else {})}
-        for k, v in state.items():
+        for k, v in slot.state.items():
             if not torch.is_tensor(v) or v.dim() == 0:
                 continue
             if v.shape != q.shape:
@@ -69,22 +49,16 @@ def _entries(opt, states) -> dict[str, torch.Tensor]:
     return entries
 
 
-def _step(states) -> torch.Tensor:
-    for _, state in states:
-        if torch.is_tensor(state.get("step")):
-            return state["step"].detach().clone().float()
-    return torch.tensor(0.0)
-
-
 def save_parallel(opt, path: str | Path) -> None:
-    """Write this rank's weights and optimizer state under `path` (all ranks call it)."""
-    states = _states(opt)
-    entries = _entries(opt, states)
-    entries["optim.step"] = _step(states)
-    if opt.scaler is not None:
-        for k, v in opt.scaler.state_dict().items():
-            entries[f"scaler.{k}"] = torch.tensor(float(v), dtype=torch.float64)
-    dcp.save(entries, checkpoint_id=str(path))
+    """Write this rank's weights and optimizer state under `path` (all ranks call it); disk-offloaded
+    state is read into memory for the save and written back after."""
+    with param_states(opt.inner) as slots:
+        entries = _entries(opt, slots)
+        entries["optim.step"] = step_of(slots)
+        if opt.scaler is not None:
+            for k, v in opt.scaler.state_dict().items():
+                entries[f"scaler.{k}"] = torch.tensor(float(v), dtype=torch.float64)
+        dcp.save(entries, checkpoint_id=str(path))
 
 
 def load_parallel(opt, path: str | Path) -> None:
@@ -96,35 +70,20 @@ def load_parallel(opt, path: str | Path) -> None:
     first = f"optim.{opt.checkpoint_name(0)}."
     names = {k[len(first):].split(".part")[0]: v.properties.dtype for k, v in meta.items() if k.startswith(first)}
     has_master = names.pop("master", None) is not None
-    states = _states(opt, create=names)
-    entries = _entries(opt, states)
-    if not has_master:  # written without master weights: the masters follow the weights below
-        entries = {k: v for k, v in entries.items() if ".master" not in k}
-    entries["optim.step"] = torch.tensor(0.0)
-    if opt.scaler is not None and "scaler.scale" in meta:
-        entries.update({f"scaler.{k}": torch.tensor(0.0, dtype=torch.float64) for k in _SCALER})
-    missing = sorted(set(entries) - set(meta))
-    if missing:
-        raise ConfigError(f"{path} lacks {', '.join(missing[:2])}: it was written for another model, optimizer "
-                          "or precision; resume with the settings it was written with")
-    dcp.load(entries, checkpoint_id=str(path))
-    step = entries["optim.step"]
-    for _, state in states:
-        state["step"] = step.clone()
+    with param_states(opt.inner, create=names) as slots:
+        entries = _entries(opt, slots)
+        if not has_master:  # written without master weights: the masters follow the weights below
+            entries = {k: v for k, v in entries.items() if ".master" not in k}
+        entries["optim.step"] = torch.tensor(0.0)
+        if opt.scaler is not None and "scaler.scale" in meta:
+            entries.update({f"scaler.{k}": torch.tensor(0.0, dtype=torch.float64) for k in _SCALER})
+        missing = sorted(set(entries) - set(meta))
+        if missing:
+            raise ConfigError(f"{path} lacks {', '.join(missing[:2])}: it was written for another model, "
+                              "optimizer or precision; resume with the settings it was written with")
+        dcp.load(entries, checkpoint_id=str(path))
+        set_step(slots, entries["optim.step"])
+        (weights_follow_masters if has_master else masters_follow_weights)(slots)
     if "scaler.scale" in entries:
         opt.scaler.load_state_dict({k: float(entries[f"scaler.{k}"]) for k in _SCALER})
-    _sync_masters(opt, states, has_master)
     dist.barrier(group=opt.group)
-
-
-@torch.no_grad()
-def _sync_masters(opt, states, loaded: bool) -> None:
-    """Master weights and model weights agree after a load: the weights follow loaded masters, the
-    masters follow the weights when the checkpoint had none."""
-    for q, (master, _) in zip(opt.local_params.items, states):
-        if master is None:
-            continue
-        if loaded:
-            q.data.copy_(master.detach())
-        else:
-            master.data.copy_(q.detach())

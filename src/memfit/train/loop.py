@@ -214,7 +214,7 @@ def _save(run: Run, seconds: float, *, last: bool) -> dict[str, Any]:
         "format": 1, "step": run.step, "horizon": run.horizon, "config": run.cfg.to_dict(),
         "model": model_state, "optimizer": run.opt.state_dict(), "sampler": run.sampler.state_dict(),
         "rng": state_mod.rng_state(), "history": run.history, "breakdown": run.breakdown,
-        "corpus": run.info["corpus"],
+        "corpus": run.info["corpus"], "world": ctx.world if ctx else 1,
     }, metrics, last=last)
     if ctx is not None:
         dist_train.prune_sharded(run.run_dir, run.step)

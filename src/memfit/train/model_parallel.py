@@ -13,9 +13,6 @@ from memfit.core.errors import ConfigError
 def precheck_model_parallel(cfg: Any, world: int | None, resuming: bool) -> None:
     from memfit.models.spec import parse_model
 
-    if cfg.offload_optimizer == "disk":
-        raise ConfigError(f"--offload-optimizer disk with --strategy {cfg.strategy} is not supported (its "
-                          "checkpoints are not written); use --offload-optimizer cpu")
     config = getattr(parse_model(cfg.model), "config", None)
     if config is None or not hasattr(config, "layers"):
         raise ConfigError(f"--strategy {cfg.strategy} needs memfit's GPT (a gpt:/llama: spec or a known name), "

@@ -39,17 +39,24 @@ def check_checkpoint(ckpt: Any, where: str) -> None:
         raise ConfigError(f"checkpoint {where}: its data record or step is damaged; resume from an unedited run folder")
 
 
-def resume_config(run_dir: str | Path, overrides: dict[str, Any]) -> tuple[TrainConfig, dict[str, Any]]:
+LAYOUT = ("strategy", "tp", "dp", "microbatches", "schedule")
+"""Options that say how the processes share the work, not what is computed: a resume may change
+them (memfit.train.reshard loads any layout's checkpoint into any other)."""
+
+
+def resume_config(run_dir: str | Path, overrides: dict[str, Any],
+                  world: int | None = None) -> tuple[TrainConfig, dict[str, Any]]:
     """The saved config of `run_dir` (or of its checkpoint.pt) with `overrides`, and the loaded checkpoint.
 
-    Only RESUMABLE options may differ from the saved ones; repeating a saved value is fine.
+    Only RESUMABLE and LAYOUT options may differ from the saved ones; repeating a saved value is fine.
+    `world`: the processes of the resumed run (None: WORLD_SIZE, else 1); see keep_global_batch.
     """
     path = Path(run_dir)
     folder = path.parent if path.is_file() else path  # RUN/checkpoint.pt names the same run as RUN
     ckpt = state_mod.load_checkpoint(path)
     check_checkpoint(ckpt, repr(str(path)))
     saved = dict(ckpt["config"])
-    bad = sorted(k for k, v in overrides.items() if k not in RESUMABLE and saved.get(k) != v)
+    bad = sorted(k for k, v in overrides.items() if k not in RESUMABLE + LAYOUT and saved.get(k) != v)
     if bad:
         raise ConfigError(f"cannot change {', '.join(map(flag, bad))} when resuming (the run would not continue "
                           f"the same trajectory); allowed with --resume: {', '.join(map(flag, RESUMABLE))}")
@@ -59,9 +66,31 @@ def resume_config(run_dir: str | Path, overrides: dict[str, Any]) -> tuple[Train
     except TypeError as exc:
         raise ConfigError(f"checkpoint {str(path)!r} has a damaged config ({exc})") from None
     # The run continues where it is now (the folder may have moved since it was saved) unless --out says otherwise.
+    if overrides.get("strategy", cfg.strategy) != cfg.strategy:  # the old layout's options do not carry over
+        defaults = TrainConfig()
+        cfg = dataclasses.replace(cfg, **{k: getattr(defaults, k) for k in LAYOUT})
     cfg = dataclasses.replace(cfg, **{"out": str(folder), **overrides})
+    keep_global_batch(cfg, ckpt, world)
     check_steps(cfg, ckpt)
     return cfg, ckpt
+
+
+def keep_global_batch(cfg: TrainConfig, ckpt: dict[str, Any], world: int | None) -> None:
+    """--batch is per process: a resume on another number of processes keeps the global batch (the
+    run's trajectory) by changing it, or says which process counts can."""
+    import os
+
+    world = world or int(os.environ.get("WORLD_SIZE", 0) or 0) or 1
+    saved = ckpt.get("world")
+    if not isinstance(saved, int) or saved == world:
+        return
+    total = cfg.batch * saved
+    if total % world:
+        counts = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0 and n <= 64)
+        raise ConfigError(f"this run's global batch is {total} sequences ({saved} processes x --batch {cfg.batch}); "
+                          f"{world} processes cannot share it evenly: resume with a process count dividing it "
+                          f"({counts})")
+    cfg.batch = total // world
 
 
 def check_steps(cfg: TrainConfig, ckpt: dict[str, Any]) -> None:

@@ -181,9 +181,10 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
     run = Run(cfg, device, model, opt, sampler, val_batches, run_dir, Saver(run_dir, log), info, horizon=cfg.steps,
               auto_horizon=cfg.steps is None and (checkpoint is None or checkpoint["horizon"] is None), ctx=ctx)
     if checkpoint is not None:
-        # Several processes: ZeRO's weights and optimizer slices come from its sharded checkpoint.
-        states = (lambda: dist_train.restore(opt, model, checkpoint, run_dir)) if ctx else None
-        restore(checkpoint, repr(str(run_dir)), model, opt, sampler, states)
+        # The layout's own files, or another layout's resharded (memfit.train.reshard).
+        from memfit.train.reshard import restorer
+
+        restore(checkpoint, repr(str(run_dir)), model, opt, sampler, restorer(opt, model, checkpoint, run_dir, ctx))
         run.step, run.history, run.breakdown = checkpoint["step"], checkpoint["history"], checkpoint.get("breakdown")
         run.horizon = cfg.steps if cfg.steps is not None else checkpoint["horizon"]
         run.saver.saved_step = run.step
