@@ -63,9 +63,10 @@ def _estimate(args: argparse.Namespace):
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
     budget = parse_bytes(args.device_memory) if args.device_memory else None
-    common = dict(precision=args.precision, optimizer=args.optimizer, zero=0 if args.strategy else args.zero,
-                  world=1 if args.strategy else args.world, checkpoint=args.checkpoint,
-                  offload_optimizer=args.offload_optimizer, device_memory=budget, routing=args.routing)
+    common = dict(precision=args.precision, optimizer=args.optimizer, zero=args.zero, world=args.world,
+                  checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
+                  routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
+                  schedule=args.schedule, tp=args.tp)
     if is_factory(model):  # any nn.Module: a factory and its example batch
         if not args.input:
             raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")
@@ -93,13 +94,13 @@ def run(args: argparse.Namespace) -> int:
     from memfit.measure.estimate import CATEGORIES
 
     est = _estimate(args)
-    if args.strategy:  # per-rank figures (memfit.distributed.rank_memory)
-        from memfit.cli.ranks import print_per_rank
-
-        return print_per_rank(args, est)
     if args.json:
         print(json.dumps(est.to_json(), indent=1))
         return 0
+    if est.ranks:  # per-rank figures (memfit.measure.rank_estimate)
+        from memfit.cli.ranks import print_per_rank
+
+        return print_per_rank(args, est)
     shape = f"batch {est.batch} x seq {est.seq}, " if est.traced and est.batch else ""
     name = f"{est.model}: " if est.traced else ""
     print(f"{name}{est.n_params / 1e6:,.1f}M parameters, {shape}{est.precision}, {est.optimizer}, "
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {'total (peak)':<14}{format_bytes(est.total):>16}")
     if est.offloaded:
         print(f"  {'(off device)':<14}{format_bytes(est.offloaded):>16}")
+    if est.note:
+        print(f"\n  {est.note}")
     if not est.traced:
         print("\n  activations and temporaries not estimated: give a model to trace them")
     if est.modules and args.modules > 0:

@@ -81,45 +81,56 @@ _BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?\d+")
 """A repeated block's name in module_activations: a ModuleList's child (blocks.3, model.layers.3)."""
 
 
+RANK_CATEGORIES = ("params", "gathered", "grads", "in_flight", "optimizer", "activations", "temporaries")
+"""A rank's figures at its peak moment; they add up to its total."""
+
+
 def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, int] | None = None,
                 tokens: int = 0) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total"; `saved`: its
     module_activations, bytes saved for backward per module; `tokens`: batch x seq per rank).
 
-    zero1: full gradients exist from backward to the step, so the peak is the one-device peak's
-    (activations, temporaries, the gradients made so far) or the step's (every gradient and the
-    flat buffer of the bucket being reduce-scattered). zero2/3 hold at most one bucket of full
-    gradients, so their peak is the larger of two moments in backward: the one-device peak with at
-    most one bucket of gradients, and the first bucket's reduce-scatter, when the last block's backward has
-    just finished. There, what is still saved for backward is the other blocks' and the
-    embeddings' (the head's and the last block's are freed); the bucket's gradients and their
-    flat copy for the collective (2 x `in_flight`), the head's gradients (`head_grads`) and the
-    gradient flowing into the next block (tokens x `grad_per_token`) are added. ps and ddp hold the
-    gradients as one process does, so their peak is the one-device peak with the rank's optimizer
+    The peak is the highest of a few moments, and the row's categories are that moment's:
+
+    zero1: the one-device peak (activations, temporaries, the gradients made so far), or the step
+    (every gradient and the flat buffer of the bucket being reduce-scattered). zero2/3 hold at most
+    one bucket of full gradients: the one-device peak with at most one bucket not yet reduced; the
+    first bucket's reduce-scatter, when the last block's backward has just finished (what is still
+    saved for backward is the other blocks' and the embeddings'; the bucket's gradients and their
+    flat copy, 2 x `in_flight`; the head's gradients, `head_grads`; the gradient flowing into the
+    next block, tokens x `grad_per_token`, a temporary); and the step (every gradient slice). ps
+    and ddp hold the gradients as one process does: the one-device peak with the rank's optimizer
     state in place of the full one; ddp adds its gradient buckets, which live between steps
     (gradient_as_bucket_view)."""
     saved = saved or {}
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
+    od = one_device
     out = []
     for r in rows:
-        if r["strategy"] == "zero1":  # full gradients from backward to the step, none between steps
-            moving = max(one_device["activations"] + one_device["temporaries"] + one_device["grads"],
-                         r["grads"] + r["in_flight"])  # the step: every gradient and one flat bucket
-            total = r["params"] + r["optimizer"] + moving
+        held = dict(params=r["params"], gathered=r["gathered"], optimizer=r["optimizer"])
+        if r["strategy"] == "zero1":
+            moments = [dict(held, grads=od["grads"], activations=od["activations"], temporaries=od["temporaries"]),
+                       dict(held, grads=r["grads"], in_flight=r["in_flight"])]
         elif r["strategy"].startswith("zero"):
-            # the one-device peak moment, with at most one bucket of gradients not yet reduced
-            at_peak = one_device["activations"] + one_device["temporaries"] + min(one_device["grads"], r["in_flight"])
             if blocks:
                 before = sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"])
             else:  # no per-block figures: everything saved stays
-                before = one_device["activations"]
-            at_rs = before + 2 * r["in_flight"] + r["head_grads"] + tokens * r["grad_per_token"]
-            total = r["params"] + r["gathered"] + r["optimizer"] + max(at_peak, at_rs, r["grads"])
+                before = od["activations"]
+            moments = [dict(held, in_flight=min(od["grads"], r["in_flight"]), activations=od["activations"],
+                            temporaries=od["temporaries"]),
+                       dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
+                            temporaries=tokens * r["grad_per_token"]),
+                       dict(held, grads=r["grads"])]
         else:
-            total = one_device["total"] - one_device["optimizer"] + r["optimizer"]
-            if r["strategy"] == "ddp":
-                total += r["grads"]
-        out.append({**r, "activations": one_device["activations"], "temporaries": one_device["temporaries"],
-                    "total": total})
+            grads = od["grads"] + (r["grads"] if r["strategy"] == "ddp" else 0)
+            moments = [dict(held, grads=grads, activations=od["activations"], temporaries=od["temporaries"])]
+        cats = max((_filled(m) for m in moments), key=lambda m: m["total"])
+        out.append({**r, **cats})
+    return out
+
+
+def _filled(moment: dict) -> dict:
+    out = {c: int(moment.get(c, 0)) for c in RANK_CATEGORIES}
+    out["total"] = sum(out.values())
     return out

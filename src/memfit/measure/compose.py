@@ -195,6 +195,13 @@ class ChainProfile:
                 cur = cur[:3] + (cur[3] + cur[4] - self.bw_temps, self.bw_temps)
         return cur if upto < 0 else vadd(cur, seq[upto].peak)
 
+    def saved(self, actions: Sequence[BlockAction]) -> tuple[int, list[int], int]:
+        """Activation bytes each part of the forward leaves for backward under `actions`: before the
+        blocks (embeddings), each block, and after them (final norm, head, loss)."""
+        n = len(actions)
+        _, seq = self._walk_seq(actions)
+        return seq[0].net[3], [seq[1 + i].net[3] for i in range(n)], seq[n + 1].net[3]
+
     def peak_of(self, actions: Sequence[BlockAction]) -> int:
         return self.compose(actions).peak
 
