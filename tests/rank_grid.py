@@ -154,7 +154,7 @@ def estimated(case: Case, world: int) -> list[dict]:
         return [dict(data["per_device"], rank=r) for r in range(world)]
     out = {}
     for row in data["ranks"]:
-        for r in row.get("rank_ids", [row["rank"]]):
+        for r in row["rank_ids"]:
             out[r] = dict(row, rank=r)
     return [out[r] for r in range(world)]
 

@@ -65,6 +65,7 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
             row["params"] = w * (shard if stage == 3 else sum(b.padded for b in layout.buckets))
             if stage == 3:
                 row["gathered"] = w * (rest + sum(sorted(blocks)[-2:]))
+                row["rest"] = w * rest  # gathered alone between the blocks (the head and loss)
             row["grads"] = w * (shard if stage >= 2 else sum(b.padded for b in layout.buckets))
             # the bucket whose full gradients are copied into a flat buffer for the collective
             row["in_flight"] = w * (max(blocks or [0]) if stage >= 2 else max(b.padded for b in layout.buckets))
@@ -86,7 +87,7 @@ RANK_CATEGORIES = ("params", "gathered", "grads", "in_flight", "optimizer", "act
 
 
 def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, int] | None = None,
-                tokens: int = 0) -> list[dict]:
+                tokens: int = 0, peak_in_block: bool = True) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total"; `saved`: its
     module_activations, bytes saved for backward per module; `tokens`: batch x seq per rank).
@@ -95,7 +96,9 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
 
     zero1: the one-device peak (activations, temporaries, the gradients made so far), or the step
     (every gradient and the flat buffer of the bucket being reduce-scattered). zero2/3 hold at most
-    one bucket of full gradients: the one-device peak with at most one bucket not yet reduced; the
+    one bucket of full gradients: the one-device peak with at most one bucket not yet reduced (zero3
+    holds two blocks' weights inside a block, `peak_in_block`, its rest alone between them); the
+    last block's backward beginning (everything saved but the head's, two blocks gathered); the
     first bucket's reduce-scatter, when the last block's backward has just finished (what is still
     saved for backward is the other blocks' and the embeddings'; the bucket's gradients and their
     flat copy, 2 x `in_flight`; the head's gradients, `head_grads`; the gradient flowing into the
@@ -105,6 +108,7 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     (gradient_as_bucket_view)."""
     saved = saved or {}
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
+    root = max(saved, key=saved.get, default=None)  # the model itself saves the most
     od = one_device
     out = []
     for r in rows:
@@ -117,11 +121,16 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
                 before = sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"])
             else:  # no per-block figures: everything saved stays
                 before = od["activations"]
-            moments = [dict(held, in_flight=min(od["grads"], r["in_flight"]), activations=od["activations"],
+            at_peak = held if peak_in_block or "rest" not in r else dict(held, gathered=r["rest"])
+            moments = [dict(at_peak, in_flight=min(od["grads"], r["in_flight"]), activations=od["activations"],
                             temporaries=od["temporaries"]),
                        dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
                             temporaries=tokens * r["grad_per_token"]),
                        dict(held, grads=r["grads"])]
+            if blocks and root in saved:  # the head's backward done, the last block's beginning
+                head = saved[root] - sum(blocks) - sum(saved.get(e, 0) for e in r["embeddings"])
+                moments.append(dict(held, grads=r["head_grads"], activations=saved[root] - head,
+                                    temporaries=od["temporaries"]))
         else:
             grads = od["grads"] + (r["grads"] if r["strategy"] == "ddp" else 0)
             moments = [dict(held, grads=grads, activations=od["activations"], temporaries=od["temporaries"])]

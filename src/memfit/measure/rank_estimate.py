@@ -52,11 +52,23 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
             rows = tensor_ranks(spec, one.batch, one.seq, world, tp, **common)
     else:
         states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer)
-        rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1))
+        rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1),
+                           peak_in_block=_peak_in_block(one.modules))
     for r in rows:
         r.pop("embeddings", None)
+        r.pop("rest", None)
         r["total"] = sum(r[c] for c in RANK_CATEGORIES)
     return rows
+
+
+def _peak_in_block(modules: dict[str, int]) -> bool:
+    """Whether the one-device peak is inside a repeated block (a block's peak is the model's)."""
+    from memfit.distributed.rank_memory import _BLOCK
+
+    if not modules:
+        return True
+    top = max(modules.values())
+    return any(v == top for k, v in modules.items() if _BLOCK.fullmatch(k))
 
 
 def distinct(rows: list[dict]) -> list[dict]:
