@@ -87,55 +87,71 @@ RANK_CATEGORIES = ("params", "gathered", "grads", "in_flight", "optimizer", "act
 
 
 def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, int] | None = None,
-                tokens: int = 0, peak_in_block: bool = True) -> list[dict]:
+                tokens: int = 0, peak_in_block: bool = True, moments: dict[str, dict] | None = None) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
-    (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total"; `saved`: its
-    module_activations, bytes saved for backward per module; `tokens`: batch x seq per rank).
+    (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total", at the peak;
+    `moments`: the same at each module's highest moment; `saved`: bytes saved for backward per
+    module; `tokens`: batch x seq per rank; `peak_in_block`: the one-device peak is inside a block).
 
-    The peak is the highest of a few moments, and the row's categories are that moment's:
+    Every one-device moment is turned into the rank's (its model states in place of the whole
+    model's), and a few moments only a strategy has are added; the peak is the highest, and the
+    row's categories are that moment's (they add up to its total).
 
-    zero1: the one-device peak (activations, temporaries, the gradients made so far), or the step
-    (every gradient and the flat buffer of the bucket being reduce-scattered). zero2/3 hold at most
-    one bucket of full gradients: the one-device peak with at most one bucket not yet reduced (zero3
-    holds two blocks' weights inside a block, `peak_in_block`, its rest alone between them); the
-    last block's backward beginning (everything saved but the head's, two blocks gathered); the
-    first bucket's reduce-scatter, when the last block's backward has just finished (what is still
-    saved for backward is the other blocks' and the embeddings'; the bucket's gradients and their
-    flat copy, 2 x `in_flight`; the head's gradients, `head_grads`; the gradient flowing into the
-    next block, tokens x `grad_per_token`, a temporary); and the step (every gradient slice). ps
-    and ddp hold the gradients as one process does: the one-device peak with the rank's optimizer
-    state in place of the full one; ddp adds its gradient buckets, which live between steps
-    (gradient_as_bucket_view)."""
+    ddp holds its gradient buckets (the gradients, gradient_as_bucket_view) from the first backward
+    on; ps holds the gradients as one process does, its optimizer state on rank 0 only. zero1: the
+    gradients as one process, then the step (every gradient and the flat buffer of the bucket being
+    reduce-scattered). zero2/3: the slices of the buckets reduced so far (in proportion to the
+    gradients one process has made) and at most one bucket of full gradients; zero3 gathers two
+    blocks' weights inside a block and its rest alone between them. They add the last block's
+    backward beginning (everything saved but the head's, two blocks gathered), the first bucket's
+    reduce-scatter (what is still saved is the other blocks' and the embeddings'; the bucket's
+    gradients and their flat copy, 2 x `in_flight`; the head's gradients, `head_grads`; the gradient
+    flowing into the next block, tokens x `grad_per_token`, a temporary) and the step."""
     saved = saved or {}
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
     root = max(saved, key=saved.get, default=None)  # the model itself saves the most
-    od = one_device
+    cands = [(one_device, peak_in_block)] + [(m, bool(_IN_BLOCK.fullmatch(k))) for k, m in (moments or {}).items()]
+    full = max(m["grads"] for m, _ in cands)
     out = []
     for r in rows:
         held = dict(params=r["params"], gathered=r["gathered"], optimizer=r["optimizer"])
+        zero = r["strategy"].startswith("zero")
+        moments_r = [_moment(r, held, m, inside, full) for m, inside in cands]
         if r["strategy"] == "zero1":
-            moments = [dict(held, grads=od["grads"], activations=od["activations"], temporaries=od["temporaries"]),
-                       dict(held, grads=r["grads"], in_flight=r["in_flight"])]
-        elif r["strategy"].startswith("zero"):
-            if blocks:
-                before = sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"])
-            else:  # no per-block figures: everything saved stays
-                before = od["activations"]
-            at_peak = held if peak_in_block or "rest" not in r else dict(held, gathered=r["rest"])
-            moments = [dict(at_peak, in_flight=min(od["grads"], r["in_flight"]), activations=od["activations"],
-                            temporaries=od["temporaries"]),
-                       dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
-                            temporaries=tokens * r["grad_per_token"]),
-                       dict(held, grads=r["grads"])]
-            if blocks and root in saved:  # the head's backward done, the last block's beginning
+            moments_r.append(dict(held, grads=r["grads"], in_flight=r["in_flight"]))
+        elif zero:
+            before = (sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"]) if blocks
+                      else one_device["activations"])  # no per-block figures: everything saved stays
+            moments_r += [dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
+                               temporaries=tokens * r["grad_per_token"]),
+                          dict(held, grads=r["grads"])]
+            if blocks and root is not None:  # the head's backward done, the last block's beginning
                 head = saved[root] - sum(blocks) - sum(saved.get(e, 0) for e in r["embeddings"])
-                moments.append(dict(held, grads=r["head_grads"], activations=saved[root] - head,
-                                    temporaries=od["temporaries"]))
-        else:
-            grads = od["grads"] + (r["grads"] if r["strategy"] == "ddp" else 0)
-            moments = [dict(held, grads=grads, activations=od["activations"], temporaries=od["temporaries"])]
-        cats = max((_filled(m) for m in moments), key=lambda m: m["total"])
+                moments_r.append(dict(held, grads=r["head_grads"], activations=saved[root] - head,
+                                      temporaries=one_device["temporaries"]))
+        cats = max((_filled(m) for m in moments_r), key=lambda m: m["total"])
         out.append({**r, **cats})
+    return out
+
+
+_IN_BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?\d+(?:\..*)?")
+"""A module inside a repeated block (blocks.3, blocks.3.mlp, model.layers.3.self_attn)."""
+
+
+def _moment(r: dict, held: dict, m: dict, inside: bool, full: int) -> dict:
+    """One-device moment `m` on rank `r` (`full`: one process's whole gradient bytes)."""
+    out = dict(held, activations=m["activations"], temporaries=m["temporaries"], grads=m["grads"])
+    s = r["strategy"]
+    if s == "ddp" and m["grads"]:
+        out["grads"] = max(m["grads"], r["grads"])  # the buckets exist from the first backward on
+    elif s == "ddp":
+        out["grads"] = r["grads"]  # ... and live between steps
+    elif s in ("zero2", "zero3"):
+        done = m["grads"] >= full  # the step: every bucket reduced
+        out["grads"] = r["grads"] if done else round(r["grads"] * m["grads"] / full) if full else 0
+        out["in_flight"] = 0 if done else min(m["grads"], r["in_flight"])
+        if s == "zero3" and not inside and "rest" in r:
+            out["gathered"] = r["rest"]
     return out
 
 

@@ -53,6 +53,9 @@ class Estimate:
     ranks: list[dict] = field(default_factory=list)
     """Under a strategy: each distinct rank's figures at its peak moment, with the `rank_ids` it covers
     (memfit.measure.rank_estimate); the categories add up to `total`."""
+    moments: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
+    """The traced step's categories at each module's (or composed stretch's) highest moment, before
+    any sharding: what the per-rank estimate transforms (not in the JSON)."""
     note: str = ""
     """Why a figure is less than the whole answer (e.g. ZeRO on a parameter count alone)."""
 
@@ -71,6 +74,7 @@ class Estimate:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data.pop("moments")
         data["fits"], data["headroom"] = self.fits, self.headroom
         return data
 
@@ -191,7 +195,7 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
     per, modules = _per_device(tr, {cat: (getattr(sharded, cat), getattr(single, cat)) for cat in MODEL_STATES})
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
-                    module_activations=dict(tr.module_activations))
+                    module_activations=dict(tr.module_activations), moments=dict(tr.module_categories))
 
 
 def _states_only(params: int | None, precision: str, optimizer: str, zero: int, world: int,

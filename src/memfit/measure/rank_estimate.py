@@ -53,7 +53,7 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
     else:
         states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer)
         rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1),
-                           peak_in_block=_peak_in_block(one.modules))
+                           peak_in_block=_peak_in_block(one.modules), moments=one.moments)
     for r in rows:
         r.pop("embeddings", None)
         r.pop("rest", None)
