@@ -169,3 +169,23 @@ def errors(cases: list[Case], world: int, measured: list[dict]) -> list[dict]:
                      "precision": c.precision, "checkpoint": c.checkpoint, "world": world, "estimate": est,
                      "measured": got, "error": [(e - m) / m for e, m in zip(est, got)]})
     return rows
+
+
+DEPTHS = (1, 2, 11, 12, 13, 24, 48)
+STRATEGIES = (("none", None), ("ddp", None), ("ps", None), ("zero1", None), ("zero2", None), ("zero3", None),
+              ("pipeline", "1f1b"), ("pipeline", "gpipe"), ("tensor", None))
+PRECISIONS = ("32-true", "bf16-master")
+CHECKPOINTS = ("none", "full")
+
+
+def gpt_cases(depths=DEPTHS, world: int = 2, precisions=PRECISIONS, checkpoints=CHECKPOINTS,
+              strategies=STRATEGIES) -> list[Case]:
+    """memfit's GPT at each depth under each strategy (pipeline needs a block per stage)."""
+    return [Case(gpt(d), s, p, c, sch) for d in depths for p in precisions for c in checkpoints
+            for s, sch in strategies if s != "pipeline" or d >= world]
+
+
+def hf_cases(paths: dict[str, str], precisions=("32-true",), checkpoints=CHECKPOINTS) -> list[Case]:
+    """Hugging Face families under each data-parallel strategy (pipeline and tensor cut memfit's GPT)."""
+    return [Case(path, s, p, c) for path in paths.values() for p in precisions for c in checkpoints
+            for s in DATA_PARALLEL]

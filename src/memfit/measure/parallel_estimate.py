@@ -60,6 +60,9 @@ def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | N
     head = saved.get("GPT", 0) - block - embed  # final norm, head and the loss's saved tensors
     per_param, per_opt = one.params / _cut(spec, 1).counts()[0], one.optimizer / one.params
     act_bytes = 2 if precision.startswith(("bf16", "16")) else 4
+    # stages without the head: the highest temporaries while a block runs (the head's logits are the last stage's)
+    block_temps = max((c["temporaries"] for n, c in one.module_categories.items() if n.startswith("blocks.")),
+                      default=one.temporaries)
     out = []
     for r in range(world):
         params = int(_stage_numel(spec, seq, r, world) * per_param)
@@ -73,10 +76,12 @@ def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | N
         # Gradients exist from the first backward on, which frees one micro-batch; 1F1B's next forward
         # (when micro-batches remain after the warm-up) brings the count back.
         after = flight if schedule == "1f1b" and m > flight else flight - 1
-        acts, grads = max((flight * per_mb, 0), (after * per_mb, params), key=lambda ag: ag[0] + ag[1])
+        # a later stage receives the next micro-batch's input while one is in flight (1F1B's steady state)
+        recv = b * seq * cfg.hidden * act_bytes if r > 0 and schedule == "1f1b" and m > flight else 0
+        acts, grads = max((flight * per_mb, 0), (after * per_mb + recv, params), key=lambda ag: ag[0] + ag[1])
         row = {"rank": r, "strategy": "pipeline", "world": world, "params": params, "gathered": 0, "grads": grads,
                "in_flight": 0, "optimizer": int(params * per_opt), "activations": acts,
-               "temporaries": one.temporaries, "blocks": k, "microbatches_in_flight": flight, "microbatch_rows": b}
+               "temporaries": one.temporaries if last else block_temps, "blocks": k, "microbatches_in_flight": flight, "microbatch_rows": b}
         row["total"] = sum(row[c] for c in ("params", "grads", "optimizer", "activations", "temporaries"))
         out.append(row)
     return out
