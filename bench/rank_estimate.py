@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import save  # noqa: E402
 import rank_grid as grid  # noqa: E402
 
+RESULT = Path(__file__).resolve().parent / "results" / "rank_estimate.json"
+
 
 def _run(cases: list, world: int) -> list[dict]:
     from memfit.distributed.spawn import run_world
@@ -41,8 +43,10 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--world4-depths", type=int, nargs="+", default=[2, 12, 13])
     ap.add_argument("--hf", action="store_true", help="add the Hugging Face families")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the other cases of bench/results/rank_estimate.json (run the grid in parts)")
     args = ap.parse_args()
-    rows = _run(grid.gpt_cases(args.depths), 2)
+    rows = _run(grid.gpt_cases(args.depths), 2) if 2 in args.worlds else []
     if 4 in args.worlds:
         rows += _run(grid.gpt_cases(args.world4_depths, 4, precisions=("32-true",)), 4)
     if args.hf:
@@ -53,7 +57,14 @@ def main() -> None:
                 r["model"] = Path(r["model"]).parent.name
     command = "PYTHONPATH=src python bench/rank_estimate.py --depths " + " ".join(map(str, args.depths)) + \
         " --worlds " + " ".join(map(str, args.worlds)) + (" --hf" if args.hf else "")
-    path = save("rank_estimate", {"command": command, "batch_per_rank": grid.BATCH, "seq": grid.SEQ, "rows": rows})
+    commands = [command]
+    old = RESULT.exists() and json.loads(RESULT.read_text())
+    if args.append and old and "seq" in old:
+        mine = {(r["case"], r["world"]) for r in rows}
+        rows = [r for r in old["rows"] if (r["case"], r["world"]) not in mine] + rows
+        commands = old.get("commands", [old["command"]]) + commands
+    path = save("rank_estimate", {"command": " ; ".join(commands), "commands": commands, "batch_per_rank": grid.BATCH,
+                                  "seq": grid.SEQ, "rows": rows})
     print(render(json.loads(path.read_text())))
 
 

@@ -66,6 +66,7 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
             if stage == 3:
                 row["gathered"] = w * (rest + sum(sorted(blocks)[-2:]))
                 row["rest"] = w * rest  # gathered alone between the blocks (the head and loss)
+                row["one_block"], row["n_blocks"] = w * max(blocks or [0]), len(blocks)
             row["grads"] = w * (shard if stage >= 2 else sum(b.padded for b in layout.buckets))
             # the bucket whose full gradients are copied into a flat buffer for the collective
             row["in_flight"] = w * (max(blocks or [0]) if stage >= 2 else max(b.padded for b in layout.buckets))
@@ -87,11 +88,12 @@ RANK_CATEGORIES = ("params", "gathered", "grads", "in_flight", "optimizer", "act
 
 
 def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, int] | None = None,
-                tokens: int = 0, peak_in_block: bool = True, moments: dict[str, dict] | None = None) -> list[dict]:
+                tokens: int = 0, peak_block: int | None = -1, moments: dict[str, dict] | None = None) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total", at the peak;
     `moments`: the same at each module's highest moment; `saved`: bytes saved for backward per
-    module; `tokens`: batch x seq per rank; `peak_in_block`: the one-device peak is inside a block).
+    module; `tokens`: batch x seq per rank; `peak_block`: the block the one-device peak is in, -1 for
+    one not known, None for none).
 
     Every one-device moment is turned into the rank's (its model states in place of the whole
     model's), and a few moments only a strategy has are added; the peak is the highest, and the
@@ -110,7 +112,7 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     saved = saved or {}
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
     root = max(saved, key=saved.get, default=None)  # the model itself saves the most
-    cands = [(one_device, peak_in_block)] + [(m, bool(_IN_BLOCK.fullmatch(k))) for k, m in (moments or {}).items()]
+    cands = [(one_device, peak_block)] + [(m, _block_index(k)) for k, m in (moments or {}).items()]
     full = max(m["grads"] for m, _ in cands)
     out = []
     for r in rows:
@@ -134,12 +136,18 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     return out
 
 
-_IN_BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?\d+(?:\..*)?")
+_IN_BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?(\d+)(?:\..*)?")
 """A module inside a repeated block (blocks.3, blocks.3.mlp, model.layers.3.self_attn)."""
 
 
-def _moment(r: dict, held: dict, m: dict, inside: bool, full: int) -> dict:
-    """One-device moment `m` on rank `r` (`full`: one process's whole gradient bytes)."""
+def _block_index(name: str) -> int | None:
+    m = _IN_BLOCK.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
+    """One-device moment `m` on rank `r` (`full`: one process's whole gradient bytes; `block`: the
+    index of the block it is in, -1 for one not known, None between blocks)."""
     out = dict(held, activations=m["activations"], temporaries=m["temporaries"], grads=m["grads"])
     s = r["strategy"]
     if s == "ddp" and m["grads"]:
@@ -150,8 +158,11 @@ def _moment(r: dict, held: dict, m: dict, inside: bool, full: int) -> dict:
         done = m["grads"] >= full  # the step: every bucket reduced
         out["grads"] = r["grads"] if done else round(r["grads"] * m["grads"] / full) if full else 0
         out["in_flight"] = 0 if done else min(m["grads"], r["in_flight"])
-        if s == "zero3" and not inside and "rest" in r:
-            out["gathered"] = r["rest"]
+        if s == "zero3" and "rest" in r:
+            # the running block and the prefetched next one, except where there is no next: the
+            # first block's backward, the last block's forward
+            ends = block == 0 and m["grads"] or block == r["n_blocks"] - 1 and not m["grads"]
+            out["gathered"] = r["rest"] + (0 if block is None else r["one_block"] if ends else held["gathered"] - r["rest"])
     return out
 
 

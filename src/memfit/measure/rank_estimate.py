@@ -53,22 +53,23 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
     else:
         states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer)
         rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1),
-                           peak_in_block=_peak_in_block(one.modules), moments=one.moments)
+                           peak_block=_peak_block(one.modules), moments=one.moments)
     for r in rows:
         r.pop("embeddings", None)
-        r.pop("rest", None)
+        for k in ("rest", "one_block", "n_blocks"):
+            r.pop(k, None)
         r["total"] = sum(r[c] for c in RANK_CATEGORIES)
     return rows
 
 
-def _peak_in_block(modules: dict[str, int]) -> bool:
-    """Whether the one-device peak is inside a repeated block (a block's peak is the model's)."""
-    from memfit.distributed.rank_memory import _BLOCK
+def _peak_block(modules: dict[str, int]) -> int | None:
+    """The repeated block the one-device peak is in (a block whose peak is the model's), else None."""
+    from memfit.distributed.rank_memory import _BLOCK, _block_index
 
     if not modules:
-        return True
+        return -1
     top = max(modules.values())
-    return any(v == top for k, v in modules.items() if _BLOCK.fullmatch(k))
+    return next((_block_index(k) for k, v in modules.items() if v == top and _BLOCK.fullmatch(k)), None)
 
 
 def distinct(rows: list[dict]) -> list[dict]:
