@@ -25,16 +25,30 @@ import rank_grid as grid  # noqa: E402
 RESULT = Path(__file__).resolve().parent / "results" / "rank_estimate.json"
 
 
-def _run(cases: list, world: int) -> list[dict]:
+def _run(cases: list, world: int, done: list[dict], command: str) -> list[dict]:
+    """Track and estimate `cases` a dozen at a time, saving after each dozen (a part lost is small)."""
     from memfit.distributed.spawn import run_world
 
     rows = []
-    for i in range(0, len(cases), 12):  # a world per dozen cases: a failure loses little
+    for i in range(0, len(cases), 12):
         chunk = cases[i:i + 12]
         measured = run_world(grid.tracked, world, (chunk,), timeout_s=1800)
         rows += grid.errors(chunk, world, measured)
+        _save(done + rows, command)
         print(f"{len(rows)}/{len(cases)} at world {world}", file=sys.stderr, flush=True)
     return rows
+
+
+def _save(rows: list[dict], command: str) -> Path:
+    old = json.loads(RESULT.read_text()) if RESULT.exists() else {}
+    commands = [c for c in old.get("commands", []) if c != command] + [command]
+    mine = {(r["case"], r["world"]) for r in rows}
+    kept = [r for r in old.get("rows", []) if (r["case"], r["world"]) not in mine] if "seq" in old else []
+    for r in rows:
+        if r["model"].endswith(".json"):
+            r["model"] = Path(r["model"]).parent.name
+    return save("rank_estimate", {"command": " ; ".join(commands), "commands": commands,
+                                  "batch_per_rank": grid.BATCH, "seq": grid.SEQ, "rows": kept + rows})
 
 
 def main() -> None:
@@ -43,29 +57,18 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--world4-depths", type=int, nargs="+", default=[2, 12, 13])
     ap.add_argument("--hf", action="store_true", help="add the Hugging Face families")
-    ap.add_argument("--append", action="store_true",
-                    help="keep the other cases of bench/results/rank_estimate.json (run the grid in parts)")
     args = ap.parse_args()
-    rows = _run(grid.gpt_cases(args.depths), 2) if 2 in args.worlds else []
-    if 4 in args.worlds:
-        rows += _run(grid.gpt_cases(args.world4_depths, 4, precisions=("32-true",)), 4)
-    if args.hf:
-        with tempfile.TemporaryDirectory() as d:
-            rows += _run(grid.hf_cases(grid.hf_configs(Path(d))), 2)
-        for r in rows:
-            if r["model"].endswith(".json"):
-                r["model"] = Path(r["model"]).parent.name
     command = "PYTHONPATH=src python bench/rank_estimate.py --depths " + " ".join(map(str, args.depths)) + \
         " --worlds " + " ".join(map(str, args.worlds)) + (" --hf" if args.hf else "")
-    commands = [command]
-    old = RESULT.exists() and json.loads(RESULT.read_text())
-    if args.append and old and "seq" in old:
-        mine = {(r["case"], r["world"]) for r in rows}
-        rows = [r for r in old["rows"] if (r["case"], r["world"]) not in mine] + rows
-        commands = old.get("commands", [old["command"]]) + commands
-    path = save("rank_estimate", {"command": " ; ".join(commands), "commands": commands, "batch_per_rank": grid.BATCH,
-                                  "seq": grid.SEQ, "rows": rows})
-    print(render(json.loads(path.read_text())))
+    # Each run replaces its own cases in bench/results/rank_estimate.json and keeps the others: the
+    # grid may be run in parts.
+    rows = _run(grid.gpt_cases(args.depths), 2, [], command) if 2 in args.worlds else []
+    if 4 in args.worlds:
+        rows += _run(grid.gpt_cases(args.world4_depths, 4, precisions=("32-true",)), 4, rows, command)
+    if args.hf:
+        with tempfile.TemporaryDirectory() as d:
+            rows += _run(grid.hf_cases(grid.hf_configs(Path(d))), 2, rows, command)
+    print(render(json.loads(_save(rows, command).read_text())))
 
 
 def _worst(rows: list[dict]) -> float:
