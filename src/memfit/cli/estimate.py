@@ -122,9 +122,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n  {'module (peak while it runs)':<40}{'peak':>14}{'saved for bwd':>16}")
         shown = list(est.modules.items())[: args.modules]
         shown += [(n, v) for n, v in est.modules.items() if n.endswith(".experts") and (n, v) not in shown]
+        acts = est.module_activations
+        root = max(acts, key=acts.get) if acts else None  # the model itself (its class name) saves the most
         for name, peak in shown:  # mixture-of-experts layers always get their rows
-            act = est.module_activations.get(name, 0)
-            print(f"  {name or '(model)':<40}{format_bytes(peak):>14}{format_bytes(act):>16}")
+            label = f"{name} (whole model: {est.model})" if name == root else name or "(model)"
+            print(f"  {label[:39]:<40}{format_bytes(peak):>14}{format_bytes(acts.get(name, 0)):>16}")
     if est.device_memory is not None:
         verdict = (f"fits, {format_bytes(est.headroom)} to spare" if est.fits
                    else f"does NOT fit: {format_bytes(-est.headroom)} over")
