@@ -132,7 +132,9 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
                 moments_r.append(dict(held, grads=r["head_grads"], activations=saved[root] - head,
                                       temporaries=one_device["temporaries"]))
         cats = max((_filled(m) for m in moments_r), key=lambda m: m["total"])
-        out.append({**r, **cats})
+        # each module's peak on this rank (the module table), from its one-device moment
+        modules = {k: _filled(_moment(r, held, m, _block_index(k), full))["total"] for k, m in (moments or {}).items()}
+        out.append({**r, **cats, "modules": modules})
     return out
 
 

@@ -45,8 +45,8 @@ class Estimate:
     """False when only model states were estimated (no model given, just a parameter count)."""
     trace_seconds: float = 0.0
     modules: dict[str, int] = field(default_factory=dict)
-    """Per-module peak bytes per device (model states sharded as in per_device; under a data-parallel or
-    model-parallel strategy, the one-device trace's), largest first."""
+    """Per-module peak bytes per device (model states sharded as in per_device: under a data-parallel
+    strategy the largest rank's; under pipeline and tensor the one-device trace's), largest first."""
     module_activations: dict[str, int] = field(default_factory=dict)
     strategy: str | None = None
     """The distributed strategy (zero=Z with world=N is "zeroZ"); per_device is then its largest rank."""
@@ -126,7 +126,8 @@ def estimate(
     _positive("world", world)
     strategy = strategy_of(strategy, zero, world)
     with moe_routing(routing):
-        if strategy is not None and isinstance(model, (str, ModelSpec)):
+        lora_run = lora is not None or getattr(model, "lora", None) is not None
+        if strategy is not None and isinstance(model, (str, ModelSpec)) and not lora_run:
             from memfit.measure.rank_estimate import with_ranks
 
             one = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision,
@@ -136,15 +137,16 @@ def estimate(
             return with_ranks(one, model, lora, strategy, world, microbatches=microbatches, schedule=schedule,
                               tp=tp)
         if strategy in ("pipeline", "tensor"):
-            raise ConfigError(f"strategy {strategy} cuts memfit's GPT: give a gpt:/llama: spec or a known name")
+            raise ConfigError(f"strategy {strategy} cuts memfit's GPT: give a gpt:/llama: spec or a known name "
+                              "(without LoRA adapters)")
         est = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                         zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
                         device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst")
     if strategy is not None:
         est.strategy = strategy
-        est.note = (f"{strategy} on {world} ranks from model states alone: each shard of the one-device figure, "
-                    "without ZeRO-3's gathered blocks or the gradient buckets in flight (per-rank figures need a "
-                    "model name, spec or config.json)")
+        est.note = (f"{strategy} on {world} ranks as the one-device figure with its model states sharded, "
+                    "without ZeRO-3's gathered blocks or the gradient buckets in flight (per-rank figures are "
+                    "estimated for a model name, spec or config.json without LoRA adapters)")
     return est
 
 

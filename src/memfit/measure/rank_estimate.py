@@ -99,12 +99,13 @@ def with_ranks(one: Any, model: Any, lora: Any, strategy: str, world: int, **kw:
     from memfit.measure.estimate import _spec_of
 
     spec = _spec_of(model, lora)
-    if spec.lora is not None:
-        raise ConfigError(f"per-rank figures of a LoRA fine-tune are not estimated; estimate {strategy} without "
-                          "--lora, or estimate the LoRA run on one device")
     if not one.traced:
         raise ConfigError(f"strategy {strategy} needs a model to trace (not a parameter count alone)")
     rows = rank_rows(spec, one, strategy, world, **kw)
+    modules = [r.pop("modules", None) for r in rows]
+    top = max(range(len(rows)), key=lambda i: rows[i]["total"])
+    if modules[top]:  # data parallel: the module table of the largest rank
+        one.modules = dict(sorted(modules[top].items(), key=lambda kv: -kv[1]))
     one.ranks = distinct(rows)
     top = one.ranks[0]
     one.per_device, one.strategy, one.world = per_device(top), strategy, world
