@@ -60,9 +60,9 @@ def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | N
     head = saved.get("GPT", 0) - block - embed  # final norm, head and the loss's saved tensors
     per_param, per_opt = one.params / _cut(spec, 1).counts()[0], one.optimizer / one.params
     act_bytes = 2 if precision.startswith(("bf16", "16")) else 4
-    # stages without the head: the highest temporaries while a block runs (the head's logits are the last stage's)
-    block_temps = max((c["temporaries"] for n, c in one.module_categories.items() if n.startswith("blocks.")),
-                      default=one.temporaries)
+    # stages without the head: at most the highest temporaries while a block runs (the logits are the last stage's)
+    block_temps = min(one.temporaries, max((c["temporaries"] for n, c in one.module_categories.items()
+                                            if n.startswith("blocks.")), default=one.temporaries))
     out = []
     for r in range(world):
         params = int(_stage_numel(spec, seq, r, world) * per_param)
