@@ -57,9 +57,14 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--world4-depths", type=int, nargs="+", default=[2, 12, 13])
     ap.add_argument("--hf", action="store_true", help="add the Hugging Face families")
+    ap.add_argument("--hf-only", action="store_true", help="the Hugging Face families alone")
     args = ap.parse_args()
-    command = "PYTHONPATH=src python bench/rank_estimate.py --depths " + " ".join(map(str, args.depths)) + \
-        " --worlds " + " ".join(map(str, args.worlds)) + (" --hf" if args.hf else "")
+    if args.hf_only:
+        args.hf, args.worlds = True, []
+    command = "PYTHONPATH=src python bench/rank_estimate.py " + ("--hf-only" if args.hf_only else (
+        "--depths " + " ".join(map(str, args.depths)) + " --worlds " + " ".join(map(str, args.worlds))
+        + (" --world4-depths " + " ".join(map(str, args.world4_depths)) if 4 in args.worlds else "")
+        + (" --hf" if args.hf else "")))
     # Each run replaces its own cases in bench/results/rank_estimate.json and keeps the others: the
     # grid may be run in parts.
     rows = _run(grid.gpt_cases(args.depths), 2, [], command) if 2 in args.worlds else []
