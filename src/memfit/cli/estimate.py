@@ -25,8 +25,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(p, "seq", default=None, shown="the model's, at most 4096")
     add(p, "precision", default="32-true")
     add(p, "optimizer", default="adamw")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
-    p.add_argument("--world", type=integer(1), default=1, help="data-parallel world size (default 1)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (default 0); with --world N the same as --strategy zeroS")
+    p.add_argument("--world", type=integer(1), default=1, help="ranks (default 1)")
     p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
