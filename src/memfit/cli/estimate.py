@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from memfit.cli.args import integer
 from memfit.cli.estimate_inputs import INPUT_HELP, is_factory, load_factory, parse_inputs
@@ -96,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
 
     est = _estimate(args)
     if args.json:
-        print(json.dumps(est.to_json(), indent=1))
+        text = json.dumps(est.to_json(), indent=1)
+        # a list of rank ids on one line (world 1024 stays a few lines)
+        print(re.sub(r"\[\n\s*(\d+(?:,\n\s*\d+)*)\n\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text))
         return 0
     if est.ranks:  # per-rank figures (memfit.measure.rank_estimate)
         from memfit.cli.ranks import print_per_rank
