@@ -91,3 +91,12 @@ def test_contradicting_zero_and_strategy_refused(capsys):
     assert main(["estimate", grid.gpt(2), "--zero", "2", "--strategy", "zero3", "--world", "2"]) == 2
     err = capsys.readouterr().err
     assert "contradicts" in err and len(err.strip().splitlines()) == 1
+
+
+def test_composed_module_table_names_the_model_and_each_block_saves(capsys):
+    capsys.readouterr()
+    assert main(["estimate", grid.gpt(12), "--batch", "1", "--seq", "32", "--modules", "40"]) == 0
+    out = capsys.readouterr().out
+    assert f"GPT (whole model: {grid.gpt(12)}"[:39] in out  # the root row says which model it stands for
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("blocks.")]
+    assert len(rows) == 12 and all(r[-2:] != ["0", "B"] for r in rows[:-1])  # saved for backward, per block
