@@ -58,7 +58,7 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     hidden = max((m.embedding_dim for m in embeddings.values()), default=0)
     out = []
     for rank in range(world):
-        row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0,
+        row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0, "full_grads": w * full,
                "head_grads": head_grads, "grad_per_token": w * hidden, "embeddings": sorted(embeddings)}
         if strategy.startswith("zero"):
             stage, shard = int(strategy[-1]), layout.shard_numel
@@ -113,11 +113,11 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
     root = max(saved, key=saved.get, default=None)  # the model itself saves the most
     cands = [(one_device, peak_block)] + [(m, _block_index(k)) for k, m in (moments or {}).items()]
-    full = max(m["grads"] for m, _ in cands)
     out = []
     for r in rows:
         held = dict(params=r["params"], gathered=r["gathered"], optimizer=r["optimizer"])
         zero = r["strategy"].startswith("zero")
+        full = r["full_grads"]
         moments_r = [_moment(r, held, m, inside, full) for m, inside in cands]
         if r["strategy"] == "zero1":
             moments_r.append(dict(held, grads=r["grads"], in_flight=r["in_flight"]))
