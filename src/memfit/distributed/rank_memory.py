@@ -112,7 +112,10 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     saved = saved or {}
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
     root = max(saved, key=saved.get, default=None)  # the model itself saves the most
-    cands = [(one_device, peak_block)] + [(m, _block_index(k)) for k, m in (moments or {}).items()]
+    # a module whose highest moment is the step's peak shares it: the peak is placed once (peak_block)
+    same = {c: one_device[c] for c in ("params", "grads", "optimizer", "activations", "temporaries")}
+    cands = [(one_device, peak_block)] + [(m, _block_index(k)) for k, m in (moments or {}).items()
+                                          if {c: m[c] for c in same} != same]
     out = []
     for r in rows:
         held = dict(params=r["params"], gathered=r["gathered"], optimizer=r["optimizer"])
