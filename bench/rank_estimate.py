@@ -1,82 +1,127 @@
-"""Per-rank estimate against the tracker: `memfit estimate ... --strategy S --world N` next to each
-rank's tracked step peak, for ddp and zero1-3, 32-true and bf16-master, N=2 and N=4 gloo ranks.
+"""Per-rank estimate against the tracker, the grid: `memfit estimate ... --strategy S --world N` next to
+each rank's tracked step peak (tests/rank_grid.py: the cases, the measurement and the CLI call).
 
-    PYTHONPATH=src python bench/rank_estimate.py [--worlds 2 4]
+    PYTHONPATH=src python bench/rank_estimate.py [--depths 1 2 11 12 13 24 48] [--worlds 2 4] [--hf]
 
-Memory figures are exact byte counts (no timing), so one run is enough; the model, configurations
-and measurement are tests/test_distributed_rank_estimate.py's own.
+memfit's GPT (hidden 32, 4 heads, vocab 128, seq 32, batch 2 per rank) at each depth under none,
+ddp, ps, zero1-3, pipeline (1F1B and GPipe, one micro-batch per stage) and tensor, in 32-true and
+bf16-master, without and with full checkpointing, on 2 gloo ranks; `--worlds 2 4` adds 4 ranks for
+`--world4-depths`. `--hf`: Llama (tied, untied, GQA), GPT-2 and Mixtral configs under each
+data-parallel strategy. Memory figures are exact byte counts (no timing): one run is enough.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import save  # noqa: E402
-# The test's model, configurations and per-rank measurement: the bench records what the test asserts.
-from test_distributed_rank_estimate import BATCH, PRECISIONS, SPEC, STRATEGIES, _tracked_peaks  # noqa: E402
+import rank_grid as grid  # noqa: E402
+
+RESULT = Path(__file__).resolve().parent / "results" / "rank_estimate.json"
 
 
-def _estimate(strategy: str, world: int, precision: str) -> list[int]:
-    from memfit.cli import main
+def _run(cases: list, world: int, done: list[dict], command: str) -> list[dict]:
+    """Track and estimate `cases` a dozen at a time, saving after each dozen (a part lost is small)."""
+    from memfit.distributed.spawn import run_world
 
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        main(["estimate", SPEC, "--batch", str(BATCH), "--strategy", strategy, "--world", str(world),
-              "--precision", precision, "--optimizer", "adamw", "--json"])
-    return [r["total"] for r in json.loads(buf.getvalue())["ranks"]]
+    rows = []
+    for i in range(0, len(cases), 12):
+        chunk = cases[i:i + 12]
+        measured = run_world(grid.tracked, world, (chunk,), timeout_s=1800)
+        rows += grid.errors(chunk, world, measured)
+        _save(done + rows, command)
+        print(f"{len(rows)}/{len(cases)} at world {world}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _save(rows: list[dict], command: str) -> Path:
+    old = json.loads(RESULT.read_text()) if RESULT.exists() else {}
+    commands = [c for c in old.get("commands", []) if c != command] + [command]
+    mine = {(r["case"], r["world"]) for r in rows}
+    kept = [r for r in old.get("rows", []) if (r["case"], r["world"]) not in mine] if "seq" in old else []
+    for r in rows:
+        if r["model"].endswith(".json"):
+            r["model"] = Path(r["model"]).parent.name
+    return save("rank_estimate", {"command": " ; ".join(commands), "commands": commands,
+                                  "batch_per_rank": grid.BATCH, "seq": grid.SEQ, "rows": kept + rows})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depths", type=int, nargs="+", default=list(grid.DEPTHS))
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--world4-depths", type=int, nargs="+", default=[2, 12, 13])
+    ap.add_argument("--hf", action="store_true", help="add the Hugging Face families")
+    ap.add_argument("--hf-only", action="store_true", help="the Hugging Face families alone")
     args = ap.parse_args()
-    from memfit.distributed.spawn import run_world
+    if args.hf_only:
+        args.hf, args.worlds = True, []
+    command = "PYTHONPATH=src python bench/rank_estimate.py " + ("--hf-only" if args.hf_only else (
+        "--depths " + " ".join(map(str, args.depths)) + " --worlds " + " ".join(map(str, args.worlds))
+        + (" --world4-depths " + " ".join(map(str, args.world4_depths)) if 4 in args.worlds else "")
+        + (" --hf" if args.hf else "")))
+    # Each run replaces its own cases in bench/results/rank_estimate.json and keeps the others: the
+    # grid may be run in parts.
+    rows = _run(grid.gpt_cases(args.depths), 2, [], command) if 2 in args.worlds else []
+    if 4 in args.worlds:
+        rows += _run(grid.gpt_cases(args.world4_depths, 4, precisions=("32-true",)), 4, rows, command)
+    if args.hf:
+        with tempfile.TemporaryDirectory() as d:
+            rows += _run(grid.hf_cases(grid.hf_configs(Path(d))), 2, rows, command)
+    print(render(json.loads(_save(rows, command).read_text())))
 
-    rows = []
-    for world in args.worlds:
-        measured = run_world(_tracked_peaks, world, timeout_s=900)
-        for precision in PRECISIONS:
-            for strategy in STRATEGIES:
-                est = _estimate(strategy, world, precision)
-                got = [m[precision, strategy]["total"] for m in measured]
-                rows.append({"world": world, "precision": precision, "strategy": strategy, "estimate": est,
-                             "measured": got})
-    path = save("rank_estimate", {"command": "PYTHONPATH=src python bench/rank_estimate.py --worlds "
-                                  + " ".join(map(str, args.worlds)), "model": SPEC, "batch_per_rank": BATCH,
-                                  "rows": rows})
-    print(render(json.loads(path.read_text())))
+
+def _worst(rows: list[dict]) -> float:
+    return max((abs(e) for r in rows for e in r["error"]), default=0.0)
 
 
 def _table(result: dict) -> str:
-    lines = ["| N | precision | strategy | estimate | measured (tracker) | error |", "|---|---|---|---|---|---|"]
+    lines = ["| model | N | precision | checkpoint | strategy | estimate (largest rank) | tracked | error per rank |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        errors = [(e - m) / m for e, m in zip(r["estimate"], r["measured"])]
-        same = len(set(r["measured"])) == 1 and len(set(r["estimate"])) == 1
-        measured = f"{r['measured'][0]:,}" if same else " / ".join(f"{m:,}" for m in r["measured"])
-        err = f"{errors[0]:+.2%}" if same else f"{min(errors):+.2%} .. {max(errors):+.2%}"
-        lines.append(f"| {r['world']} | {r['precision']} | {r['strategy']} | {r['estimate'][0]:,} | {measured} | {err} |")
+        s = r["strategy"] + (f" {r['schedule']}" if r.get("schedule") else "")
+        err = " / ".join(f"{e:+.2%}" for e in r["error"]) if len(set(r["error"])) > 1 else f"{r['error'][0]:+.2%}"
+        lines.append(f"| {r['model']} | {r['world']} | {r['precision']} | {r['checkpoint']} | {s} | "
+                     f"{max(r['estimate']):,} | {max(r['measured']):,} | {err} |")
+    return "\n".join(lines)
+
+
+def _summary(result: dict) -> str:
+    rows = result["rows"]
+    by: dict[str, list] = {}
+    for r in rows:
+        by.setdefault(r["strategy"] + (f" {r['schedule']}" if r.get("schedule") else ""), []).append(r)
+    lines = ["| strategy | cases | ranks | worst error | within 3% | within 1% |", "|---|---|---|---|---|---|"]
+    for s, rs in by.items():
+        errs = [abs(e) for r in rs for e in r["error"]]
+        lines.append(f"| {s} | {len(rs)} | {len(errs)} | {max(errs):.2%} | {sum(e <= 0.03 for e in errs)} | "
+                     f"{sum(e <= 0.01 for e in errs)} |")
+    lines.append(f"\n{len(rows)} cases, worst error {_worst(rows):.2%}; `{result['command']}`.")
     return "\n".join(lines)
 
 
 def render(result: dict) -> str:
     from render import machine_line  # bench/render.py
 
+    if "seq" not in result:  # the earlier single-model form
+        return ""
     return "\n".join([
-        "## Per-rank estimate against the tracker", "",
+        "## Per-rank estimate against the tracker (the grid)", "",
         f"`{result['command']}`", "",
-        f"{result['model']}, batch {result['batch_per_rank']} per rank, AdamW, clip 1.0; bytes at the third step "
-        "(every rank of a row agrees unless listed).", "",
-        _table(result), "", machine_line(result), ""])
+        f"Batch {result['batch_per_rank']} x seq {result['seq']} per rank, AdamW; each rank's tracked peak at the third "
+        "step on gloo against `memfit estimate --strategy S --world N` (docs/estimate.md).", "",
+        _summary(result), "", _table(result), "", machine_line(result), ""])
 
 
 def snippets(result: dict) -> dict[str, str]:
-    return {"rank_estimate": _table(result)}
+    if "seq" not in result:
+        return {}
+    return {"rank_estimate_grid": _summary(result), "rank_estimate": _summary(result)}
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def test_estimate_cli_lists_pipeline_ranks_apart(capsys):
     from memfit.cli import main
 
     assert main(["estimate", SPEC, "--batch", "4", "--strategy", "pipeline", "--world", "2", "--json"]) == 0
-    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    ranks = sorted(json.loads(capsys.readouterr().out)["ranks"], key=lambda r: r["rank_ids"])
+    assert [r["rank_ids"] for r in ranks] == [[0], [1]]
     assert [r["microbatches_in_flight"] for r in ranks] == [2, 1]  # 1F1B: stages - rank
     assert ranks[0]["total"] != ranks[1]["total"]
     assert main(["estimate", SPEC, "--batch", "4", "--strategy", "tensor", "--world", "2", "--tp", "2"]) == 0

@@ -52,7 +52,8 @@ def _estimated(strategy: str, world: int, precision: str, capsys) -> list[dict]:
     capsys.readouterr()
     assert main(["estimate", SPEC, "--batch", str(BATCH), "--strategy", strategy, "--world", str(world),
                  "--precision", precision, "--optimizer", "adamw", "--json"]) == 0
-    return json.loads(capsys.readouterr().out)["ranks"]
+    rows = json.loads(capsys.readouterr().out)["ranks"]
+    return sorted((dict(row, rank=i) for row in rows for i in row["rank_ids"]), key=lambda r: r["rank"])
 
 
 @pytest.mark.multiproc

@@ -82,5 +82,7 @@ def test_zero_module_table_is_per_device():
         assert est.modules["GPT"] < one.modules["GPT"]
         assert est.total == sum(est.per_device[c] for c in CATEGORIES)
     z3 = estimate(spec, batch=2, seq=16, zero=3, world=8)
-    # the model's row at its peak: activations as traced, params sharded 8 ways
-    assert z3.per_device["params"] == pytest.approx(one.per_device["params"] / 8, rel=0.01)
+    # the largest rank: its parameter slices (8 ways) and, under ZeRO-3, the blocks gathered at its peak
+    assert z3.strategy == "zero3" and z3.ranks[0]["rank_ids"] == list(range(8))
+    assert z3.ranks[0]["params"] == pytest.approx(one.per_device["params"] / 8, rel=0.01)
+    assert z3.per_device["params"] == z3.ranks[0]["params"] + z3.ranks[0]["gathered"]

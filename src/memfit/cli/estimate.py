@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from memfit.cli.args import integer
 from memfit.cli.estimate_inputs import INPUT_HELP, is_factory, load_factory, parse_inputs
@@ -25,8 +26,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(p, "seq", default=None, shown="the model's, at most 4096")
     add(p, "precision", default="32-true")
     add(p, "optimizer", default="adamw")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
-    p.add_argument("--world", type=integer(1), default=1, help="data-parallel world size (default 1)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (default 0); with --world N the same as --strategy zeroS")
+    p.add_argument("--world", type=integer(1), default=1, help="ranks (default 1)")
     p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
@@ -63,9 +65,10 @@ def _estimate(args: argparse.Namespace):
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
     budget = parse_bytes(args.device_memory) if args.device_memory else None
-    common = dict(precision=args.precision, optimizer=args.optimizer, zero=0 if args.strategy else args.zero,
-                  world=1 if args.strategy else args.world, checkpoint=args.checkpoint,
-                  offload_optimizer=args.offload_optimizer, device_memory=budget, routing=args.routing)
+    common = dict(precision=args.precision, optimizer=args.optimizer, zero=args.zero, world=args.world,
+                  checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
+                  routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
+                  schedule=args.schedule, tp=args.tp)
     if is_factory(model):  # any nn.Module: a factory and its example batch
         if not args.input:
             raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")
@@ -93,13 +96,15 @@ def run(args: argparse.Namespace) -> int:
     from memfit.measure.estimate import CATEGORIES
 
     est = _estimate(args)
-    if args.strategy:  # per-rank figures (memfit.distributed.rank_memory)
+    if args.json:
+        text = json.dumps(est.to_json(), indent=1)
+        # a list of rank ids on one line (world 1024 stays a few lines)
+        print(re.sub(r"\[\n\s*(\d+(?:,\n\s*\d+)*)\n\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text))
+        return 0
+    if est.ranks:  # per-rank figures (memfit.measure.rank_estimate)
         from memfit.cli.ranks import print_per_rank
 
         return print_per_rank(args, est)
-    if args.json:
-        print(json.dumps(est.to_json(), indent=1))
-        return 0
     shape = f"batch {est.batch} x seq {est.seq}, " if est.traced and est.batch else ""
     name = f"{est.model}: " if est.traced else ""
     print(f"{name}{est.n_params / 1e6:,.1f}M parameters, {shape}{est.precision}, {est.optimizer}, "
@@ -113,15 +118,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {'total (peak)':<14}{format_bytes(est.total):>16}")
     if est.offloaded:
         print(f"  {'(off device)':<14}{format_bytes(est.offloaded):>16}")
+    if est.note:
+        print(f"\n  {est.note}")
     if not est.traced:
         print("\n  activations and temporaries not estimated: give a model to trace them")
     if est.modules and args.modules > 0:
         print(f"\n  {'module (peak while it runs)':<40}{'peak':>14}{'saved for bwd':>16}")
         shown = list(est.modules.items())[: args.modules]
         shown += [(n, v) for n, v in est.modules.items() if n.endswith(".experts") and (n, v) not in shown]
+        acts = est.module_activations
+        root = max(acts, key=acts.get) if acts else None  # the model itself (its class name) saves the most
         for name, peak in shown:  # mixture-of-experts layers always get their rows
-            act = est.module_activations.get(name, 0)
-            print(f"  {name or '(model)':<40}{format_bytes(peak):>14}{format_bytes(act):>16}")
+            label = f"{name} (whole model: {est.model})" if name == root else name or "(model)"
+            print(f"  {label[:39]:<40}{format_bytes(peak):>14}{format_bytes(acts.get(name, 0)):>16}")
     if est.device_memory is not None:
         verdict = (f"fits, {format_bytes(est.headroom)} to spare" if est.fits
                    else f"does NOT fit: {format_bytes(-est.headroom)} over")

@@ -58,13 +58,15 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     hidden = max((m.embedding_dim for m in embeddings.values()), default=0)
     out = []
     for rank in range(world):
-        row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0,
+        row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0, "full_grads": w * full,
                "head_grads": head_grads, "grad_per_token": w * hidden, "embeddings": sorted(embeddings)}
         if strategy.startswith("zero"):
             stage, shard = int(strategy[-1]), layout.shard_numel
             row["params"] = w * (shard if stage == 3 else sum(b.padded for b in layout.buckets))
             if stage == 3:
                 row["gathered"] = w * (rest + sum(sorted(blocks)[-2:]))
+                row["rest"] = w * rest  # gathered alone between the blocks (the head and loss)
+                row["one_block"], row["n_blocks"] = w * max(blocks or [0]), len(blocks)
             row["grads"] = w * (shard if stage >= 2 else sum(b.padded for b in layout.buckets))
             # the bucket whose full gradients are copied into a flat buffer for the collective
             row["in_flight"] = w * (max(blocks or [0]) if stage >= 2 else max(b.padded for b in layout.buckets))
@@ -81,45 +83,95 @@ _BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?\d+")
 """A repeated block's name in module_activations: a ModuleList's child (blocks.3, model.layers.3)."""
 
 
-def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, int] | None = None,
-                tokens: int = 0) -> list[dict]:
-    """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
-    (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total"; `saved`: its
-    module_activations, bytes saved for backward per module; `tokens`: batch x seq per rank).
+RANK_CATEGORIES = ("params", "gathered", "grads", "in_flight", "optimizer", "activations", "temporaries")
+"""A rank's figures at its peak moment; they add up to its total."""
 
-    zero1: full gradients exist from backward to the step, so the peak is the one-device peak's
-    (activations, temporaries, the gradients made so far) or the step's (every gradient and the
-    flat buffer of the bucket being reduce-scattered). zero2/3 hold at most one bucket of full
-    gradients, so their peak is the larger of two moments in backward: the one-device peak with at
-    most one bucket of gradients, and the first bucket's reduce-scatter, when the last block's backward has
-    just finished. There, what is still saved for backward is the other blocks' and the
-    embeddings' (the head's and the last block's are freed); the bucket's gradients and their
-    flat copy for the collective (2 x `in_flight`), the head's gradients (`head_grads`) and the
-    gradient flowing into the next block (tokens x `grad_per_token`) are added. ps and ddp hold the
-    gradients as one process does, so their peak is the one-device peak with the rank's optimizer
-    state in place of the full one; ddp adds its gradient buckets, which live between steps
-    (gradient_as_bucket_view)."""
+
+def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, int] | None = None,
+                tokens: int = 0, peak_block: int | None = -1, moments: dict[str, dict] | None = None) -> list[dict]:
+    """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
+    (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total", at the peak;
+    `moments`: the same at each module's highest moment; `saved`: bytes saved for backward per
+    module; `tokens`: batch x seq per rank; `peak_block`: the block the one-device peak is in, -1 for
+    one not known, None for none).
+
+    Every one-device moment is turned into the rank's (its model states in place of the whole
+    model's), and a few moments only a strategy has are added; the peak is the highest, and the
+    row's categories are that moment's (they add up to its total).
+
+    ddp holds its gradient buckets (the gradients, gradient_as_bucket_view) from the first backward
+    on; ps holds the gradients as one process does, its optimizer state on rank 0 only. zero1: the
+    gradients as one process, then the step (every gradient and the flat buffer of the bucket being
+    reduce-scattered). zero2/3: the slices of the buckets reduced so far (in proportion to the
+    gradients one process has made) and at most one bucket of full gradients; zero3 gathers two
+    blocks' weights inside a block and its rest alone between them. They add the last block's
+    backward beginning (everything saved but the head's, two blocks gathered), the first bucket's
+    reduce-scatter (what is still saved is the other blocks' and the embeddings'; the bucket's
+    gradients and their flat copy, 2 x `in_flight`; the head's gradients, `head_grads`; the gradient
+    flowing into the next block, tokens x `grad_per_token`, a temporary) and the step."""
     saved = saved or {}
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
+    root = max(saved, key=saved.get, default=None)  # the model itself saves the most
+    # a module whose highest moment is the step's peak shares it: the peak is placed once (peak_block)
+    same = {c: one_device[c] for c in ("params", "grads", "optimizer", "activations", "temporaries")}
+    cands = [(one_device, peak_block)] + [(m, _block_index(k)) for k, m in (moments or {}).items()
+                                          if {c: m[c] for c in same} != same]
     out = []
     for r in rows:
-        if r["strategy"] == "zero1":  # full gradients from backward to the step, none between steps
-            moving = max(one_device["activations"] + one_device["temporaries"] + one_device["grads"],
-                         r["grads"] + r["in_flight"])  # the step: every gradient and one flat bucket
-            total = r["params"] + r["optimizer"] + moving
-        elif r["strategy"].startswith("zero"):
-            # the one-device peak moment, with at most one bucket of gradients not yet reduced
-            at_peak = one_device["activations"] + one_device["temporaries"] + min(one_device["grads"], r["in_flight"])
-            if blocks:
-                before = sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"])
-            else:  # no per-block figures: everything saved stays
-                before = one_device["activations"]
-            at_rs = before + 2 * r["in_flight"] + r["head_grads"] + tokens * r["grad_per_token"]
-            total = r["params"] + r["gathered"] + r["optimizer"] + max(at_peak, at_rs, r["grads"])
-        else:
-            total = one_device["total"] - one_device["optimizer"] + r["optimizer"]
-            if r["strategy"] == "ddp":
-                total += r["grads"]
-        out.append({**r, "activations": one_device["activations"], "temporaries": one_device["temporaries"],
-                    "total": total})
+        held = dict(params=r["params"], gathered=r["gathered"], optimizer=r["optimizer"])
+        zero = r["strategy"].startswith("zero")
+        full = r["full_grads"]
+        moments_r = [_moment(r, held, m, inside, full) for m, inside in cands]
+        if r["strategy"] == "zero1":
+            moments_r.append(dict(held, grads=r["grads"], in_flight=r["in_flight"]))
+        elif zero:
+            before = (sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"]) if blocks
+                      else one_device["activations"])  # no per-block figures: everything saved stays
+            moments_r += [dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
+                               temporaries=tokens * r["grad_per_token"]),
+                          dict(held, grads=r["grads"])]
+            if blocks and root is not None:  # the head's backward done, the last block's beginning
+                head = saved[root] - sum(blocks) - sum(saved.get(e, 0) for e in r["embeddings"])
+                moments_r.append(dict(held, grads=r["head_grads"], activations=saved[root] - head,
+                                      temporaries=one_device["temporaries"]))
+        cats = max((_filled(m) for m in moments_r), key=lambda m: m["total"])
+        # each module's peak on this rank (the module table), from its one-device moment
+        modules = {k: _filled(_moment(r, held, m, _block_index(k), full))["total"] for k, m in (moments or {}).items()}
+        out.append({**r, **cats, "modules": modules})
+    return out
+
+
+_IN_BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?(\d+)(?:\..*)?")
+"""A module inside a repeated block (blocks.3, blocks.3.mlp, model.layers.3.self_attn)."""
+
+
+def _block_index(name: str) -> int | None:
+    m = _IN_BLOCK.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
+    """One-device moment `m` on rank `r` (`full`: one process's whole gradient bytes; `block`: the
+    index of the block it is in, -1 for one not known, None between blocks)."""
+    out = dict(held, activations=m["activations"], temporaries=m["temporaries"], grads=m["grads"])
+    s = r["strategy"]
+    if s == "ddp" and m["grads"]:
+        out["grads"] = max(m["grads"], r["grads"])  # the buckets exist from the first backward on
+    elif s == "ddp":
+        out["grads"] = r["grads"]  # ... and live between steps
+    elif s in ("zero2", "zero3"):
+        done = m["grads"] >= full  # the step: every bucket reduced
+        out["grads"] = r["grads"] if done else round(r["grads"] * m["grads"] / full) if full else 0
+        out["in_flight"] = 0 if done else min(m["grads"], r["in_flight"])
+        if s == "zero3" and "rest" in r:
+            # the running block and the prefetched next one, except where there is no next: the
+            # first block's backward, the last block's forward
+            ends = block == 0 and m["grads"] or block == r["n_blocks"] - 1 and not m["grads"]
+            out["gathered"] = r["rest"] + (0 if block is None else r["one_block"] if ends else held["gathered"] - r["rest"])
+    return out
+
+
+def _filled(moment: dict) -> dict:
+    out = {c: int(moment.get(c, 0)) for c in RANK_CATEGORIES}
+    out["total"] = sum(out.values())
     return out

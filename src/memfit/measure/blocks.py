@@ -137,6 +137,7 @@ def _shapes(obj: Any) -> Any:
 
 
 _CACHE: dict[tuple, ChainProfile] = {}
+CATS = ("params", "grads", "optimizer", "activations", "temporaries")
 
 
 def chain_profile(src: ChainSource, precision: str, optimizer: str, device: str = "cpu",
@@ -194,8 +195,32 @@ def composed_step(spec: Any, batch: int, seq: int, precision: str = "32-true", o
         got = prof.compose(actions)
     except NotAChain:
         return None
-    cats = dict(zip(("params", "grads", "optimizer", "activations", "temporaries"), got.at_peak))
-    root = "GPT" if spec.config is not None else "model"
-    modules = {root: got.peak, **{f"block {i}": p for i, p in enumerate(got.block_peaks)}}
-    modules = dict(sorted(modules.items(), key=lambda kv: -kv[1]))
-    return TraceResult(peak=got.peak, modules=modules, seconds=time.perf_counter() - t0, **cats)
+    cats = dict(zip(CATS, got.at_peak))
+    root, prefix, embeddings = module_names(spec, seq)
+    # Each block's and each stretch around the blocks' highest moment, by category (the whole trace's
+    # module_categories: sharded per moment by the estimate, read by the per-rank estimate).
+    moments = {(f"{prefix}{k[6:]}" if k.startswith("block ") else f"({k})"): dict(zip(CATS, v), total=sum(v))
+               for k, v in prof.moments(actions).items()}
+    moments[root] = dict(cats, total=got.peak)
+    modules = dict(sorted(((k, v["total"]) for k, v in moments.items()), key=lambda kv: -kv[1]))
+    # Bytes saved for backward, named as a whole trace names them (the per-rank estimate reads them):
+    # each block's, the embeddings' (what the forward keeps before the blocks) and the model's.
+    pre, per_block, post = prof.saved(actions)
+    saved = {root: pre + sum(per_block) + post, **{f"{prefix}{i}": v for i, v in enumerate(per_block)}}
+    if embeddings:
+        saved[embeddings[0]] = pre
+    return TraceResult(peak=got.peak, modules=modules, seconds=time.perf_counter() - t0, module_categories=moments,
+                       module_activations=dict(sorted(saved.items(), key=lambda kv: -kv[1])), **cats)
+
+
+def module_names(spec: Any, seq: int) -> tuple[str, str, list[str]]:
+    """The model's class name, its blocks' qualified-name prefix ("blocks.", "model.layers.") and its
+    embedding modules' names, from a build on the meta device."""
+    from memfit.apply.checkpoint import find_blocks
+
+    probe = spec.on_meta(seq)
+    blocks = find_blocks(probe)
+    prefix = next(n for n, m in probe.named_modules() if m is blocks) + "."
+    embeddings = [n for n, m in probe.named_modules() if isinstance(m, nn.Embedding)]
+    return type(probe).__name__, prefix, embeddings
+

@@ -195,6 +195,31 @@ class ChainProfile:
                 cur = cur[:3] + (cur[3] + cur[4] - self.bw_temps, self.bw_temps)
         return cur if upto < 0 else vadd(cur, seq[upto].peak)
 
+    def moments(self, actions: Sequence[BlockAction]) -> dict[str, Vec]:
+        """Bytes per category at each stretch's highest point, by the stretch's name (a block's
+        forward and backward both under "block i": the higher of the two)."""
+        n = len(actions)
+        start, seq = self._walk_seq(actions)
+        out: dict[str, Vec] = {}
+        cur = start
+        for j, st in enumerate(seq):
+            at = vadd(cur, st.peak)
+            name = _where(j, n).replace(" forward", "").replace(" backward", "") if 0 < j <= n or n + 2 < j < 2 * n + 3 \
+                else _where(j, n)
+            if name not in out or sum(at) > sum(out[name]):
+                out[name] = at
+            cur = vadd(cur, st.net)
+            if j == n + 1:  # backward starts: the tracker relabels (see timeline.StepStretches)
+                cur = cur[:3] + (cur[3] + cur[4] - self.bw_temps, self.bw_temps)
+        return out
+
+    def saved(self, actions: Sequence[BlockAction]) -> tuple[int, list[int], int]:
+        """Activation bytes each part of the forward leaves for backward under `actions`: before the
+        blocks (embeddings), each block, and after them (final norm, head, loss)."""
+        n = len(actions)
+        _, seq = self._walk_seq(actions)
+        return seq[0].net[3], [seq[1 + i].net[3] for i in range(n)], seq[n + 1].net[3]
+
     def peak_of(self, actions: Sequence[BlockAction]) -> int:
         return self.compose(actions).peak
 

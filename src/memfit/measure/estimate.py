@@ -45,8 +45,19 @@ class Estimate:
     """False when only model states were estimated (no model given, just a parameter count)."""
     trace_seconds: float = 0.0
     modules: dict[str, int] = field(default_factory=dict)
-    """Per-module peak bytes per device (model states sharded as in per_device), largest first."""
+    """Per-module peak bytes per device (model states sharded as in per_device: under a data-parallel
+    strategy the largest rank's; under pipeline and tensor the one-device trace's), largest first."""
     module_activations: dict[str, int] = field(default_factory=dict)
+    strategy: str | None = None
+    """The distributed strategy (zero=Z with world=N is "zeroZ"); per_device is then its largest rank."""
+    ranks: list[dict] = field(default_factory=list)
+    """Under a strategy: each distinct rank's figures at its peak moment, with the `rank_ids` it covers
+    (memfit.measure.rank_estimate); the categories add up to `total`."""
+    moments: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
+    """The traced step's categories at each module's (or composed stretch's) highest moment, before
+    any sharding: what the per-rank estimate transforms (not in the JSON)."""
+    note: str = ""
+    """Why a figure is less than the whole answer (e.g. ZeRO on a parameter count alone)."""
 
     @property
     def total(self) -> int:
@@ -63,6 +74,7 @@ class Estimate:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data.pop("moments")
         data["fits"], data["headroom"] = self.fits, self.headroom
         return data
 
@@ -90,6 +102,10 @@ def estimate(
     loss_fn: Any = None,
     lora: Any = None,
     routing: str = "balanced",
+    strategy: str | None = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    tp: int | None = None,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -99,13 +115,39 @@ def estimate(
     optionally `loss_fn(output, example)` (memfit.measure.anymodel).
     `lora` ("r=8,targets=q_proj,v_proj" or a LoraConfig) freezes the named model and adds LoRA adapters.
     `routing` (mixture-of-experts layers): "balanced" or "worst" (memfit.measure.moe).
+    `strategy` ("ddp", "ps", "zero1".."zero3", "pipeline", "tensor") on `world` ranks, `batch` rows each
+    (pipeline and tensor: of the global batch world x batch; `microbatches`, `schedule`, `tp`):
+    per_device is the largest rank's figure and `ranks` lists each distinct rank. `zero=Z` with
+    `world=N` is `strategy="zeroZ"`.
     """
     from memfit.measure.moe import routing as moe_routing
+    from memfit.measure.rank_estimate import strategy_of
 
+    _positive("world", world)
+    strategy = strategy_of(strategy, zero, world)
     with moe_routing(routing):
-        return _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
-                         zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
-                         device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst")
+        lora_run = lora is not None or getattr(model, "lora", None) is not None
+        if strategy is not None and isinstance(model, (str, ModelSpec)) and not lora_run:
+            from memfit.measure.rank_estimate import with_ranks
+
+            one = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision,
+                            optimizer=optimizer, zero=0, world=1, checkpoint=checkpoint,
+                            offload_optimizer=offload_optimizer, device_memory=device_memory, loss_fn=loss_fn,
+                            lora=lora, worst=routing == "worst")
+            return with_ranks(one, model, lora, strategy, world, microbatches=microbatches, schedule=schedule,
+                              tp=tp)
+        if strategy in ("pipeline", "tensor"):
+            raise ConfigError(f"strategy {strategy} cuts memfit's GPT: give a gpt:/llama: spec or a known name "
+                              "(without LoRA adapters)")
+        est = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
+                        zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
+                        device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst")
+    if strategy is not None:
+        est.strategy = strategy
+        est.note = (f"{strategy} on {world} ranks as the one-device figure with its model states sharded, "
+                    "without ZeRO-3's gathered blocks or the gradient buckets in flight (per-rank figures are "
+                    "estimated for a model name, spec or config.json without LoRA adapters)")
+    return est
 
 
 def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: int | None, precision: str,
@@ -155,7 +197,7 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
     per, modules = _per_device(tr, {cat: (getattr(sharded, cat), getattr(single, cat)) for cat in MODEL_STATES})
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
-                    module_activations=dict(tr.module_activations))
+                    module_activations=dict(tr.module_activations), moments=dict(tr.module_categories))
 
 
 def _states_only(params: int | None, precision: str, optimizer: str, zero: int, world: int,

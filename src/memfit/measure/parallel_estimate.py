@@ -10,9 +10,12 @@ embeddings' and the head's (final norm, head, loss). Rank r holds its stage's we
 state, and the activations of the micro-batches in flight at its peak:
 
     gpipe   all M: every forward runs before the first backward (gradients not yet there)
-    1f1b    min(M, stages - r): the warm-up depth; the gradients exist from the first backward on
+    1f1b    min(M, stages - r): the warm-up depth
 
-each k*a, plus the stage's output held for its backward (b x seq x hidden) or, on the last stage,
+The gradients exist from the first backward on, which frees one micro-batch: they are held with
+k - 1 micro-batches, or with k where 1F1B runs a forward after a backward (M > warm-up depth).
+
+each micro-batch's k*a, plus the stage's output held for its backward (b x seq x hidden) or, on the last stage,
 the head's and the logits (b x seq x vocab; the schedule keeps each micro-batch's output). Temporaries are the trace's.
 
 Tensor (tp ranks per replica, replica batch tp x batch): one trace of the model one TP rank runs,
@@ -57,6 +60,9 @@ def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | N
     head = saved.get("GPT", 0) - block - embed  # final norm, head and the loss's saved tensors
     per_param, per_opt = one.params / _cut(spec, 1).counts()[0], one.optimizer / one.params
     act_bytes = 2 if precision.startswith(("bf16", "16")) else 4
+    # stages without the head: at most the highest temporaries while a block runs (the logits are the last stage's)
+    block_temps = min(one.temporaries, max((c["temporaries"] for n, c in one.module_categories.items()
+                                            if n.startswith("blocks.")), default=one.temporaries))
     out = []
     for r in range(world):
         params = int(_stage_numel(spec, seq, r, world) * per_param)
@@ -67,10 +73,15 @@ def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | N
         per_mb = k * block + (embed if r == 0 else 0) + (
             head + b * seq * cfg.vocab * act_bytes if last else b * seq * cfg.hidden * act_bytes)
         flight = m if schedule == "gpipe" else min(m, world - r)
-        grads = 0 if schedule == "gpipe" else params
+        # Gradients exist from the first backward on, which frees one micro-batch; 1F1B's next forward
+        # (when micro-batches remain after the warm-up) brings the count back.
+        after = flight if schedule == "1f1b" and m > flight else flight - 1
+        # a later stage receives the next micro-batch's input while one is in flight (1F1B's steady state)
+        recv = b * seq * cfg.hidden * act_bytes if r > 0 and schedule == "1f1b" and m > flight else 0
+        acts, grads = max((flight * per_mb, 0), (after * per_mb + recv, params), key=lambda ag: ag[0] + ag[1])
         row = {"rank": r, "strategy": "pipeline", "world": world, "params": params, "gathered": 0, "grads": grads,
-               "in_flight": 0, "optimizer": int(params * per_opt), "activations": flight * per_mb,
-               "temporaries": one.temporaries, "blocks": k, "microbatches_in_flight": flight, "microbatch_rows": b}
+               "in_flight": 0, "optimizer": int(params * per_opt), "activations": acts,
+               "temporaries": one.temporaries if last else block_temps, "blocks": k, "microbatches_in_flight": flight, "microbatch_rows": b}
         row["total"] = sum(row[c] for c in ("params", "grads", "optimizer", "activations", "temporaries"))
         out.append(row)
     return out

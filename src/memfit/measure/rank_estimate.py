@@ -1,0 +1,113 @@
+"""Each rank's figures under a distributed strategy, and the one schema every estimate reports them in.
+
+    rows = rank_rows(spec, one_device_estimate, "zero3", world=64)
+    distinct(rows)  # [{"rank_ids": [0, ..., 63], "params": ..., ..., "total": ...}]
+
+Data parallel (ddp, ps, zero1-3): model states from the strategy's shard layout
+(memfit.distributed.rank_memory), activations and temporaries from the one-device trace of the
+per-rank micro-batch, whole or composed (both name the bytes each block saves for backward). Model
+parallel (pipeline, tensor): memfit.measure.parallel_estimate. Each row's categories are the ones
+at that rank's peak moment: they add up to its total.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.core.errors import ConfigError
+from memfit.distributed.rank_memory import RANK_CATEGORIES
+
+DATA_PARALLEL = ("ddp", "ps", "zero1", "zero2", "zero3")
+MODEL_PARALLEL = ("pipeline", "tensor")
+
+
+def strategy_of(strategy: str | None, zero: int, world: int) -> str | None:
+    """The strategy an estimate's arguments name: `zero=Z, world=N` is `strategy="zeroZ"` (one
+    computation for both spellings); a strategy with a contradicting zero stage is refused."""
+    if strategy is None:
+        return f"zero{zero}" if zero and world > 1 else None
+    if strategy not in DATA_PARALLEL + MODEL_PARALLEL:
+        raise ConfigError(f"unknown strategy {strategy!r}; accepted: {', '.join(DATA_PARALLEL + MODEL_PARALLEL)}")
+    if zero and strategy != f"zero{zero}":
+        raise ConfigError(f"zero={zero} contradicts strategy {strategy!r}; give one of them (zero={zero} is "
+                          f"strategy 'zero{zero}')")
+    return strategy
+
+
+def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: int | None = None,
+              schedule: str = "1f1b", tp: int | None = None) -> list[dict]:
+    """Every rank's row (see the module docstring); `one` is the one-device Estimate of the per-rank
+    micro-batch (model states unsharded)."""
+    from memfit.distributed.rank_memory import rank_model_state, rank_totals
+
+    if strategy in MODEL_PARALLEL:
+        from memfit.measure.parallel_estimate import pipeline_ranks, tensor_ranks
+
+        if spec.config is None:
+            raise ConfigError(f"strategy {strategy} cuts memfit's GPT; give a gpt:/llama: spec or a known name, "
+                              "not a Hugging Face config")
+        common = dict(precision=one.precision, optimizer=one.optimizer, checkpoint=one.checkpoint)
+        if strategy == "pipeline":
+            rows = pipeline_ranks(spec, one.batch, one.seq, world, microbatches, schedule, **common)
+        else:
+            rows = tensor_ranks(spec, one.batch, one.seq, world, tp, **common)
+    else:
+        states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer)
+        rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1),
+                           peak_block=_peak_block(one.modules), moments=one.moments)
+    for r in rows:
+        r.pop("embeddings", None)
+        for k in ("rest", "one_block", "n_blocks", "full_grads"):
+            r.pop(k, None)
+        r["total"] = sum(r[c] for c in RANK_CATEGORIES)
+    return rows
+
+
+def _peak_block(modules: dict[str, int]) -> int | None:
+    """The repeated block the one-device peak is in (a block whose peak is the model's), else None."""
+    from memfit.distributed.rank_memory import _BLOCK, _block_index
+
+    if not modules:
+        return -1
+    top = max(modules.values())
+    return next((_block_index(k) for k, v in modules.items() if v == top and _BLOCK.fullmatch(k)), None)
+
+
+def distinct(rows: list[dict]) -> list[dict]:
+    """One entry per distinct rank (equal figures), with the rank ids it covers, largest first."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        key = tuple((k, v) for k, v in r.items() if k != "rank" and not isinstance(v, (list, dict)))
+        g = groups.get(key)
+        if g is None:
+            groups[key] = g = {"rank_ids": [], **{k: v for k, v in r.items() if k != "rank"}}
+        g["rank_ids"].append(r["rank"])
+    return sorted(groups.values(), key=lambda g: (-g["total"], g["rank_ids"][0]))
+
+
+def per_device(row: dict) -> dict[str, int]:
+    """A rank's row in the five categories of a one-device estimate (ZeRO-3's gathered weights are
+    parameters; the gradient buckets in flight, gradients)."""
+    out = {"params": row["params"] + row["gathered"], "grads": row["grads"] + row["in_flight"],
+           "optimizer": row["optimizer"], "activations": row["activations"], "temporaries": row["temporaries"]}
+    out["total"] = sum(out.values())
+    return out
+
+
+def with_ranks(one: Any, model: Any, lora: Any, strategy: str, world: int, **kw: Any) -> Any:
+    """The one-device Estimate `one` turned into the strategy's: per_device the largest rank's figure,
+    `ranks` each distinct rank, zero/world/strategy filled in."""
+    from memfit.measure.estimate import _spec_of
+
+    spec = _spec_of(model, lora)
+    if not one.traced:
+        raise ConfigError(f"strategy {strategy} needs a model to trace (not a parameter count alone)")
+    rows = rank_rows(spec, one, strategy, world, **kw)
+    modules = [r.pop("modules", None) for r in rows]
+    top = max(range(len(rows)), key=lambda i: rows[i]["total"])
+    if modules[top]:  # data parallel: the module table of the largest rank
+        one.modules = dict(sorted(modules[top].items(), key=lambda kv: -kv[1]))
+    one.ranks = distinct(rows)
+    top = one.ranks[0]
+    one.per_device, one.strategy, one.world = per_device(top), strategy, world
+    one.zero = int(strategy[-1]) if strategy.startswith("zero") else 0
+    return one
