@@ -38,9 +38,10 @@ def _steps(opt, batches, rows):
 
 
 def _adam_steps(opt) -> set[float]:
-    from memfit.distributed.checkpoint import _opt_states
+    from memfit.apply.param_state import param_states
 
-    return {float(s["step"]) for s in _opt_states(opt) if "step" in s}
+    with param_states(opt.inner) as slots:
+        return {float(s.state["step"]) for s in slots if "step" in s.state}
 
 
 def _work(rank, world, path):

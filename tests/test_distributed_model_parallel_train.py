@@ -52,7 +52,7 @@ def test_pipeline_and_tensor_runs_match_one_process(tmp_path):
     (["--strategy", "pipeline", "--model", "gpt:layers=1,hidden=32,heads=2,vocab=256,seq=32"], "need at least 2 blocks"),
     (["--strategy", "pipeline", "--microbatches", "3"], "does not split into 3 micro-batches"),
     (["--strategy", "pipeline", "--dp", "3"], "--dp 3 does not divide the 2 processes"),
-    (["--strategy", "zero2", "--dp", "2"], "--dp sets the replicas of --strategy pipeline"),
+    (["--strategy", "zero2", "--dp", "2"], "--dp applies to --strategy pipeline, not --strategy zero2"),
     (["--strategy", "tensor", "--model", "gpt:layers=2,hidden=24,heads=3,vocab=256,seq=32"], "does not divide"),
 ])
 def test_impossible_model_parallel_configs_fail_fast(tmp_path, extra, message):

@@ -23,6 +23,7 @@ def test_rank_environment_sets_one_thread_unless_given_and_removes_its_folder(mo
     import tempfile
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # torch's inductor sets it once it has run
     with rank_environment() as folder:
         assert os.environ["OMP_NUM_THREADS"] == "1"
         assert tempfile.gettempdir() == folder and os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(folder)

@@ -84,5 +84,5 @@ def test_plan_and_train_share_their_shape_defaults():
     sub = argparse.ArgumentParser().add_subparsers()
     args = plan_cli.add_parser(sub).parse_args([DEFAULT_MODEL, "--budget", "1GiB"])
     d = TrainConfig()
-    assert args.batch == d.batch * d.accum and plan_cli.default_seq(DEFAULT_MODEL) == d.seq
+    assert plan_cli.single_device_batch(args) == d.batch * d.accum and plan_cli.default_seq(DEFAULT_MODEL) == d.seq
     assert plan_cli.default_seq("gpt:layers=1,hidden=32,heads=2,vocab=256,seq=64") == 64  # at most the model's

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         return run_cluster(args, args.model, "cuda" if args.device is None else device)
     if args.seq is None:
         args.seq = default_seq(args.model)
-    batch = args.batch or DEFAULT_BATCH
+    batch = single_device_batch(args)
     costs = None
     if args.profile:
         from memfit.plan.costs import parse_budget
@@ -79,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(plan.summary())
     return 0
+
+
+def single_device_batch(args: argparse.Namespace) -> int:
+    """The global batch a one-device plan is for: --batch, else memfit train's default."""
+    return args.batch or DEFAULT_BATCH
 
 
 def default_seq(model: str) -> int:

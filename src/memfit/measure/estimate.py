@@ -134,7 +134,7 @@ def estimate(
                             optimizer=optimizer, zero=0, world=1, checkpoint=checkpoint,
                             offload_optimizer=offload_optimizer, device_memory=device_memory, loss_fn=loss_fn,
                             lora=lora, worst=routing == "worst")
-            return with_ranks(one, model, lora, strategy, world, microbatches=microbatches, schedule=schedule,
+            return with_ranks(one, _spec_of(model, lora), strategy, world, microbatches=microbatches, schedule=schedule,
                               tp=tp)
         if strategy in ("pipeline", "tensor"):
             raise ConfigError(f"strategy {strategy} cuts memfit's GPT: give a gpt:/llama: spec or a known name "

@@ -93,12 +93,9 @@ def per_device(row: dict) -> dict[str, int]:
     return out
 
 
-def with_ranks(one: Any, model: Any, lora: Any, strategy: str, world: int, **kw: Any) -> Any:
-    """The one-device Estimate `one` turned into the strategy's: per_device the largest rank's figure,
-    `ranks` each distinct rank, zero/world/strategy filled in."""
-    from memfit.measure.estimate import _spec_of
-
-    spec = _spec_of(model, lora)
+def with_ranks(one: Any, spec: Any, strategy: str, world: int, **kw: Any) -> Any:
+    """The one-device Estimate `one` of the model `spec` turned into the strategy's: per_device the
+    largest rank's figure, `ranks` each distinct rank, zero/world/strategy filled in."""
     if not one.traced:
         raise ConfigError(f"strategy {strategy} needs a model to trace (not a parameter count alone)")
     rows = rank_rows(spec, one, strategy, world, **kw)

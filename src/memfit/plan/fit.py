@@ -90,7 +90,9 @@ class _Problem:
         if self.spec is not None:
             return micro * self.seq
         ex = _slice_batch(self.example, micro)
-        first = next((t for t in _leaves(ex) if t.dim() >= 1), None)
+        from memfit.plan.loop_step import tensor_leaves
+
+        first = next((t for t in tensor_leaves(ex) if t.dim() >= 1), None)
         return int(first.shape[0] * (first.shape[1] if first.dim() > 1 else 1)) if first is not None else micro
 
 
@@ -111,17 +113,6 @@ def _device_of(model: Any) -> str:
         if p is not None and p.device.type != "meta":
             return p.device.type
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _leaves(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _leaves(v)
 
 
 def model_digest(model: str) -> str:

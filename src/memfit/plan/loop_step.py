@@ -148,6 +148,16 @@ def input_bytes(problem: Any, micro: int) -> int:
     ex = problem.example
     if callable(ex) and not isinstance(ex, torch.Tensor):
         return 0  # made by the user's function: not known without calling it
-    from memfit.plan.fit import _leaves
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(problem.example_for(micro)))
 
-    return sum(t.numel() * t.element_size() for t in _leaves(problem.example_for(micro)))
+
+def tensor_leaves(obj: Any):
+    """The tensors of a nested example (tensors, dicts, tuples, lists)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensor_leaves(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from tensor_leaves(v)

@@ -39,7 +39,7 @@ def check(plan: Plan, model: nn.Module, opt, step: Callable[[], None], steps: in
     if peak <= plan.budget or args is None:
         return plan
     over = peak - plan.budget
-    new = fit(**{**args, "budget": plan.budget - over})
+    new = fit(**{**args, "budget": f"{plan.budget - over}B"})  # bytes, with their unit
     new.budget = plan.budget
     new.notes.append(f"the first real steps peaked at {format_bytes(peak)}, {format_bytes(over)} over the budget: "
                      f"planned again for {format_bytes(plan.budget - over)}")

@@ -52,7 +52,7 @@ def precheck(cfg: Any, resuming: bool = False, world: int | None = None) -> None
         raise ConfigError(f"--offload-optimizer with --strategy {strategy} is not supported: the offload takes "
                           "gradients before they are reduced; use --strategy zero1, zero2 or zero3")
     rank_device(cfg.device, world)  # --device cuda with fewer GPUs than processes: refused before any start
-    from memfit.train.portable import check_checkpointable
+    from memfit.train.checkpoint_kind import check_checkpointable
 
     check_checkpointable(strategy, cfg.optimizer)  # a run whose saves would fail: refused before it trains
 

@@ -26,27 +26,7 @@ import torch.nn as nn
 
 from memfit.core.errors import ConfigError
 
-KINDS = {"none": "pt", None: "pt", "ddp": "pt", "ps": "pt", "zero1": "zero", "zero2": "zero", "zero3": "zero",
-         "pipeline": "mp", "tensor": "mp"}
-
-
-def kind(strategy: str | None) -> str:
-    return KINDS[strategy]
-
-
-def check_checkpointable(strategy: str | None, optimizer: str) -> None:
-    """Refuse, before the first step, a run whose checkpoints could not be written or read back: the
-    8/4-bit optimizers' quantized state under zero1-3, pipeline and tensor, and Adafactor's factored
-    state under pipeline and tensor (their checkpoints hold states of the parameters' shape)."""
-    from memfit.apply.optimizers import info
-
-    spec = info(optimizer)
-    where = kind(strategy)
-    if where == "pt" or not (spec.bits or (where == "mp" and spec.states == 0 and spec.name != "sgd")):
-        return
-    raise ConfigError(f"--optimizer {spec.name} with --strategy {strategy}: its checkpoints cannot be written "
-                      "(they hold optimizer states of the parameters' shape); use adamw, adam, sgd, momentum, lion, "
-                      "adagrad or rmsprop" + (", or adafactor" if where == "zero" else ""))
+from memfit.train.checkpoint_kind import check_checkpointable, kind  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass
@@ -63,7 +43,7 @@ class Portable:
 def plain_model(config: dict) -> nn.Module:
     """The run's model on the meta device (names, shapes, buckets; no memory)."""
     from memfit.train.config import TrainConfig
-    from memfit.train.setup import build_model
+    from memfit.train.model_build import build_model
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     with torch.device("meta"):
