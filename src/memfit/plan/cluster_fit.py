@@ -84,7 +84,7 @@ def plan_cluster(model: Any, budget: Any, gpus: int | str = "auto", *, interconn
                               f"give --batch a multiple of {gpus}")
         rows = candidates(p, n)
     chosen, notes = _checked(p, rows, verify)
-    cp = _result(p, n, chosen, rows, notes, verify, flops is not None)
+    cp = _result(p, n, chosen, rows, notes, device, flops is not None)
     if gpus == "auto":
         cp.by_count = by_count(p, n, rows)
     cp.seconds = time.perf_counter() - t0
@@ -112,14 +112,20 @@ def _checked(p: ClusterProblem, rows: list[Row], verify: bool) -> tuple[tuple[Ro
     raise PlanError(f"no layout fits {format_bytes(p.budget)} once checked by a full trace: " + "; ".join(notes))
 
 
-def _result(p: ClusterProblem, n: int, chosen, rows, notes, verify: bool, calibrated: bool) -> ClusterPlan:
+def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibrated: bool) -> ClusterPlan:
     row, traced = chosen
     lay, layers = row.layout, p.spec.config.layers
     b, a = per_process_batch(lay)
+    # The per-process plan carries the sequence length every figure was made for: without it
+    # `memfit train --plan FILE` ran at its own default --seq and the ranks went over the budget.
     single = Plan(model=p.spec.name, budget=p.budget, actions=actions_of(lay, layers), micro_batch=b, accumulation=a,
                   optimizer=lay.optimizer, precision=lay.precision, offload_optimizer=lay.offload_optimizer,
                   predicted_peak=row.peak, predicted_time=row.time["total"], n_blocks=layers,
-                  head_chunks=lay.head_chunks, measured_peak=traced, device="cuda")
+                  head_chunks=lay.head_chunks, measured_peak=traced, device=device, seq=p.seq, global_batch=b * a,
+                  keep_output=False, model_digest=_digest(p.spec))
+    if lay.strategy == "pipeline":  # the schedule's micro-batches are not memfit train's --accum
+        single.notes.append(f"pipeline: a replica's {b * lay.pp} sequences (--batch {b} on each of {lay.pp} stages) "
+                            f"run as {lay.accum} micro-batches of {lay.rows} ({lay.schedule})")
     topo = p.topo_of(n)
     link = topo.intra.name + (f" in nodes of {topo.per_node}, {topo.inter.name} between" if topo.nodes > 1 else "")
     if lay.offload_optimizer:
@@ -133,6 +139,13 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, verify: bool, calibr
                        ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
                        time_basis=_basis(p.flops, calibrated), interconnect=link, global_batch=p.batch, seq=p.seq,
                        plan=single.to_json(), traced_peak=traced, ranked=[_brief(r) for r in rows[:20]], notes=notes)
+
+
+def _digest(spec) -> str:
+    """The configuration digest memfit train checks a plan file against (memfit.plan.fit.model_digest)."""
+    import hashlib
+
+    return hashlib.sha256(repr(spec.config).encode()).hexdigest()[:16]
 
 
 def _brief(r: Row) -> dict:

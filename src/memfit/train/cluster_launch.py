@@ -2,8 +2,9 @@
 
 A file written by `memfit plan ... --gpus N --json` holds a `cluster` field beside the per-block
 `plan`. Its strategy flags (--nproc, --strategy, --tp, --dp, --microbatches, --schedule) fill in
-what the command line did not give; under torchrun (WORLD_SIZE set) the processes exist already, so
---nproc is left out. The torchrun line for users who start their own processes is printed once.
+what the command line did not give, and so does its --seq (the length every rank's figure was made
+at); under torchrun (WORLD_SIZE set) the processes exist already, so --nproc is left out. The
+torchrun line for users who start their own processes is printed once.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def cluster_options(path: str) -> dict | None:
     for flag, value in zip(flags[::2], flags[1::2]):
         key = _FLAGS[flag]
         out[key] = value if key in ("strategy", "schedule") else int(value)
+    if isinstance(cluster.get("seq"), int):  # every rank's figure was made at this length (older files' plans lack it)
+        out["seq"] = cluster["seq"]
     out["_torchrun"] = cluster.get("torchrun", "")
     return out
 
