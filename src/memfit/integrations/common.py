@@ -43,10 +43,12 @@ def needs_memfit_optimizer(plan: Plan) -> bool:
 
 
 def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, precision: str, allow: Any,
-               keep_effective_batch: bool, where: str, exclude: tuple[str, ...] = ()) -> Plan:
+               keep_effective_batch: bool, where: str, exclude: tuple[str, ...] = (),
+               keep_output: bool = True) -> Plan:
     """memfit.fit on `example` (one batch as the framework collates it); with keep_effective_batch the
     planner may split it into micro-batches x accumulation, else it plans the batch as it is. A budget
-    nothing fits raises PlanError before any step, with the fit report in one line."""
+    nothing fits raises PlanError before any step, with the fit report in one line. `keep_output`:
+    whether the loop holds the model's output through backward (memfit.fit's keep_output)."""
     from memfit.plan.fit import fit
     from memfit.plan.plan import parse_allow
 
@@ -55,7 +57,8 @@ def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, p
     exclude = exclude + (() if keep_effective_batch else ("accumulate",))
     names = tuple(a for a in names if a not in exclude)
     try:
-        return fit(model, example, budget=budget, optimizer=optimizer, precision=precision, allow=names)
+        return fit(model, example, budget=budget, optimizer=optimizer, precision=precision, allow=names,
+                   keep_output=keep_output)
     except PlanError as exc:
         msg = " ".join(str(exc).split())
         if "need" not in msg:

@@ -96,7 +96,8 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
     try:
         plan = plan_batch(inner, batch, budget, optimizer=optimizer, precision=precision, allow=allow,
                           keep_effective_batch=keep_effective_batch, where=WHERE,
-                          exclude=("chunked-head",) if own is not None else ())
+                          exclude=("chunked-head",) if own is not None else (),
+                          keep_output=False)  # Trainer's compute_loss returns the loss alone: the output is dropped
     finally:
         if own is not None:
             inner.forward = own

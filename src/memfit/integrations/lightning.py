@@ -38,7 +38,8 @@ def plan_module(model: torch.nn.Module, example: Any, budget: Any, *, optimizer:
     if precision_mode(precision).loss_scaling:
         raise ConfigError(f"precision={precision!r}: fp16 is not planned with Lightning in v1; use bf16-mixed or 32-true")
     return plan_batch(model, example, budget, optimizer=optimizer, precision=precision, allow=allow,
-                      keep_effective_batch=keep_effective_batch, where=WHERE)
+                      keep_effective_batch=keep_effective_batch, where=WHERE,
+                      keep_output=False)  # training_step returns the loss; the model's output is not kept
 
 
 def memfit_optimizer(plan: Plan, module: torch.nn.Module, lr: float, weight_decay: float | None = None,
