@@ -65,17 +65,18 @@ def test_accumulation_keeps_per_device_batch_times_accumulation(tmp_path):
     m = tl.model()
     _, full4 = tl.peaks(m, tl.batch(4))
     _, full2 = tl.peaks(m, tl.batch(2))
-    budget = (full4 + full2) // 2  # batch 4 cannot fit even all recomputed; batch 2 can
+    budget = (full4 + full2) // 2  # batch 4 cannot fit even all recomputed; a smaller micro-batch can
     plain = make_trainer(tl.model(), tmp_path, gradient_accumulation_steps=2)
     plain.train()
-    trainer = make_trainer(tl.model(), tmp_path, gradient_accumulation_steps=2)
+    cb = MemfitCallback(budget=budget, check_steps=2)
+    trainer = make_trainer(tl.model(), tmp_path, callbacks=[cb], gradient_accumulation_steps=2)
     plan = fit_trainer(trainer, budget, allow="recompute,accumulate")
-    assert (plan.micro_batch, plan.accumulation) == (2, 2)
+    # the planner counts the gradients held across micro-batches, so it may split further than batch 2
+    assert plan.micro_batch < 4 and plan.micro_batch * plan.accumulation == 4
     a = trainer.args
     assert a.per_device_train_batch_size * a.gradient_accumulation_steps == 4 * 2
     trainer.train()
-    # (Peaks not asserted here: the planner's figure for accumulated micro-batches misses the gradients
-    # held through the later micro-batches, in memfit's own loop as in Trainer's; see the report.)
+    assert len(cb.peaks) == 2 and max(cb.peaks) <= budget
     assert losses(trainer) == pytest.approx(losses(plain), rel=1e-5)
 
 
