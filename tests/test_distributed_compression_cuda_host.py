@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from memfit.distributed.compression import register_compression
 
@@ -57,10 +56,9 @@ def test_powersgd_trains_cpu_buckets_on_a_cuda_machine(one_rank, monkeypatch):
     assert not torch.equal(plain, reference)  # the compressed steps really ran
 
     strict = _cuda_machine(monkeypatch)
-    torch_state = torch_psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                                           min_compression_rate=1)
-    with pytest.raises(RuntimeError, match="Expected a cuda device"):
-        _train(lambda ddp: ddp.register_comm_hook(torch_state, torch_psgd.powerSGD_hook))
+    # torch's own hook is not run here as a negative control: its error, raised in a future's
+    # callback, intermittently deadlocks DDP's backward instead of propagating (seen once in a
+    # fresh-clone run). That its synchronize call raises for a CPU device is checked at the end.
 
     states = []
     on_cuda_machine = _train(lambda ddp: states.append(register_compression(ddp, "powersgd:2")))
