@@ -51,14 +51,19 @@ def _load_bench(name: str):
     return module
 
 
-def main() -> None:
+def load_results() -> dict[str, dict]:
     results = {}
     for f in sorted(RESULTS.glob("*.json")):
         data = json.loads(f.read_text())
         results[data.get("bench", f.stem)] = data
+    return results
+
+
+def build(results: dict[str, dict]) -> tuple[str, dict[str, str]]:
+    """docs/BENCHMARKS.md's text and the snippets to paste into docs/*.md."""
     names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER + GPU_ORDER) \
         + [n for n in GPU_ORDER if n in results]
-    parts = [HEADER]
+    parts, blocks = [HEADER], {}
     for name in names:
         module = _load_bench(results[name].get("script", name))  # one script may write several results
         try:
@@ -66,20 +71,23 @@ def main() -> None:
         except (KeyError, TypeError) as exc:  # a result written by an older version of its script
             parts.append(f"## {name}\n\n`bench/results/{name}.json` predates the current `bench/{name}.py` "
                          f"(missing {exc}); rerun `python bench/{name}.py` to fill this section.\n")
-    OUT.write_text("\n".join(parts))
-    print(f"wrote {OUT.relative_to(ROOT)} ({len(names)} sections)")
-    blocks = {}
-    for name in names:
-        module = _load_bench(results[name].get("script", name))  # one script may write several results
         if hasattr(module, "snippets"):
             try:
                 blocks.update(module.snippets(results[name]))
             except (KeyError, TypeError):
                 pass
+    return "\n".join(parts), blocks
+
+
+def main() -> None:
+    results = load_results()
+    text, blocks = build(results)
+    OUT.write_text(text)
+    print(f"wrote {OUT.relative_to(ROOT)} ({len(results)} sections)")
     for doc in sorted((ROOT / "docs").glob("*.md")):
-        text = paste(doc.read_text(), blocks)
-        if text != doc.read_text():
-            doc.write_text(text)
+        pasted = paste(doc.read_text(), blocks)
+        if pasted != doc.read_text():
+            doc.write_text(pasted)
             print(f"pasted into {doc.relative_to(ROOT)}")
 
 

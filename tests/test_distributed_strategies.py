@@ -104,6 +104,7 @@ def test_bytes_sent_match_the_analytic_volumes(world32):
     ddp = 2 * psi * (n - 1) / n
     for rank in range(2):
         step = {s: world32[rank][s, 1][1][-1] for s in STRATEGIES}  # a step without accumulation
+        print(f"\nrank {rank} bytes sent per step (docs/distributed.md's table):", {s: step[s]["sent"] for s in STRATEGIES})
         # DDP: every gradient all-reduced once (DDP's buckets hold exactly the parameters).
         assert step["ddp"]["total"] == pytest.approx(ddp, rel=1e-9)
         # ZeRO-1/2: reduce-scatter + all-gather = DDP's volume (the layout pads each bucket to N).
@@ -126,8 +127,12 @@ def test_per_rank_memory_shows_the_shards(world32):
     psi = _psi_bytes()
     block = sum(p.numel() for p in model.blocks[0].parameters()) * 4
     rest = psi - len(model.blocks) * block
+    print("\nper-rank tracked memory at the third step (bytes; docs/distributed.md's table):")
+    print("one process, batch 4", {k: single[k] for k in ("params", "grads", "optimizer", "total")})
     for rank in range(2):
         mem = {s: world32[rank][s, 1][2] for s in STRATEGIES}
+        for s in STRATEGIES:
+            print(f"rank {rank} {s}", {k: mem[s][k] for k in ("params", "grads", "optimizer", "total")})
         assert mem["ddp"]["optimizer"] == single["optimizer"] >= 2 * psi  # Adam: two fp32 moments
         assert mem["zero1"]["optimizer"] <= 0.51 * mem["ddp"]["optimizer"]
         # full gradients only from a bucket's first gradient to the step: at the peak (early in
