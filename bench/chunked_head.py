@@ -128,10 +128,47 @@ def _times(r: dict) -> list[str]:
     return lines[:-1]
 
 
+def fit_constants(r: dict) -> dict[str, float]:
+    """plan/head.py's time-model constants fitted to the process CPU medians of `r` (every shape).
+
+    A head GEMM's time G is the plain head's over three (its three GEMMs are most of its time). Per
+    shape: the per-chunk cost is the least-squares slope of the "k chunks" times over k, in tokens of
+    one head GEMM (G / tokens); the four-GEMM path's extra is its time over the plain head's, less its
+    8 chunks' cost, in head GEMMs. Shapes are averaged. The per-chunk cost is held at least 1 token,
+    so that fewer chunks rank first among otherwise equal plans when the slope is below noise; the
+    "k chunks" path's own saving over the plain head (negative here: the plain head page-faults fresh
+    N x vocab tensors) is reported, not credited."""
+    chunk, extra, saving = [], [], []
+    for t in r["head_time"].values():
+        cpu = {k: v["median"] for k, v in t["cpu"].items()}
+        gemm, tokens = cpu["plain"] / 3, t["tokens"]
+        ks = sorted(int(k.split()[0]) for k in cpu if k.endswith(" chunks"))
+        ys = [cpu[f"{k} chunks"] for k in ks]
+        mk, my = sum(ks) / len(ks), sum(ys) / len(ys)
+        slope = sum((k - mk) * (y - my) for k, y in zip(ks, ys)) / sum((k - mk) ** 2 for k in ks)
+        chunk.append(slope / (gemm / tokens))
+        extra.append((cpu["8 chunks, weight gradient in backward"] - cpu["plain"] - 8 * slope) / gemm)
+        saving.append((my - slope * mk - cpu["plain"]) / gemm)
+    return {"EXTRA_GEMMS": round(sum(extra) / len(extra), 2),
+            "CHUNK_TOKENS": max(1, round(sum(chunk) / len(chunk))),
+            "chunk_tokens_fit": round(sum(chunk) / len(chunk), 1),
+            "early_gemms_fit": round(sum(saving) / len(saving), 2)}
+
+
+def _fit_sentence(r: dict) -> str:
+    c = fit_constants(r)
+    return (f"Fitted to the process CPU times below (`fit_constants` in bench/chunked_head.py, run {r['date']}): "
+            f"EXTRA_GEMMS = {c['EXTRA_GEMMS']} head GEMMs on the four-GEMM path; a per-chunk cost of "
+            f"{c['chunk_tokens_fit']} tokens' worth of a head GEMM, below noise, so CHUNK_TOKENS = "
+            f"{c['CHUNK_TOKENS']} (the floor that ranks fewer chunks first); with dW summed in the forward the "
+            f"head measured {c['early_gemms_fit']} head GEMMs against the plain one, a saving the model does not "
+            "credit. tests/test_plan_chunked_head.py checks plan/head.py's constants equal this fit.")
+
+
 def snippets(r: dict) -> dict[str, str]:
     text = "\n".join([f"From `python bench/chunked_head.py`, run {r['date']}; peaks of a training step, fp32, AdamW "
                       f"(small GPT: `{r['small']['model']}`).", "", *_table(r), "", *_times(r)])
-    return {"chunked_head": text, "chunked_head_summary": _summary(r)}
+    return {"chunked_head": text, "chunked_head_summary": _summary(r), "chunked_head_fit": _fit_sentence(r)}
 
 
 def _summary(r: dict) -> str:

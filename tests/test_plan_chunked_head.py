@@ -151,3 +151,20 @@ def test_time_model_prices_the_forward_summed_weight_gradient_as_no_extra_gemm()
     one_gemm = 2 * 8192 * 64 * 1024 / FLOPS
     assert bf16 - fp32 == pytest.approx(one_gemm, rel=0.5)
     assert fp32 < 0.5 * one_gemm
+
+
+def test_head_time_constants_are_the_fit_to_the_recorded_bench():
+    """plan/head.py's constants are what bench/chunked_head.py's fit makes of its recorded run: rerunning
+    the bench without refitting (or editing a constant by hand) fails here."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from memfit.plan import head
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))
+    import chunked_head
+
+    fit = chunked_head.fit_constants(json.loads((bench / "results" / "chunked_head.json").read_text()))
+    assert (head.EXTRA_GEMMS, head.CHUNK_TOKENS) == (fit["EXTRA_GEMMS"], fit["CHUNK_TOKENS"])
