@@ -54,6 +54,9 @@ def save(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     run = {"wall_seconds": round(time.perf_counter() - _START[0], 1),
            "load_start": [round(x, 2) for x in _START[1]], "load_end": load()}
+    # argv: the arguments this JSON was made with; tests/test_bench_manifest.py holds bench/benches.txt
+    # (what bench/run_all.sh reruns) to them, so a rerun reproduces this file.
+    run["argv"] = sys.argv[1:]
     payload = {"bench": name, "machine": machine(), "date": _dt.date.today().isoformat(), "run": run, **payload}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1, sort_keys=False))

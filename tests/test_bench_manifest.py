@@ -40,6 +40,20 @@ def test_a_result_named_by_the_script_comes_from_it():
             (result == "compression_sgd" and args == ["--optimizer", "momentum"]), result
 
 
+def test_each_result_was_made_with_the_manifest_arguments():
+    """run_all.sh reproduces each JSON: where a result records the arguments it was made with
+    (bench/common.py's save, since 2026-11-25), bench/benches.txt gives it the same ones."""
+    import json
+
+    for result, _, script, args in _manifest():
+        path = BENCH / "results" / f"{result}.json"
+        if result in ("-", "helper") or not path.exists():
+            continue
+        recorded = json.loads(path.read_text()).get("run", {}).get("argv")
+        if recorded is not None:
+            assert recorded == args, f"{result}: made with {recorded}, bench/benches.txt reruns it with {args}"
+
+
 def _run_all(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     """run_all.sh with a stand-in interpreter that logs each call, fails bench/planner.py and says
     there is no CUDA."""
