@@ -21,6 +21,7 @@ from memfit.apply.chunk_files import ChunkFiles
 from memfit.apply.chunk_layout import Chunk, slot
 from memfit.apply.host_io import BufferPool, host_empty
 from memfit.apply.loss_scale import all_finite
+from memfit.apply.saved_copies import is_fake
 from memfit.core.tracker import mark_host
 
 
@@ -53,6 +54,16 @@ class GradIntake:
                        for i, p in enumerate(params)]
 
     def submit(self, fn: Callable, *args: object) -> None:
+        if is_fake(self.params[0]):
+            # A FakeTensorMode trace: the mode's state is shared by every thread, so a worker running
+            # fake ops beside backward races it ("in_kernel_invocation must be False"). Run inline.
+            done: Future = Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's f.result(), as from the pool
+                done.set_exception(exc)
+            self.pending.append(done)
+            return
         self.pending.append(self._pool().submit(fn, *args))
 
     def _complete(self, k: int) -> None:
