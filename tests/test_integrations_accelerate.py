@@ -14,15 +14,16 @@ from memfit.integrations.accelerate import find_batch_size, prepare  # noqa: E40
 from memfit.plan.costs import PlanError  # noqa: E402
 
 
-def loop(accelerator, model, opt, micro, steps=3, clip=None, tracker=None):
-    """The loop as accelerate's docs write it, on the same 4-row batches split into `micro`-row ones."""
+def loop(accelerator, model, opt, micro, steps=3, clip=None, tracker=None, rows=4):
+    """The loop as accelerate's docs write it, on the same `rows`-row steps split into `micro`-row batches;
+    `peaks`: the tracker's peak over each optimizer step."""
     out, peaks = [], []
-    data = tl.batch(4 * steps)
+    data = tl.batch(rows * steps)
     for s in range(steps):
         if tracker is not None:
             tracker.reset_peak()
-        for k in range(0, 4, micro):
-            b = {key: v[4 * s + k: 4 * s + k + micro] for key, v in data.items()}
+        for k in range(0, rows, micro):
+            b = {key: v[rows * s + k: rows * s + k + micro] for key, v in data.items()}
             with accelerator.accumulate(model):
                 loss = model(**b).loss
                 accelerator.backward(loss)
@@ -60,6 +61,29 @@ def test_prepare_halfway_budget_within_it_and_losses_equal_the_plain_loop():
         mine, peaks = loop(acc, model, opt, plan.micro_batch, tracker=tr)
     assert max(peaks) <= budget and max(peaks) > full
     assert mine == plain
+
+
+@pytest.mark.slow
+def test_accumulation_each_step_within_the_budget_and_the_step_rows_kept():
+    m = tl.model()
+    _, full4 = tl.peaks(m, tl.batch(4))
+    _, full2 = tl.peaks(m, tl.batch(2))
+    budget = (full4 + full2) // 2  # 4 rows cannot fit even all recomputed; fewer can
+    acc = fresh_accelerator(gradient_accumulation_steps=2)
+    m = tl.model()
+    model, opt = acc.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-3))
+    plain, _ = loop(acc, model, opt, 4, rows=8)
+    acc = fresh_accelerator(gradient_accumulation_steps=2)  # 2 x 4 rows per optimizer step
+    model, opt, plan = prepare(acc, tl.model(), budget, example=tl.batch(4), lr=1e-3,
+                               allow="recompute,accumulate", no_decay=None)
+    # the plan is made for the whole step, so it counts the gradients held between its micro-batches
+    assert plan.micro_batch < 4 and plan.micro_batch * plan.accumulation == 8
+    assert acc.gradient_accumulation_steps == plan.accumulation
+    with memfit.track(model, opt) as tr:
+        mine, peaks = loop(acc, model, opt, plan.micro_batch, tracker=tr, rows=8)
+    assert len(peaks) == 3 and max(peaks) <= budget
+    step_loss = lambda out, n: [sum(out[i:i + n]) / n for i in range(0, len(out), n)]  # noqa: E731
+    assert step_loss(mine, plan.accumulation) == pytest.approx(step_loss(plain, 2), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -55,6 +55,24 @@ def test_halfway_budget_within_it_and_losses_equal_the_plain_run():
 
 
 @pytest.mark.slow
+def test_accumulation_each_step_within_the_budget_and_the_step_rows_kept():
+    m = tl.model()
+    _, full4 = tl.peaks(m, tl.batch(4))
+    _, full2 = tl.peaks(m, tl.batch(2))
+    budget = (full4 + full2) // 2  # 4 rows cannot fit even all recomputed; fewer can
+    plain = Lit()
+    fit(plain, accumulate=2)
+    plan = plan_module(tl.model(), tl.batch(4), budget, allow="recompute,accumulate", accumulate_grad_batches=2)
+    assert plan.micro_batch < 4 and plan.micro_batch * plan.accumulation == 8  # the whole step: 2 x 4 rows
+    lit, cb = Lit(plan), MemfitCallback(plan, check_steps=3)
+    trainer = fit(lit, accumulate=2, plugins=[MemfitPrecision(plan)], callbacks=[cb])
+    assert trainer.accumulate_grad_batches == plan.accumulation and lit.batch_size == plan.micro_batch
+    assert len(cb.peaks) == 3 and max(cb.peaks) <= budget
+    step_loss = lambda out, n: [sum(out[i:i + n]) / n for i in range(0, len(out), n)]  # noqa: E731
+    assert step_loss(lit.losses, plan.accumulation) == pytest.approx(step_loss(plain.losses, 2), rel=1e-5)
+
+
+@pytest.mark.slow
 def test_offload_plan_with_accumulation_and_clipping():
     import memfit
 

@@ -39,8 +39,12 @@ def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, pla
             example: Any = None, optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float | None = None,
             allow: Any = None, keep_effective_batch: bool = True, no_decay: Any = True,
             **optimizer_kwargs: Any) -> tuple[Any, Any, Plan]:
-    """Plan `model` (budget and `example`, one batch of the effective per-device size) or take `plan`; install
-    it, make the TrainingOptimizer it was made for, set the accumulation steps, and prepare both.
+    """Plan `model` (budget and `example`, one batch of the per-device size) or take `plan`; install it, make the
+    TrainingOptimizer it was made for, set the accumulation steps, and prepare both.
+
+    With a budget and keep_effective_batch, the plan is made for a whole optimizer step (the example's rows
+    x the accelerator's gradient_accumulation_steps, the gradients held between micro-batches priced) and
+    the accelerator's steps become the plan's accumulation; a given `plan` multiplies them.
 
     Returns (prepared model, prepared optimizer, plan): build the data loader with plan.micro_batch rows.
     accelerator.backward and accelerator.clip_grad_norm_ go through memfit's optimizer from then on
@@ -52,12 +56,16 @@ def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, pla
     if plan is None:
         if example is None:
             raise ConfigError("give example= (one batch as the loop will see it) to plan for the budget")
+        base = accelerator.gradient_accumulation_steps
         plan = plan_batch(model, example, budget, optimizer=optimizer, precision=precision, allow=allow,
-                          keep_effective_batch=keep_effective_batch, where=WHERE)
+                          keep_effective_batch=keep_effective_batch, where=WHERE, accumulation=base)
+        # the plan covers the whole optimizer step (example x the accelerator's steps): its accumulation replaces them
+        accelerator.gradient_accumulation_steps = plan.accumulation if keep_effective_batch else base
+    else:
+        accelerator.gradient_accumulation_steps = accelerator.gradient_accumulation_steps * plan.accumulation
     plan.install(model)
     opt = training_optimizer(plan, model, lr=lr, weight_decay=weight_decay, clip=None, no_decay=no_decay,
                              **optimizer_kwargs)
-    accelerator.gradient_accumulation_steps = accelerator.gradient_accumulation_steps * plan.accumulation
     _route(accelerator, opt)
     model = accelerator.prepare_model(model)
     return model, accelerator.prepare_optimizer(opt, device_placement=False), plan

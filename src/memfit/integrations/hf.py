@@ -73,7 +73,8 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
 
     allow: the planner's mechanisms (memfit.fit's `allow`; default: its default for the model's device).
     keep_effective_batch: per_device_train_batch_size x gradient_accumulation_steps stays as given (the
-    planner may split the per-device batch); False plans the per-device batch as it is.
+    planner chooses both for the whole optimizer step, counting the gradients held between micro-batches);
+    False plans the per-device batch as it is (a Trainer accumulation's held gradients are then not priced).
     Raises PlanError (nothing fits, with the smallest need) or ConfigError (a setting it cannot honour)
     before any step."""
     _refuse(trainer)
@@ -100,10 +101,12 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
     plan = plan_batch(inner, batch, budget, optimizer=optimizer, precision=precision, allow=allow,
                       keep_effective_batch=keep_effective_batch, where=WHERE,
                       exclude=("chunked-head",) if own is not None else (),  # the model's own head stays
-                      keep_output=False)  # Trainer's compute_loss returns the loss alone: the output is dropped
+                      keep_output=False,  # Trainer's compute_loss returns the loss alone: the output is dropped
+                      accumulation=args.gradient_accumulation_steps)  # the plan covers the whole optimizer step
     plan.install(inner)
-    args.per_device_train_batch_size = plan.micro_batch
-    args.gradient_accumulation_steps = args.gradient_accumulation_steps * plan.accumulation
+    if keep_effective_batch:
+        args.per_device_train_batch_size = plan.micro_batch
+        args.gradient_accumulation_steps = plan.accumulation
     trainer._train_batch_size = args.train_batch_size
     if needs_memfit_optimizer(plan):
         _install_optimizer(trainer, plan)
