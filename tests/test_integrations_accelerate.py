@@ -101,6 +101,34 @@ def test_offload_plan_clips_through_memfits_optimizer_and_keeps_the_effective_ba
     assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
 
 
+def test_fp16_runs_with_memfits_loss_scaler_in_place_of_accelerates():
+    e = memfit.estimate(tl.model(), tl.batch(4), precision="16-mixed")
+    budget = int(e.per_device["total"] * 1.05)  # all kept, fp16 autocast
+    acc = fresh_accelerator(mixed_precision="fp16")
+    model, opt, plan = prepare(acc, tl.model(), budget, example=tl.batch(4), lr=1e-3, allow="", no_decay=None)
+    assert plan.precision == "16-mixed" and acc.scaler is None and opt.optimizer.scaler is not None
+    with memfit.track(model, opt) as tr:
+        mine, peaks = loop(acc, model, opt, plan.micro_batch, tracker=tr)
+    assert max(peaks) <= budget
+    # memfit's own fp16 loop (its autocast, loss scaling and step) on the same batches is the reference
+    from memfit.integrations.common import training_optimizer
+
+    m = tl.model()
+    ref_opt = training_optimizer(plan, m, lr=1e-3, weight_decay=None, clip=None)
+    ref, data = [], tl.batch(12)
+    for s in range(3):
+        with ref_opt.autocast():
+            loss = m(**{k: v[4 * s: 4 * s + 4] for k, v in data.items()}).loss
+        ref_opt.backward(loss)
+        ref_opt.step()
+        ref.append(loss.item())
+    assert mine == ref
+    with torch.no_grad():
+        fp32 = tl.model()(**{k: v[:4] for k, v in data.items()}).loss.item()
+    assert mine[0] != fp32 and mine[0] == pytest.approx(fp32, rel=1e-2)  # fp16 autocast ran (accelerate's does not on a CPU)
+    assert opt.optimizer.scaler.scale > 1  # and the loss was scaled, by memfit's scaler alone
+
+
 @pytest.mark.slow
 def test_a_budget_below_the_floor_raises_before_step_0():
     acc = fresh_accelerator()

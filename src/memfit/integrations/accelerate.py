@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from memfit.apply.precision import autocast, precision_mode
 from memfit.core.errors import ConfigError, DoesNotFitError
 from memfit.integrations.common import mixed_precision, plan_batch, replace_checkpointing, training_optimizer
 from memfit.plan.plan import Plan
@@ -29,10 +30,27 @@ WHERE = "memfit.integrations.accelerate.prepare"
 
 def _precision(accelerator: Any) -> str:
     mp = str(getattr(accelerator, "mixed_precision", "no"))
-    if mp not in ("no", "bf16"):
-        raise ConfigError(f"mixed_precision={mp!r}: memfit plans 'no' (fp32) or 'bf16' with accelerate; fp16 loss "
-                          "scaling would be accelerate's and memfit's at once")
-    return mixed_precision(mp == "bf16", False)
+    if mp not in ("no", "bf16", "fp16"):
+        raise ConfigError(f"mixed_precision={mp!r}: memfit plans 'no' (fp32), 'bf16' or 'fp16' with accelerate")
+    return mixed_precision(mp == "bf16", mp == "fp16")
+
+
+def _fp16(accelerator: Any, model: Any, precision: str) -> None:
+    """fp16: memfit's loss scaler (in its optimizer's backward, clipping and step) replaces accelerate's
+    GradScaler, which would scale the same loss a second time and unscale gradients memfit's optimizer
+    owns. Where accelerate runs fp16 without autocast (a CPU), the model's forward autocasts as the plan says."""
+    if not precision_mode(precision).loss_scaling:
+        return
+    accelerator.scaler = None
+    if not accelerator.native_amp:
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+            with autocast(precision, next(model.parameters()).device.type):
+                return forward(*args, **kwargs)
+
+        model.forward = autocast_forward
 
 
 def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, plan: Plan | None = None,
@@ -68,6 +86,7 @@ def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, pla
                              **optimizer_kwargs)
     _route(accelerator, opt)
     model = accelerator.prepare_model(model)
+    _fp16(accelerator, model, plan.precision)
     return model, accelerator.prepare_optimizer(opt, device_placement=False), plan
 
 
