@@ -95,6 +95,22 @@ def test_offload_plan_with_accumulation_and_clipping():
     assert trainer.optimizers[0].clip == 0.05
 
 
+def test_chunked_head_is_installed_on_the_model_the_plan_was_made_for():
+    import memfit
+    from memfit.apply.head_swap import head_chunks
+
+    keep = memfit.estimate(tl.model(), tl.batch(4), checkpoint="none").per_device["total"]
+    plan = plan_module(tl.model(), tl.batch(4), int(keep * 0.95), allow="chunked-head")
+    assert plan.head_chunks  # the plain head does not fit: the plan chunks it
+    plain = Lit()
+    fit(plain, steps=2)
+    lit, cb = Lit(plan), MemfitCallback(plan, check_steps=2)
+    fit(lit, steps=2, plugins=[MemfitPrecision(plan)], callbacks=[cb])
+    assert head_chunks(lit.model) == plan.head_chunks  # on lit.model, the model plan_module planned
+    assert len(cb.peaks) == 2 and max(cb.peaks) <= plan.budget
+    assert lit.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
 def test_fp16_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="fp16"):
         plan_module(tl.model(), tl.batch(4), "1GiB", precision="16-mixed")

@@ -51,6 +51,13 @@ def memfit_optimizer(plan: Plan, module: torch.nn.Module, lr: float, weight_deca
     return training_optimizer(plan, module, lr=lr, weight_decay=weight_decay, clip=None, no_decay=no_decay, **kwargs)
 
 
+def planned_module(module: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+    """The submodule `plan` was made for (plan_module(lit.model, ...): the first of the plan's model class),
+    so that its blocks and its LM head (a chunked head replaces that model's forward) are the plan's; the
+    LightningModule itself when none is."""
+    return next((m for m in module.modules() if type(m).__name__ == plan.model), module)
+
+
 def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)
 
@@ -69,7 +76,7 @@ class MemfitPrecision(Precision):
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         replace_checkpointing(module, WHERE)
-        self.plan.install(module)
+        self.plan.install(planned_module(module, self.plan))
         p = next(module.parameters(), None)
         self._device_type = p.device.type if p is not None else "cpu"
         return module
