@@ -183,14 +183,17 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     keep, full = tl.peaks(tl.model(), tl.batch(4))
     budget = (keep + full) // 2
-    plan = memfit.fit(tl.model(), tl.batch(4), budget=budget, allow="recompute")
+    # each framework's own planning: Trainer and Lightning return the loss alone (the output is dropped
+    # before backward, as fit_trainer and plan_module plan it); an accelerate loop keeps it (prepare)
+    plan = memfit.fit(tl.model(), tl.batch(4), budget=budget, allow="recompute", keep_output=False)
+    kept = memfit.fit(tl.model(), tl.batch(4), budget=budget, allow="recompute")
     lora_base = __import__("peft").get_peft_model(tl.model(), __import__("peft").LoraConfig(
         r=4, target_modules=["q_proj", "v_proj"])).get_base_model()
     lk = memfit.estimate(lora_base, tl.batch(4), checkpoint="none").per_device["total"]
     lf = memfit.estimate(lora_base, tl.batch(4), checkpoint="full").per_device["total"]
-    lora_plan = memfit.fit(lora_base, tl.batch(4), budget=(lk + lf) // 2, allow="recompute")
+    lora_plan = memfit.fit(lora_base, tl.batch(4), budget=(lk + lf) // 2, allow="recompute", keep_output=False)
     runs = {"hf": (lambda p: hf_run(p), plan), "peft": (lambda p: hf_run(p, lora=True), lora_plan),
-            "accelerate": (accelerate_run, plan), "lightning": (lambda p: lightning_run(p, watch=plan), plan)}
+            "accelerate": (accelerate_run, kept), "lightning": (lambda p: lightning_run(p, watch=plan), plan)}
     if "--only" not in sys.argv or "trl" in sys.argv[sys.argv.index("--only") + 1]:
         runs["trl"] = (trl_run, trl_plan())
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else list(runs)
