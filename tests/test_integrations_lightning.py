@@ -95,6 +95,20 @@ def test_offload_plan_with_accumulation_and_clipping():
     assert trainer.optimizers[0].clip == 0.05
 
 
+def test_convert_module_chunks_the_head_of_the_planned_submodule():
+    import dataclasses
+
+    from memfit.apply.head_swap import head_chunks
+
+    plan = dataclasses.replace(plan_module(tl.model(), tl.batch(4), "1GiB", allow=""), head_chunks=2)
+    lit = Lit(plan)
+    assert MemfitPrecision(plan).convert_module(lit) is lit
+    assert head_chunks(lit.model) == 2  # lit.model: the LlamaForCausalLM plan_module planned
+    with torch.no_grad():
+        assert lit.model(**tl.batch(4)).loss.item() == pytest.approx(tl.model()(**tl.batch(4)).loss.item(), rel=1e-6)
+
+
+@pytest.mark.slow
 def test_chunked_head_is_installed_on_the_model_the_plan_was_made_for():
     import memfit
     from memfit.apply.head_swap import head_chunks
