@@ -1,12 +1,15 @@
 """memfit in the frameworks: predicted and measured peak, and a short run's time against the framework's
-plain run, for HF Trainer, a peft LoRA model under Trainer, accelerate's loop and Lightning's Trainer.
+plain run, for HF Trainer, a peft LoRA model under Trainer, trl's SFTTrainer, accelerate's loop and
+Lightning's Trainer.
 
     python bench/integrations.py            # tiny Llama (2 blocks, hidden 64, vocab 512), batch 4 x 32 tokens
-    python bench/integrations.py --render   # the table in docs/integrations.md from the JSON
-    python bench/integrations.py --only lightning   # run again some of them (the others kept from the JSON)
+    python bench/render.py                  # the table in docs/integrations.md and docs/BENCHMARKS.md
+    python bench/integrations.py --only trl,lightning   # run again some of them (the others kept from the JSON)
 
 The budget is halfway between the all-recompute and all-keep peaks (memfit.estimate); the plan is
-memfit's recompute-only one for it. Measured peak: memfit's tracker over each optimizer step (the
+memfit's recompute-only one for it. trl's is made by fit_trainer, which prices trl's fused LM head as
+SFTTrainer calls it; SFTConfig's own activation checkpointing is off in both trl runs (the plain run
+keeps every activation, as the other frameworks' plain runs do). Measured peak: memfit's tracker over each optimizer step (the
 largest of 3 steps). Time: a whole 4-step run (framework set-up included, the same in both), plain
 against planned, interleaved in shuffled order (bench/common.py). CPU: the peak is the tracker's
 device accounting. Writes bench/results/integrations.json.
@@ -48,6 +51,43 @@ def hf_run(plan=None, lora=False, steps=STEPS):
                                           max_steps=steps, use_cpu=True, report_to=[], save_strategy="no",
                                           disable_tqdm=True, logging_strategy="no")
     transformers.Trainer(model=model, args=args, train_dataset=tl.rows(), callbacks=[cb]).train()
+    return max(cb.peaks)
+
+
+def trl_trainer(plan=None, steps=STEPS, callbacks=None):
+    import datasets
+    import trl
+
+    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in tl.rows()]})
+    args = trl.SFTConfig(output_dir="/tmp/memfit-bench-trl", per_device_train_batch_size=plan.micro_batch if plan else 4,
+                         gradient_accumulation_steps=plan.accumulation if plan else 1, max_steps=steps, use_cpu=True,
+                         report_to=[], save_strategy="no", disable_tqdm=True, logging_strategy="no",
+                         activation_checkpointing=False)
+    return trl.SFTTrainer(model=tl.model(), args=args, train_dataset=ds, processing_class=tl.tokenizer(),
+                          callbacks=callbacks)
+
+
+def trl_plan():
+    """fit_trainer's plan for SFTTrainer at the budget halfway between its all-recompute and all-keep peaks
+    (trl's fused head included, as fit_trainer prices it)."""
+    from memfit.integrations.hf import collated_batch, fit_trainer
+
+    probe = trl_trainer()
+    b = {**collated_batch(probe, 4), "fused_lm_head": True}
+    prec = "bf16-mixed" if probe.args.bf16 else "32-true"
+    keep, full = (memfit.estimate(probe.model, b, precision=prec, checkpoint=c).per_device["total"]
+                  for c in ("none", "full"))
+    return fit_trainer(trl_trainer(), (keep + full) // 2, allow="recompute")
+
+
+def trl_run(plan=None, steps=STEPS):
+    from memfit.integrations.hf_callback import MemfitCallback
+
+    cb = MemfitCallback(budget=plan.budget if plan else 1 << 40, check_steps=steps)
+    trainer = trl_trainer(plan, steps, [cb])
+    if plan is not None:
+        plan.install(trainer.model)
+    trainer.train()
     return max(cb.peaks)
 
 
@@ -106,46 +146,56 @@ def lightning_run(plan=None, watch=None, steps=STEPS):
     return max(cb.peaks)
 
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
-BEGIN, END = "<!-- bench/integrations.py begin -->", "<!-- bench/integrations.py end -->"
+NAMES = {"hf": "HF Trainer", "peft": "peft LoRA (Trainer)", "trl": "trl SFTTrainer", "accelerate": "accelerate",
+         "lightning": "Lightning"}
 
 
-def render() -> None:
-    import json
-
+def table(r: dict) -> str:
     from common import load_line, run_line
     from memfit.core.units import format_bytes as fmt_bytes
 
-    r = json.loads((Path(__file__).resolve().parent / "results" / "integrations.json").read_text())
     rows = ["| framework | plan | budget | predicted peak | measured peak | plain run's peak | run time vs plain (median, min-max) |",
             "|---|---|---|---|---|---|---|"]
     for name, f in r["frameworks"].items():
         q = f["memfit_over_plain"]
-        rows.append(f"| {name} | {f['actions'].removeprefix('blocks (2): ')} | {fmt_bytes(f['budget'])} | "
+        rows.append(f"| {NAMES.get(name, name)} | {f['actions'].removeprefix('blocks (2): ')} | {fmt_bytes(f['budget'])} | "
                     f"{fmt_bytes(f['predicted_peak'])} | {fmt_bytes(f['measured_peak'])} | {fmt_bytes(f['plain_peak'])} | "
                     f"{q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f}) |")
     first = next(iter(r["frameworks"].values()))["timing"]
-    text = "\n".join([BEGIN, f"Measured on {r['machine'].get('cpu', 'this machine')} ({r['date']}), a shared and "
-                      f"loaded machine: {load_line(first)} {run_line(r)}", "", *rows, END])
-    doc = DOC.read_text()
-    DOC.write_text(doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):])
+    return "\n".join([f"Measured on {r['machine'].get('cpu', 'this machine')} ({r['date']}), a shared and loaded machine: "
+                      f"{load_line(first)} {run_line(r)}", "", *rows])
+
+
+def snippets(r: dict) -> dict[str, str]:
+    """The table in docs/integrations.md (between <!-- bench:integrations --> and its end)."""
+    return {"integrations": table(r)}
+
+
+def render(r: dict) -> str:
+    return ("## Integrations: memfit in Trainer, trl, peft, accelerate and Lightning\n\n"
+            "`python bench/integrations.py`: a tiny Llama (2 blocks, hidden 64, vocabulary 512, batch 4 x 32 tokens) "
+            "at a budget halfway between its all-recompute and all-keep peaks; measured peak: memfit's tracker over "
+            "each optimizer step (CPU: device accounting); time: a whole 4-step run against the framework's plain "
+            "run (docs/integrations.md).\n\n" + table(r) + "\n")
 
 
 def main() -> None:
-    if "--render" in sys.argv:
-        render()
-        return
     warnings.filterwarnings("ignore")
     keep, full = tl.peaks(tl.model(), tl.batch(4))
     budget = (keep + full) // 2
-    plan = memfit.fit(tl.model(), tl.batch(4), budget=budget, allow="recompute")
+    # each framework's own planning: Trainer and Lightning return the loss alone (the output is dropped
+    # before backward, as fit_trainer and plan_module plan it); an accelerate loop keeps it (prepare)
+    plan = memfit.fit(tl.model(), tl.batch(4), budget=budget, allow="recompute", keep_output=False)
+    kept = memfit.fit(tl.model(), tl.batch(4), budget=budget, allow="recompute")
     lora_base = __import__("peft").get_peft_model(tl.model(), __import__("peft").LoraConfig(
         r=4, target_modules=["q_proj", "v_proj"])).get_base_model()
     lk = memfit.estimate(lora_base, tl.batch(4), checkpoint="none").per_device["total"]
     lf = memfit.estimate(lora_base, tl.batch(4), checkpoint="full").per_device["total"]
-    lora_plan = memfit.fit(lora_base, tl.batch(4), budget=(lk + lf) // 2, allow="recompute")
+    lora_plan = memfit.fit(lora_base, tl.batch(4), budget=(lk + lf) // 2, allow="recompute", keep_output=False)
     runs = {"hf": (lambda p: hf_run(p), plan), "peft": (lambda p: hf_run(p, lora=True), lora_plan),
-            "accelerate": (accelerate_run, plan), "lightning": (lambda p: lightning_run(p, watch=plan), plan)}
+            "accelerate": (accelerate_run, kept), "lightning": (lambda p: lightning_run(p, watch=plan), plan)}
+    if "--only" not in sys.argv or "trl" in sys.argv[sys.argv.index("--only") + 1]:
+        runs["trl"] = (trl_run, trl_plan())
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else list(runs)
     path = Path(__file__).resolve().parent / "results" / "integrations.json"
     out = __import__("json").loads(path.read_text())["frameworks"] if "--only" in sys.argv else {}

@@ -14,15 +14,16 @@ from memfit.integrations.accelerate import find_batch_size, prepare  # noqa: E40
 from memfit.plan.costs import PlanError  # noqa: E402
 
 
-def loop(accelerator, model, opt, micro, steps=3, clip=None, tracker=None):
-    """The loop as accelerate's docs write it, on the same 4-row batches split into `micro`-row ones."""
+def loop(accelerator, model, opt, micro, steps=3, clip=None, tracker=None, rows=4):
+    """The loop as accelerate's docs write it, on the same `rows`-row steps split into `micro`-row batches;
+    `peaks`: the tracker's peak over each optimizer step."""
     out, peaks = [], []
-    data = tl.batch(4 * steps)
+    data = tl.batch(rows * steps)
     for s in range(steps):
         if tracker is not None:
             tracker.reset_peak()
-        for k in range(0, 4, micro):
-            b = {key: v[4 * s + k: 4 * s + k + micro] for key, v in data.items()}
+        for k in range(0, rows, micro):
+            b = {key: v[rows * s + k: rows * s + k + micro] for key, v in data.items()}
             with accelerator.accumulate(model):
                 loss = model(**b).loss
                 accelerator.backward(loss)
@@ -63,6 +64,29 @@ def test_prepare_halfway_budget_within_it_and_losses_equal_the_plain_loop():
 
 
 @pytest.mark.slow
+def test_accumulation_each_step_within_the_budget_and_the_step_rows_kept():
+    m = tl.model()
+    _, full4 = tl.peaks(m, tl.batch(4))
+    _, full2 = tl.peaks(m, tl.batch(2))
+    budget = (full4 + full2) // 2  # 4 rows cannot fit even all recomputed; fewer can
+    acc = fresh_accelerator(gradient_accumulation_steps=2)
+    m = tl.model()
+    model, opt = acc.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-3))
+    plain, _ = loop(acc, model, opt, 4, rows=8)
+    acc = fresh_accelerator(gradient_accumulation_steps=2)  # 2 x 4 rows per optimizer step
+    model, opt, plan = prepare(acc, tl.model(), budget, example=tl.batch(4), lr=1e-3,
+                               allow="recompute,accumulate", no_decay=None)
+    # the plan is made for the whole step, so it counts the gradients held between its micro-batches
+    assert plan.micro_batch < 4 and plan.micro_batch * plan.accumulation == 8
+    assert acc.gradient_accumulation_steps == plan.accumulation
+    with memfit.track(model, opt) as tr:
+        mine, peaks = loop(acc, model, opt, plan.micro_batch, tracker=tr, rows=8)
+    assert len(peaks) == 3 and max(peaks) <= budget
+    step_loss = lambda out, n: [sum(out[i:i + n]) / n for i in range(0, len(out), n)]  # noqa: E731
+    assert step_loss(mine, plan.accumulation) == pytest.approx(step_loss(plain, 2), rel=1e-5)
+
+
+@pytest.mark.slow
 def test_offload_plan_clips_through_memfits_optimizer_and_keeps_the_effective_batch():
     e = memfit.estimate(tl.model(), tl.batch(4), offload_optimizer="cpu")
     budget = int(e.per_device["total"] * 1.03)  # all kept, the optimizer state on the host
@@ -75,6 +99,34 @@ def test_offload_plan_clips_through_memfits_optimizer_and_keeps_the_effective_ba
     norms = [v for k, v in (o for o in out if isinstance(o, tuple))]
     assert len(norms) == 3 and all(n > 0.05 for n in norms)  # offloaded gradients measured, then clipped
     assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+
+
+def test_fp16_runs_with_memfits_loss_scaler_in_place_of_accelerates():
+    e = memfit.estimate(tl.model(), tl.batch(4), precision="16-mixed")
+    budget = int(e.per_device["total"] * 1.05)  # all kept, fp16 autocast
+    acc = fresh_accelerator(mixed_precision="fp16")
+    model, opt, plan = prepare(acc, tl.model(), budget, example=tl.batch(4), lr=1e-3, allow="", no_decay=None)
+    assert plan.precision == "16-mixed" and acc.scaler is None and opt.optimizer.scaler is not None
+    with memfit.track(model, opt) as tr:
+        mine, peaks = loop(acc, model, opt, plan.micro_batch, tracker=tr)
+    assert max(peaks) <= budget
+    # memfit's own fp16 loop (its autocast, loss scaling and step) on the same batches is the reference
+    from memfit.integrations.common import training_optimizer
+
+    m = tl.model()
+    ref_opt = training_optimizer(plan, m, lr=1e-3, weight_decay=None, clip=None)
+    ref, data = [], tl.batch(12)
+    for s in range(3):
+        with ref_opt.autocast():
+            loss = m(**{k: v[4 * s: 4 * s + 4] for k, v in data.items()}).loss
+        ref_opt.backward(loss)
+        ref_opt.step()
+        ref.append(loss.item())
+    assert mine == ref
+    with torch.no_grad():
+        fp32 = tl.model()(**{k: v[:4] for k, v in data.items()}).loss.item()
+    assert mine[0] != fp32 and mine[0] == pytest.approx(fp32, rel=1e-2)  # fp16 autocast ran (accelerate's does not on a CPU)
+    assert opt.optimizer.scaler.scale > 1  # and the loss was scaled, by memfit's scaler alone
 
 
 @pytest.mark.slow

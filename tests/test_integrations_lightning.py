@@ -55,6 +55,24 @@ def test_halfway_budget_within_it_and_losses_equal_the_plain_run():
 
 
 @pytest.mark.slow
+def test_accumulation_each_step_within_the_budget_and_the_step_rows_kept():
+    m = tl.model()
+    _, full4 = tl.peaks(m, tl.batch(4))
+    _, full2 = tl.peaks(m, tl.batch(2))
+    budget = (full4 + full2) // 2  # 4 rows cannot fit even all recomputed; fewer can
+    plain = Lit()
+    fit(plain, accumulate=2)
+    plan = plan_module(tl.model(), tl.batch(4), budget, allow="recompute,accumulate", accumulate_grad_batches=2)
+    assert plan.micro_batch < 4 and plan.micro_batch * plan.accumulation == 8  # the whole step: 2 x 4 rows
+    lit, cb = Lit(plan), MemfitCallback(plan, check_steps=3)
+    trainer = fit(lit, accumulate=2, plugins=[MemfitPrecision(plan)], callbacks=[cb])
+    assert trainer.accumulate_grad_batches == plan.accumulation and lit.batch_size == plan.micro_batch
+    assert len(cb.peaks) == 3 and max(cb.peaks) <= budget
+    step_loss = lambda out, n: [sum(out[i:i + n]) / n for i in range(0, len(out), n)]  # noqa: E731
+    assert step_loss(lit.losses, plan.accumulation) == pytest.approx(step_loss(plain.losses, 2), rel=1e-5)
+
+
+@pytest.mark.slow
 def test_offload_plan_with_accumulation_and_clipping():
     import memfit
 
@@ -75,6 +93,36 @@ def test_offload_plan_with_accumulation_and_clipping():
     assert lit.batch_size == plan.micro_batch
     assert norms and all(n > 0.05 for n in norms)  # offloaded gradients seen, above the clip value
     assert trainer.optimizers[0].clip == 0.05
+
+
+def test_convert_module_chunks_the_head_of_the_planned_submodule():
+    import dataclasses
+
+    from memfit.apply.head_swap import head_chunks
+
+    plan = dataclasses.replace(plan_module(tl.model(), tl.batch(4), "1GiB", allow=""), head_chunks=2)
+    lit = Lit(plan)
+    assert MemfitPrecision(plan).convert_module(lit) is lit
+    assert head_chunks(lit.model) == 2  # lit.model: the LlamaForCausalLM plan_module planned
+    with torch.no_grad():
+        assert lit.model(**tl.batch(4)).loss.item() == pytest.approx(tl.model()(**tl.batch(4)).loss.item(), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_chunked_head_is_installed_on_the_model_the_plan_was_made_for():
+    import memfit
+    from memfit.apply.head_swap import head_chunks
+
+    keep = memfit.estimate(tl.model(), tl.batch(4), checkpoint="none").per_device["total"]
+    plan = plan_module(tl.model(), tl.batch(4), int(keep * 0.95), allow="chunked-head")
+    assert plan.head_chunks  # the plain head does not fit: the plan chunks it
+    plain = Lit()
+    fit(plain, steps=2)
+    lit, cb = Lit(plan), MemfitCallback(plan, check_steps=2)
+    fit(lit, steps=2, plugins=[MemfitPrecision(plan)], callbacks=[cb])
+    assert head_chunks(lit.model) == plan.head_chunks  # on lit.model, the model plan_module planned
+    assert len(cb.peaks) == 2 and max(cb.peaks) <= plan.budget
+    assert lit.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
 def test_fp16_is_refused_in_one_line():

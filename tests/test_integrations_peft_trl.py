@@ -43,28 +43,62 @@ def test_lora_model_checkpointing_replaced_by_the_plan_within_budget(tmp_path):
     assert losses(trainer) == pytest.approx(losses(plain), rel=1e-6)
 
 
-@pytest.mark.slow
-def test_trl_sft_trainer_through_fit_trainer(tmp_path):
+def sft_trainer(tmp_path, steps=3, callbacks=None, **kw):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in tl.rows()]})
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, use_cpu=True,
+                         report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=1e-3,
+                         train_sampling_strategy="sequential", **kw)
+    return trl.SFTTrainer(model=tl.model(), args=args, train_dataset=ds, processing_class=tl.tokenizer(),
+                          callbacks=callbacks)
 
-    def sft(callbacks=None):
-        args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, use_cpu=True,
-                             report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=1e-3,
-                             train_sampling_strategy="sequential")
-        return trl.SFTTrainer(model=tl.model(), args=args, train_dataset=ds, processing_class=tl.tokenizer(),
-                              callbacks=callbacks)
 
-    plain = sft()
-    plain.train()
-    keep, full = tl.peaks(tl.model(), tl.batch(4))
-    cb = MemfitCallback(budget=(keep + full) // 2, check_steps=2, on_exceed="warn")
-    trainer = sft([cb])
-    with pytest.warns(UserWarning, match="activation_checkpointing=True is turned off"):  # SFTConfig's default
-        plan = fit_trainer(trainer, (keep + full) // 2, allow="recompute")
+def test_trl_fused_head_is_priced_by_the_plan(tmp_path):
+    """fit_trainer plans the call trl's compute_loss makes (fused_lm_head=True): its tile buffer and fp32
+    gradient accumulators are in the prediction, which the measured steps match."""
+    trainer = sft_trainer(tmp_path, steps=2)
+    with pytest.warns(UserWarning, match="activation_checkpointing=True is turned off"):
+        plan = fit_trainer(trainer, "1GiB", allow="")
     assert plan.head_chunks is None  # trl's own fused LM head stays
-    with pytest.warns(UserWarning, match="over the budget"):
-        trainer.train()  # trl's fused head holds more than the plain head the plan priced (see docs/integrations.md)
-    assert losses(trainer) == pytest.approx(losses(plain), rel=1e-6)
+    cb = MemfitCallback(plan=plan, check_steps=2)
+    trainer.add_callback(cb)
+    trainer.train()
     assert len(cb.peaks) == 2
+    assert plan.predicted_peak * 0.98 <= max(cb.peaks) <= plan.predicted_peak * 1.01
+    # The plain head (what the plan priced before) is a fraction of it: trl's tile is 32768 columns wide.
+    plain = tl.peaks(tl.model(), tl.batch(4))[0]
+    assert max(cb.peaks) > 2 * plain
+
+
+@pytest.mark.slow
+def test_trl_sft_trainer_halfway_budget_each_step_within_it(tmp_path):
+    import memfit
+    from memfit.integrations.hf import collated_batch
+    from memfit.plan.costs import PlanError
+
+    plain = sft_trainer(tmp_path)
+    plain.train()
+    probe = sft_trainer(tmp_path)
+    b = {**collated_batch(probe, 4), "fused_lm_head": True}  # as trl's compute_loss calls it
+    keep, full = (memfit.estimate(probe.model, b, precision="bf16-mixed", checkpoint=c).per_device["total"]
+                  for c in ("none", "full"))
+    budget = (keep + full) // 2
+    cb = MemfitCallback(budget=budget, check_steps=3)
+    trainer = sft_trainer(tmp_path, callbacks=[cb])
+    with pytest.warns(UserWarning, match="activation_checkpointing=True is turned off"):  # SFTConfig's default
+        plan = fit_trainer(trainer, budget, allow="recompute")
+    assert any(a.mode != "keep" for a in plan.actions) and plan.predicted_peak <= budget
+    trainer.train()
+    assert len(cb.peaks) == 3 and max(cb.peaks) <= budget
+    assert losses(trainer) == pytest.approx(losses(plain), rel=1e-6)
+    with pytest.raises(PlanError, match="nothing fits before step 0"):  # below trl's head: refused, not run over
+        fit_trainer(sft_trainer(tmp_path), full // 2, allow="recompute")
+
+
+def test_trl_two_forward_settings_are_refused(tmp_path):
+    from memfit.core.errors import ConfigError
+
+    trainer = sft_trainer(tmp_path, label_smoothing_factor=0.1)
+    with pytest.raises(ConfigError, match="label_smoothing_factor"):
+        fit_trainer(trainer, "1GiB")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from memfit.apply.precision import autocast, precision_mode
 from memfit.core.errors import ConfigError, DoesNotFitError
 from memfit.integrations.common import mixed_precision, plan_batch, replace_checkpointing, training_optimizer
 from memfit.plan.plan import Plan
@@ -29,18 +30,39 @@ WHERE = "memfit.integrations.accelerate.prepare"
 
 def _precision(accelerator: Any) -> str:
     mp = str(getattr(accelerator, "mixed_precision", "no"))
-    if mp not in ("no", "bf16"):
-        raise ConfigError(f"mixed_precision={mp!r}: memfit plans 'no' (fp32) or 'bf16' with accelerate; fp16 loss "
-                          "scaling would be accelerate's and memfit's at once")
-    return mixed_precision(mp == "bf16", False)
+    if mp not in ("no", "bf16", "fp16"):
+        raise ConfigError(f"mixed_precision={mp!r}: memfit plans 'no' (fp32), 'bf16' or 'fp16' with accelerate")
+    return mixed_precision(mp == "bf16", mp == "fp16")
+
+
+def _fp16(accelerator: Any, model: Any, precision: str) -> None:
+    """fp16: memfit's loss scaler (in its optimizer's backward, clipping and step) replaces accelerate's
+    GradScaler, which would scale the same loss a second time and unscale gradients memfit's optimizer
+    owns. Where accelerate runs fp16 without autocast (a CPU), the model's forward autocasts as the plan says."""
+    if not precision_mode(precision).loss_scaling:
+        return
+    accelerator.scaler = None
+    if not accelerator.native_amp:
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+            with autocast(precision, next(model.parameters()).device.type):
+                return forward(*args, **kwargs)
+
+        model.forward = autocast_forward
 
 
 def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, plan: Plan | None = None,
             example: Any = None, optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float | None = None,
             allow: Any = None, keep_effective_batch: bool = True, no_decay: Any = True,
             **optimizer_kwargs: Any) -> tuple[Any, Any, Plan]:
-    """Plan `model` (budget and `example`, one batch of the effective per-device size) or take `plan`; install
-    it, make the TrainingOptimizer it was made for, set the accumulation steps, and prepare both.
+    """Plan `model` (budget and `example`, one batch of the per-device size) or take `plan`; install it, make the
+    TrainingOptimizer it was made for, set the accumulation steps, and prepare both.
+
+    With a budget and keep_effective_batch, the plan is made for a whole optimizer step (the example's rows
+    x the accelerator's gradient_accumulation_steps, the gradients held between micro-batches priced) and
+    the accelerator's steps become the plan's accumulation; a given `plan` multiplies them.
 
     Returns (prepared model, prepared optimizer, plan): build the data loader with plan.micro_batch rows.
     accelerator.backward and accelerator.clip_grad_norm_ go through memfit's optimizer from then on
@@ -52,14 +74,19 @@ def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, pla
     if plan is None:
         if example is None:
             raise ConfigError("give example= (one batch as the loop will see it) to plan for the budget")
+        base = accelerator.gradient_accumulation_steps
         plan = plan_batch(model, example, budget, optimizer=optimizer, precision=precision, allow=allow,
-                          keep_effective_batch=keep_effective_batch, where=WHERE)
+                          keep_effective_batch=keep_effective_batch, where=WHERE, accumulation=base)
+        # the plan covers the whole optimizer step (example x the accelerator's steps): its accumulation replaces them
+        accelerator.gradient_accumulation_steps = plan.accumulation if keep_effective_batch else base
+    else:
+        accelerator.gradient_accumulation_steps = accelerator.gradient_accumulation_steps * plan.accumulation
     plan.install(model)
     opt = training_optimizer(plan, model, lr=lr, weight_decay=weight_decay, clip=None, no_decay=no_decay,
                              **optimizer_kwargs)
-    accelerator.gradient_accumulation_steps = accelerator.gradient_accumulation_steps * plan.accumulation
     _route(accelerator, opt)
     model = accelerator.prepare_model(model)
+    _fp16(accelerator, model, plan.precision)
     return model, accelerator.prepare_optimizer(opt, device_placement=False), plan
 
 

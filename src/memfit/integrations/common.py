@@ -44,11 +44,15 @@ def needs_memfit_optimizer(plan: Plan) -> bool:
 
 def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, precision: str, allow: Any,
                keep_effective_batch: bool, where: str, exclude: tuple[str, ...] = (),
-               keep_output: bool = True) -> Plan:
+               keep_output: bool = True, accumulation: int = 1) -> Plan:
     """memfit.fit on `example` (one batch as the framework collates it); with keep_effective_batch the
     planner may split it into micro-batches x accumulation, else it plans the batch as it is. A budget
     nothing fits raises PlanError before any step, with the fit report in one line. `keep_output`:
-    whether the loop holds the model's output through backward (memfit.fit's keep_output)."""
+    whether the loop holds the model's output through backward (memfit.fit's keep_output).
+    `accumulation`: the framework's own accumulation steps. With keep_effective_batch the plan is made
+    for the whole optimizer step (the example repeated that many times), so the gradients held from one
+    micro-batch to the next are in it; the framework then accumulates `plan.accumulation` micro-batches
+    of `plan.micro_batch` rows (their product: the example's rows x `accumulation`)."""
     from memfit.plan.fit import fit
     from memfit.plan.plan import parse_allow
 
@@ -56,6 +60,8 @@ def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, p
     names = parse_allow(allow, device)
     exclude = exclude + (() if keep_effective_batch else ("accumulate",))
     names = tuple(a for a in names if a not in exclude)
+    if keep_effective_batch and accumulation > 1:
+        example = repeat_rows(example, accumulation)
     try:
         return fit(model, example, budget=budget, optimizer=optimizer, precision=precision, allow=names,
                    keep_output=keep_output)
@@ -64,6 +70,17 @@ def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, p
         if "need" not in msg:
             msg += "; " + _smallest_need(model, example, optimizer, precision, names)
         raise PlanError(f"{where}: nothing fits before step 0: {msg}") from None
+
+
+def repeat_rows(example: Any, times: int) -> Any:
+    """The example with its batch dimension repeated `times` times (the rows of a whole optimizer step)."""
+    if isinstance(example, torch.Tensor):
+        return torch.cat([example] * times) if example.dim() else example
+    if isinstance(example, dict):
+        return {k: repeat_rows(v, times) for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        return type(example)(repeat_rows(v, times) for v in example)
+    return example
 
 
 def _smallest_need(model: nn.Module, example: Any, optimizer: str, precision: str, names: tuple[str, ...]) -> str:

@@ -13,6 +13,7 @@ and the logged grad_norm and the clipping (max_grad_norm) are its own.
 """
 from __future__ import annotations
 
+import inspect
 import types
 import warnings
 from typing import Any
@@ -72,7 +73,8 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
 
     allow: the planner's mechanisms (memfit.fit's `allow`; default: its default for the model's device).
     keep_effective_batch: per_device_train_batch_size x gradient_accumulation_steps stays as given (the
-    planner may split the per-device batch); False plans the per-device batch as it is.
+    planner chooses both for the whole optimizer step, counting the gradients held between micro-batches);
+    False plans the per-device batch as it is (a Trainer accumulation's held gradients are then not priced).
     Raises PlanError (nothing fits, with the smallest need) or ConfigError (a setting it cannot honour)
     before any step."""
     _refuse(trainer)
@@ -91,24 +93,41 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
     if own is not None and getattr(getattr(own, "__func__", None), "_memfit_chunked", False):
         own = None  # memfit's chunked head: planned again from the plain one
         del inner.forward
-    if own is not None:  # a framework's own instance forward (trl's fused LM head): planned with the class
-        del inner.forward  # forward and the plain head (more memory than the fused head needs), head left to it
-    try:
-        plan = plan_batch(inner, batch, budget, optimizer=optimizer, precision=precision, allow=allow,
-                          keep_effective_batch=keep_effective_batch, where=WHERE,
-                          exclude=("chunked-head",) if own is not None else (),
-                          keep_output=False)  # Trainer's compute_loss returns the loss alone: the output is dropped
-    finally:
-        if own is not None:
-            inner.forward = own
+    if own is not None and takes_fused_head(own):
+        # trl's fused LM head: its compute_loss calls model(**batch, fused_lm_head=True), so the plan traces
+        # that call (trl's tile buffer and fp32 gradient accumulators included), not the plain head
+        _refuse_trl_two_forwards(trainer)
+        batch = {**batch, "fused_lm_head": True}
+    plan = plan_batch(inner, batch, budget, optimizer=optimizer, precision=precision, allow=allow,
+                      keep_effective_batch=keep_effective_batch, where=WHERE,
+                      exclude=("chunked-head",) if own is not None else (),  # the model's own head stays
+                      keep_output=False,  # Trainer's compute_loss returns the loss alone: the output is dropped
+                      accumulation=args.gradient_accumulation_steps)  # the plan covers the whole optimizer step
     plan.install(inner)
-    args.per_device_train_batch_size = plan.micro_batch
-    args.gradient_accumulation_steps = args.gradient_accumulation_steps * plan.accumulation
+    if keep_effective_batch:
+        args.per_device_train_batch_size = plan.micro_batch
+        args.gradient_accumulation_steps = plan.accumulation
     trainer._train_batch_size = args.train_batch_size
     if needs_memfit_optimizer(plan):
         _install_optimizer(trainer, plan)
     trainer.memfit_plan = plan
     return plan
+
+
+def takes_fused_head(forward: Any) -> bool:
+    """Whether an instance forward is trl's fused LM head (add_fused_lm_head: a `fused_lm_head` keyword)."""
+    func = getattr(forward, "__func__", forward)
+    try:
+        return "fused_lm_head" in inspect.signature(func, follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _refuse_trl_two_forwards(trainer: Any) -> None:
+    """trl runs a second, full-logits forward for compute_loss_func and label smoothing; the plan prices one."""
+    if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
+        raise ConfigError("SFTTrainer with compute_loss_func or label_smoothing_factor runs a full-logits forward "
+                          "besides its fused LM head, which fit_trainer does not plan; remove them (trl deprecates both)")
 
 
 def _inner(model: Any) -> Any:

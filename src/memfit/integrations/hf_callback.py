@@ -20,6 +20,14 @@ GUARD = 0.95
 """On CUDA, a step whose reserved memory passes this share of the budget saves and stops."""
 
 
+def reserved_bytes(device: torch.device) -> int | None:
+    """The caching allocator's high-water mark of reserved memory on a CUDA device (what a memory limit
+    refuses, and what the guard watches); None elsewhere, where the guard is off."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device)
+
+
 def installed(model: Any, plan: Plan) -> str | None:
     """None if `plan` is installed on `model` (a peft model: its base model), else what is missing."""
     from memfit.apply.checkpoint import applied
@@ -82,11 +90,10 @@ class MemfitCallback(TrainerCallback):
         self._guard(args, control)
 
     def _guard(self, args, control) -> None:
-        """CUDA: save and stop before the allocator's reserve crosses the budget (the OOM-after-hours guard)."""
-        device = getattr(args, "device", torch.device("cpu"))
-        if device.type != "cuda":
+        """Save and stop before the allocator's reserve crosses the budget (the OOM-after-hours guard)."""
+        reserved = reserved_bytes(getattr(args, "device", torch.device("cpu")))
+        if reserved is None:
             return
-        reserved = torch.cuda.max_memory_reserved(device)
         if reserved > GUARD * self.budget:
             warnings.warn(f"memfit: reserved {format_bytes(reserved)} passed {GUARD:.0%} of the budget "
                           f"{format_bytes(self.budget)}: saving a checkpoint and stopping", stacklevel=2)

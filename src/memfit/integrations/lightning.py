@@ -32,13 +32,15 @@ WHERE = "memfit.integrations.lightning"
 
 
 def plan_module(model: torch.nn.Module, example: Any, budget: Any, *, optimizer: str = "adamw",
-                precision: str = "32-true", allow: Any = None, keep_effective_batch: bool = True) -> Plan:
-    """memfit.fit for the model a LightningModule trains (example: one batch of the effective per-device
-    size); PlanError before any step when nothing fits."""
+                precision: str = "32-true", allow: Any = None, keep_effective_batch: bool = True,
+                accumulate_grad_batches: int = 1) -> Plan:
+    """memfit.fit for the model a LightningModule trains (example: one batch of the dataloader's size;
+    accumulate_grad_batches: the Trainer's, so that the plan covers the whole optimizer step and the
+    gradients held between micro-batches); PlanError before any step when nothing fits."""
     if precision_mode(precision).loss_scaling:
         raise ConfigError(f"precision={precision!r}: fp16 is not planned with Lightning in v1; use bf16-mixed or 32-true")
     return plan_batch(model, example, budget, optimizer=optimizer, precision=precision, allow=allow,
-                      keep_effective_batch=keep_effective_batch, where=WHERE,
+                      keep_effective_batch=keep_effective_batch, where=WHERE, accumulation=accumulate_grad_batches,
                       keep_output=False)  # training_step returns the loss; the model's output is not kept
 
 
@@ -47,6 +49,13 @@ def memfit_optimizer(plan: Plan, module: torch.nn.Module, lr: float, weight_deca
     """The TrainingOptimizer `plan` was made for (for configure_optimizers); clipping comes from the Trainer's
     gradient_clip_val through MemfitPrecision."""
     return training_optimizer(plan, module, lr=lr, weight_decay=weight_decay, clip=None, no_decay=no_decay, **kwargs)
+
+
+def planned_module(module: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+    """The submodule `plan` was made for (plan_module(lit.model, ...): the first of the plan's model class),
+    so that its blocks and its LM head (a chunked head replaces that model's forward) are the plan's; the
+    LightningModule itself when none is."""
+    return next((m for m in module.modules() if type(m).__name__ == plan.model), module)
 
 
 def _unwrap(optimizer: Any) -> Any:
@@ -67,7 +76,7 @@ class MemfitPrecision(Precision):
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         replace_checkpointing(module, WHERE)
-        self.plan.install(module)
+        self.plan.install(planned_module(module, self.plan))
         p = next(module.parameters(), None)
         self._device_type = p.device.type if p is not None else "cpu"
         return module
@@ -124,12 +133,23 @@ class MemfitCallback(pl.Callback):
         self._base_accumulation: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        holders = [h for h in (pl_module, getattr(trainer, "datamodule", None)) if h is not None and hasattr(h, "batch_size")]
         if self._base_accumulation is None:
             self._base_accumulation = trainer.accumulate_grad_batches
-            trainer.accumulate_grad_batches = self._base_accumulation * self.plan.accumulation
-        for holder in (pl_module, getattr(trainer, "datamodule", None)):
-            if holder is not None and hasattr(holder, "batch_size"):
-                holder.batch_size = self.plan.micro_batch
+            trainer.accumulate_grad_batches = self._steps(holders[0].batch_size if holders else None)
+        for holder in holders:
+            holder.batch_size = self.plan.micro_batch
+
+    def _steps(self, rows: int | None) -> int:
+        """Accumulation that keeps the optimizer step's rows (batch_size x accumulate_grad_batches) with the
+        plan's micro-batch; without a batch_size to read, the Trainer's steps times the plan's."""
+        base, micro = self._base_accumulation, self.plan.micro_batch
+        if rows is None:
+            return base * self.plan.accumulation
+        if (rows * base) % micro:
+            raise ConfigError(f"batch_size {rows} x accumulate_grad_batches {base} is not a multiple of the plan's "
+                              f"micro-batch {micro}: plan with this batch size (plan_module's example)")
+        return rows * base // micro
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         at_step_start = batch_idx % trainer.accumulate_grad_batches == 0
