@@ -30,7 +30,11 @@ DEFAULT_BATCH = 256
 MAX_REFUSED = 3
 
 
-def _basis(flops: float, calibrated: bool) -> str:
+def _basis(flops: float, calibrated: bool, host=None) -> str:
+    if host is not None:
+        return (f"host: ranks of {host.threads} thread(s) sharing {host.cores} CPU core(s); compute "
+                f"{flops / 1e9:.3g} GFLOP/s + {host.overhead_s * 1e3:.3g} ms per block and micro-batch "
+                "(measured by memfit profile here unless flops= was given) and the link given")
     if calibrated:
         return f"calibrated: {flops / 1e12:.3g} TFLOP/s per device and the link bandwidth given, measured on this machine"
     return (f"FLOP model: {flops / 1e12:.3g} TFLOP/s sustained per device assumed (not measured) and the "
@@ -46,9 +50,11 @@ def actions_of(lay: Layout, layers: int) -> list[BlockAction]:
 
 
 def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precision, optimizer, allow, device,
-             flops) -> ClusterProblem:
+               flops, cores: int | None = None) -> ClusterProblem:
     """The search's inputs, checked (a model name or spec with memfit's GPT config; the allow list for
-    `device`; the FLOP rate for the time model)."""
+    `device`; the FLOP rate for the time model). On a CPU device the devices are this machine's
+    cores (memfit.plan.cluster_host): the link defaults to gloo's loopback, measured, and compute is
+    calibrated by memfit.profile where the model is small enough to build."""
     from memfit.models.spec import parse_model
 
     spec = parse_model(model) if isinstance(model, str) else model
@@ -57,21 +63,39 @@ def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precisi
                           "gpt:/llama: spec, not a module or a Hugging Face config")
     allowed = parse_allow(allow, device)
     precisions = (precision,) + (("bf16-master",) if "precision" in allowed and precision != "bf16-master" else ())
+    seq = seq or min(spec.config.seq or 1024, 4096)
+    host = None
+    if device == "cpu":
+        host, flops, interconnect = _host(model, spec, seq, precision, optimizer, flops, cores, interconnect)
+        nodes = nodes or 1
     parse_interconnect(interconnect)  # fail on a bad name before any work
-    return ClusterProblem(spec, seq or min(spec.config.seq or 1024, 4096), batch or DEFAULT_BATCH,
-                          parse_budget(budget), lambda n: topology(n, interconnect, nodes), precisions, optimizer,
-                          allowed, flops or DEVICE_FLOPS.get(device, FLOPS) / (2 if precision == "32-true" and
-                                                                               device == "cuda" else 1))
+    rate = flops or DEVICE_FLOPS.get(device, FLOPS) / (2 if precision == "32-true" and device == "cuda" else 1)
+    return ClusterProblem(spec, seq, batch or DEFAULT_BATCH, parse_budget(budget),
+                          lambda n: topology(n, interconnect, nodes), precisions, optimizer, allowed, rate, host=host)
+
+
+def _host(model, spec, seq, precision, optimizer, flops, cores, interconnect):
+    """(Host, FLOP/s, link) for ranks on this machine's cores; measured unless given."""
+    from memfit.plan.cluster_host import calibrate, host_of
+
+    host = host_of(cores)
+    got = calibrate(model if isinstance(model, str) else spec.name, seq, precision, optimizer, host.threads) \
+        if flops is None else None
+    if got is not None:
+        flops = got[0]
+        host = host_of(host.cores, host.threads, got[1])
+    return host, flops, interconnect or "loopback"
 
 
 def plan_cluster(model: Any, budget: Any, gpus: int | str = "auto", *, interconnect: Any = None,
                  nodes: int | None = None, batch: int | None = None, seq: int | None = None,
                  precision: str = "32-true", optimizer: str = "adamw", allow: Any = None, device: str = "cuda",
-                 verify: bool = True, flops: float | None = None) -> ClusterPlan:
+                 verify: bool = True, flops: float | None = None, cores: int | None = None) -> ClusterPlan:
     """The cluster plan (see the module docstring). `batch`: the global batch in sequences (default 256);
-    `flops`: sustained FLOP/s per device (measured: the time basis says calibrated)."""
+    `flops`: sustained FLOP/s per device (measured: the time basis says calibrated); `cores`: on a CPU
+    device, the cores the ranks share (default: this machine's)."""
     t0 = time.perf_counter()
-    p = problem_of(model, budget, interconnect, nodes, batch, seq, precision, optimizer, allow, device, flops)
+    p = problem_of(model, budget, interconnect, nodes, batch, seq, precision, optimizer, allow, device, flops, cores)
     if gpus == "auto":
         n, rows = smallest(p)
         if n is None:
@@ -84,7 +108,7 @@ def plan_cluster(model: Any, budget: Any, gpus: int | str = "auto", *, interconn
                               f"give --batch a multiple of {gpus}")
         rows = candidates(p, n)
     chosen, notes = _checked(p, rows, verify)
-    cp = _result(p, n, chosen, rows, notes, device, flops is not None)
+    cp = _result(p, n, chosen, rows, notes, device, flops is not None or p.host is not None)
     if gpus == "auto":
         cp.by_count = by_count(p, n, rows)
     cp.seconds = time.perf_counter() - t0
@@ -137,7 +161,7 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
                      f"host memory: {format_bytes(host * min(n, 8))} per node of {min(n, 8)}")
     return ClusterPlan(model=p.spec.name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
                        ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
-                       time_basis=_basis(p.flops, calibrated), interconnect=link, global_batch=p.batch, seq=p.seq,
+                       time_basis=_basis(p.flops, calibrated, p.host), interconnect=link, global_batch=p.batch, seq=p.seq,
                        plan=single.to_json(), traced_peak=traced, ranked=[_brief(r) for r in rows[:20]], notes=notes)
 
 

@@ -1,0 +1,155 @@
+"""This machine as the cluster: N ranks on its CPU cores, gloo over 127.0.0.1.
+
+    host = Host(cores=2, threads=1, overhead_s=0.004)
+    link = loopback_link()                          # measured: two gloo ranks here, all-reduce timed
+    flops, overhead = calibrate("llama:layers=4,hidden=256", seq=64, precision="32-true")
+
+`memfit plan MODEL --gpus N --device cpu` plans for what `memfit train --nproc N` runs here, so its
+time model must be this machine's, not a GPU cluster's:
+
+- compute: the rate and a fixed cost per block and micro-batch, from two memfit.profile runs of the
+  model (every block kept, at 1 and 4 sequences, on `threads` threads as the launcher gives each rank):
+  step(rows) = fixed + FLOPs(rows) / rate, the fixed part spread over the blocks. A CPU runs small
+  matmuls and many small ops far below its rate, which the FLOP model alone misses (a pipeline's
+  smaller micro-batches, tensor parallelism's narrower ones).
+- the link: gloo's all-reduce between two ranks on this machine, timed at 4 bytes (latency) and
+  4 MiB (bandwidth), as the ring formulas of memfit.plan.cluster_links count them.
+- cores: N ranks of `threads` threads share `cores` cores. The step can be no shorter than every
+  rank's busy time over the cores it shares (memfit.plan.cluster_time adds the difference as the
+  "cores" term): on enough cores that is zero; on fewer, pipeline stages do not overlap.
+
+Both measurements are cached on disk (memfit.core.cache, kind `host`; MEMFIT_NO_CACHE=1 measures again).
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+from memfit.core import cache
+from memfit.plan.cluster_links import Link
+
+CALIBRATE_ROWS = (1, 4)
+MAX_CALIBRATE_PARAMS = 200_000_000
+"""Models above this are not built for a calibration run (the FLOP model's CPU rate is used)."""
+_VERSION = 1
+_MEMO: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class Host:
+    cores: int
+    threads: int = 1
+    """Threads per rank (memfit's launcher and torchrun: 1 unless OMP_NUM_THREADS says otherwise)."""
+    overhead_s: float = 0.0
+    """Fixed seconds per block and micro-batch, forward and backward (measured; 0 on a GPU model)."""
+
+
+def host_of(cores: int | None = None, threads: int | None = None, overhead_s: float = 0.0) -> Host:
+    """This machine: `cores` (default: the CPUs this process may run on), `threads` per rank
+    (default: OMP_NUM_THREADS, else 1 as the launcher sets)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads is None:
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
+    return Host(max(1, cores), max(1, threads), overhead_s)
+
+
+def _cached(name: str, key: dict, measure) -> dict:
+    memo = name + repr(sorted(key.items()))
+    if memo in _MEMO:
+        return _MEMO[memo]
+    off = bool(os.environ.get("MEMFIT_NO_CACHE"))
+    full = {"v": _VERSION, "what": name, "node": platform.node(), "cpus": os.cpu_count(), **key}
+    got = None if off else cache.load(full, "host")
+    if got is None:
+        got = {"key": full, **measure()}
+        if not off:
+            try:
+                cache.store(full, got, "host")
+            except OSError:
+                pass  # a read-only cache only costs the measurement next time
+    _MEMO[memo] = got
+    return got
+
+
+def _probe(rank: int, world: int) -> tuple[float, float]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for numel, reps in ((1, 200), (1 << 20, 20)):
+        x = torch.ones(numel)
+        for _ in range(3):
+            dist.all_reduce(x)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(x)
+        out.append((time.perf_counter() - t0) / reps)
+    return out[0], out[1]
+
+
+def loopback_link() -> Link:
+    """gloo between two ranks on 127.0.0.1, measured (an all-reduce of 2 ranks: each sends the
+    tensor's bytes in 2 ring steps)."""
+    def measure() -> dict:
+        from memfit.distributed.spawn import run_world
+
+        small, big = run_world(_probe, 2, timeout_s=60)[0]
+        latency = small / 2
+        return {"latency_s": latency, "bytes_per_s": (4 << 20) / max(big - 2 * latency, 1e-9)}
+
+    got = _cached("loopback", {}, measure)
+    return Link(f"gloo loopback, measured {got['bytes_per_s'] / 1e9:.2g} GB/s", got["bytes_per_s"], got["latency_s"])
+
+
+def step_flops(spec, seq: int, rows: int) -> float:
+    """FLOPs of one training step of `rows` sequences by the cluster time model's count."""
+    from memfit.plan.cluster_unit import states_only
+
+    cfg, u = spec.config, states_only(spec, seq, 1)
+    fwd = cfg.layers * (2 * u.block_numel * seq + 2 * seq * seq * cfg.hidden) + 2 * cfg.hidden * cfg.vocab * seq
+    return 3 * fwd * rows
+
+
+def calibrate(model: str, seq: int, precision: str, optimizer: str = "adamw",
+              threads: int = 1) -> tuple[float, float] | None:
+    """(FLOP/s, fixed seconds per block and micro-batch) on `threads` threads, from memfit.profile at
+    CALIBRATE_ROWS sequences; None for a model too large to build here."""
+    from memfit.models.spec import parse_model
+
+    spec = parse_model(model)
+    if spec.config is None or _numel(spec, seq) > MAX_CALIBRATE_PARAMS:
+        return None
+
+    def measure() -> dict:
+        import torch
+
+        from memfit.profile.measure import profile
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            t = [profile(model, batch=r, seq=seq, precision=precision, optimizer=optimizer, use_cache=False)
+                 .step_s["none"] for r in CALIBRATE_ROWS]
+        finally:
+            torch.set_num_threads(before)
+        return {"rows": list(CALIBRATE_ROWS), "step_s": t}
+
+    got = _cached("compute", {"model": repr(spec.config), "seq": seq, "precision": precision,
+                              "optimizer": optimizer, "threads": threads}, measure)
+    (r1, r2), (t1, t2) = got["rows"], got["step_s"]
+    f1, f2 = step_flops(spec, seq, r1), step_flops(spec, seq, r2)
+    rate = (f2 - f1) / (t2 - t1) if t2 > t1 else f2 / t2
+    fixed = max(t1 - f1 / rate, 0.0)
+    return rate, fixed / spec.config.layers
+
+
+def _numel(spec, seq: int) -> int:
+    from memfit.plan.cluster_unit import states_only
+
+    u = states_only(spec, seq, 1)
+    return u.block_numel * spec.config.layers + u.rest_numel
