@@ -76,14 +76,14 @@ def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precisi
 
 def _host(model, spec, seq, precision, optimizer, flops, cores, interconnect):
     """(Host, FLOP/s, link) for ranks on this machine's cores; measured unless given."""
-    from memfit.plan.cluster_host import calibrate, host_of
+    from memfit.plan.cluster_host import calibrate, host_of, loopback
 
     host = host_of(cores)
     got = calibrate(model if isinstance(model, str) else spec.name, seq, precision, optimizer, host.threads) \
         if flops is None else None
-    if got is not None:
+    if got is not None:  # measured here: the fixed costs (per block; DTensor's per TP pair) come with the rate
         flops = got[0]
-        host = host_of(host.cores, host.threads, got[1])
+        host = host_of(host.cores, host.threads, got[1], loopback()["tp_pair_s"])
     return host, flops, interconnect or "loopback"
 
 

@@ -13,7 +13,9 @@ time model must be this machine's, not a GPU cluster's:
   matmuls and many small ops far below its rate, which the FLOP model alone misses (a pipeline's
   smaller micro-batches, tensor parallelism's narrower ones).
 - the link: gloo's all-reduce between two ranks on this machine, timed at 4 bytes (latency) and
-  4 MiB (bandwidth), as the ring formulas of memfit.plan.cluster_links count them.
+  4 MiB (bandwidth), as the ring formulas of memfit.plan.cluster_links count them; and what a
+  column- then row-parallel pair of linears costs under DTensor beyond its FLOPs and the link's
+  latency (two pairs a block under tensor parallelism: DTensor's dispatch on a CPU is milliseconds).
 - cores: N ranks of `threads` threads share `cores` cores. The step can be no shorter than every
   rank's busy time over the cores it shares (memfit.plan.cluster_time adds the difference as the
   "cores" term): on enough cores that is zero; on fewer, pipeline stages do not overlap.
@@ -32,7 +34,7 @@ from memfit.plan.cluster_links import Link
 CALIBRATE_ROWS = (1, 4)
 MAX_CALIBRATE_PARAMS = 200_000_000
 """Models above this are not built for a calibration run (the FLOP model's CPU rate is used)."""
-_VERSION = 1
+_VERSION = 2
 _MEMO: dict[str, object] = {}
 
 
@@ -43,16 +45,20 @@ class Host:
     """Threads per rank (memfit's launcher and torchrun: 1 unless OMP_NUM_THREADS says otherwise)."""
     overhead_s: float = 0.0
     """Fixed seconds per block and micro-batch, forward and backward (measured; 0 on a GPU model)."""
+    tp_pair_s: float = 0.0
+    """Fixed seconds of a column- then row-parallel pair of linears (DTensor's dispatch, beside the
+    FLOPs and the link's latency), forward and backward: two in each block under tensor parallelism."""
 
 
-def host_of(cores: int | None = None, threads: int | None = None, overhead_s: float = 0.0) -> Host:
+def host_of(cores: int | None = None, threads: int | None = None, overhead_s: float = 0.0,
+            tp_pair_s: float = 0.0) -> Host:
     """This machine: `cores` (default: the CPUs this process may run on), `threads` per rank
     (default: OMP_NUM_THREADS, else 1 as the launcher sets)."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads is None:
         threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
-    return Host(max(1, cores), max(1, threads), overhead_s)
+    return Host(max(1, cores), max(1, threads), overhead_s, tp_pair_s)
 
 
 def _cached(name: str, key: dict, measure) -> dict:
@@ -73,37 +79,69 @@ def _cached(name: str, key: dict, measure) -> dict:
     return got
 
 
-def _probe(rank: int, world: int) -> tuple[float, float]:
+def _timed(fn, reps: int) -> float:
     import time
 
+    import torch.distributed as dist
+
+    for _ in range(3):
+        fn()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def _pair_s(rank: int, world: int) -> float:
+    """Seconds of a tensor-parallel pair of linears (forward and backward) over a plain one's, at a
+    width where the FLOPs are negligible."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    tp = parallelize_module(copy.deepcopy(plain), init_device_mesh("cpu", (world,)),
+                            {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    return _timed(lambda: tp(x).sum().backward(), 20) - _timed(lambda: plain(x).sum().backward(), 20)
+
+
+def _probe(rank: int, world: int) -> tuple[float, float, float]:
     import torch
     import torch.distributed as dist
 
     out = []
     for numel, reps in ((1, 200), (1 << 20, 20)):
         x = torch.ones(numel)
-        for _ in range(3):
-            dist.all_reduce(x)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            dist.all_reduce(x)
-        out.append((time.perf_counter() - t0) / reps)
-    return out[0], out[1]
+        out.append(_timed(lambda: dist.all_reduce(x), reps))
+    return out[0], out[1], _pair_s(rank, world)
+
+
+def loopback() -> dict:
+    """gloo between two ranks here: latency_s, bytes_per_s and tp_pair_s (Host), measured and cached."""
+    def measure() -> dict:
+        from memfit.distributed.spawn import run_world
+
+        small, big, pair = run_world(_probe, 2, timeout_s=60)[0]
+        latency = small / 2
+        # the pair's two all-reduces (forward and backward, 2 ring steps each) are the link's
+        return {"latency_s": latency, "bytes_per_s": (4 << 20) / max(big - 2 * latency, 1e-9),
+                "tp_pair_s": max(pair - 4 * latency, 0.0)}
+
+    return _cached("loopback", {}, measure)
 
 
 def loopback_link() -> Link:
     """gloo between two ranks on 127.0.0.1, measured (an all-reduce of 2 ranks: each sends the
     tensor's bytes in 2 ring steps)."""
-    def measure() -> dict:
-        from memfit.distributed.spawn import run_world
-
-        small, big = run_world(_probe, 2, timeout_s=60)[0]
-        latency = small / 2
-        return {"latency_s": latency, "bytes_per_s": (4 << 20) / max(big - 2 * latency, 1e-9)}
-
-    got = _cached("loopback", {}, measure)
-    return Link(f"gloo loopback, measured {got['bytes_per_s'] / 1e9:.2g} GB/s", got["bytes_per_s"], got["latency_s"])
+    got = loopback()
+    return Link(f"gloo loopback, measured {got['bytes_per_s'] / 1e9:.2g} GB/s, {got['latency_s'] * 1e6:.3g} us",
+                got["bytes_per_s"], got["latency_s"])
 
 
 def step_flops(spec, seq: int, rows: int) -> float:

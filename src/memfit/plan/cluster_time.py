@@ -87,7 +87,8 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
         keep, sel, rec = lay.counts[r] if r < len(lay.counts) else (k, 0, 0)
         fwd = k * block_f + (head_f if r == lay.pp - 1 else 0)
         extra = (rec + SELECTIVE_SHARE * sel) * block_f
-        fixed = host.overhead_s if host else 0.0  # per block, forward and backward (a forward: a third)
+        # fixed seconds per block, forward and backward (a forward: a third); DTensor's two pairs under TP
+        fixed = (host.overhead_s + (2 * host.tp_pair_s if lay.tp > 1 else 0.0)) if host else 0.0
         per_stage.append((3 * fwd + extra) * lay.rows / flops + fixed * (k + (rec + SELECTIVE_SHARE * sel) / 3))
         recompute = max(recompute, extra * lay.rows / flops + fixed * (rec + SELECTIVE_SHARE * sel) / 3)
     mb = max(per_stage)  # one micro-batch on the slowest stage
