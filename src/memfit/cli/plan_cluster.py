@@ -19,10 +19,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=_gpus, metavar="N|auto",
                    help="plan for N devices of --budget each, or auto: the smallest count that fits and the "
                    "fastest plan there; --batch is then the global batch (default 256)")
-    g.add_argument("--interconnect", metavar="LINK", help="nvlink, pcie, ib, loopback (gloo on this machine, "
-                   "measured) or a bandwidth in GB/s (default nvlink; with --device cpu, loopback)")
+    g.add_argument("--interconnect", metavar="LINK", help="nvlink, pcie, ib, measured (with --device cpu: "
+                   "gloo here and the compute, measured once and cached) or a bandwidth in GB/s (default nvlink)")
     g.add_argument("--cores", type=integer(1, 4096), metavar="C", help="with --device cpu: the CPU cores the "
-                   "ranks share (default: this machine's); compute and the gloo loopback link are measured here")
+                   "ranks share (default: this machine's)")
     g.add_argument("--nodes", type=integer(1, 4096), metavar="K", help="the devices over K nodes (default 8 a node); "
                    "groups that span nodes run at InfiniBand's speed")
 

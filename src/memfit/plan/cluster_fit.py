@@ -31,14 +31,16 @@ MAX_REFUSED = 3
 
 
 def _basis(flops: float, calibrated: bool, host=None) -> str:
-    if host is not None:
-        return (f"host: ranks of {host.threads} thread(s) sharing {host.cores} CPU core(s); compute "
-                f"{flops / 1e9:.3g} GFLOP/s + {host.overhead_s * 1e3:.3g} ms per block and micro-batch "
-                "(measured by memfit profile here unless flops= was given) and the link given")
+    share = f"; ranks of {host.threads} thread(s) share {host.cores} CPU core(s)" if host is not None else ""
+    if host is not None and host.measured:
+        return (f"host, measured here: compute {flops / 1e9:.3g} GFLOP/s + {host.overhead_s * 1e3:.3g} ms per block "
+                f"and micro-batch (memfit profile), DTensor {host.tp_pair_s * 1e3:.3g} ms per tensor-parallel "
+                f"pair, gloo's loopback{share}")
     if calibrated:
-        return f"calibrated: {flops / 1e12:.3g} TFLOP/s per device and the link bandwidth given, measured on this machine"
+        return (f"calibrated: {flops / 1e12:.3g} TFLOP/s per device and the link bandwidth given, measured on this "
+                f"machine{share}")
     return (f"FLOP model: {flops / 1e12:.3g} TFLOP/s sustained per device assumed (not measured) and the "
-            "interconnect's published bandwidth; seconds for ranking and sizing, not a measurement")
+            f"interconnect's published bandwidth; seconds for ranking and sizing, not a measurement{share}")
 
 
 def actions_of(lay: Layout, layers: int) -> list[BlockAction]:
@@ -53,8 +55,9 @@ def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precisi
                flops, cores: int | None = None) -> ClusterProblem:
     """The search's inputs, checked (a model name or spec with memfit's GPT config; the allow list for
     `device`; the FLOP rate for the time model). On a CPU device the devices are this machine's
-    cores (memfit.plan.cluster_host): the link defaults to gloo's loopback, measured, and compute is
-    calibrated by memfit.profile where the model is small enough to build."""
+    cores (memfit.plan.cluster_host): the ranks share them; with `interconnect` "measured" (or
+    "loopback") the link is gloo's here, measured, and compute is calibrated by memfit.profile where
+    the model is small enough to build."""
     from memfit.models.spec import parse_model
 
     spec = parse_model(model) if isinstance(model, str) else model
@@ -79,12 +82,14 @@ def _host(model, spec, seq, precision, optimizer, flops, cores, interconnect):
     from memfit.plan.cluster_host import calibrate, host_of, loopback
 
     host = host_of(cores)
+    if str(interconnect).lower() not in ("loopback", "measured"):
+        return host, flops, interconnect  # the core sharing alone: nothing measured unless asked
     got = calibrate(model if isinstance(model, str) else spec.name, seq, precision, optimizer, host.threads) \
         if flops is None else None
     if got is not None:  # measured here: the fixed costs (per block; DTensor's per TP pair) come with the rate
         flops = got[0]
-        host = host_of(host.cores, host.threads, got[1], loopback()["tp_pair_s"])
-    return host, flops, interconnect or "loopback"
+        host = host_of(host.cores, host.threads, got[1], loopback()["tp_pair_s"], measured=True)
+    return host, flops, interconnect
 
 
 def plan_cluster(model: Any, budget: Any, gpus: int | str = "auto", *, interconnect: Any = None,
@@ -108,7 +113,7 @@ def plan_cluster(model: Any, budget: Any, gpus: int | str = "auto", *, interconn
                               f"give --batch a multiple of {gpus}")
         rows = candidates(p, n)
     chosen, notes = _checked(p, rows, verify)
-    cp = _result(p, n, chosen, rows, notes, device, flops is not None or p.host is not None)
+    cp = _result(p, n, chosen, rows, notes, device, flops is not None)
     if gpus == "auto":
         cp.by_count = by_count(p, n, rows)
     cp.seconds = time.perf_counter() - t0
@@ -156,7 +161,7 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
         from memfit.plan.cluster_memory import rank_peaks
 
         on = rank_peaks(Layout(**{**lay.__dict__, "offload_optimizer": None}), p.unit(lay.tp, lay.precision), layers)
-        host = max(r["optimizer"] + r["grads"] for r in on)
+        host = max(r["optimizer"] + r["grad_bytes"] for r in on)
         notes.append(f"optimizer offload: each rank's optimizer state and gradients ({format_bytes(host)}) live in "
                      f"host memory: {format_bytes(host * min(n, 8))} per node of {min(n, 8)}")
     return ClusterPlan(model=p.spec.name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,

@@ -48,17 +48,19 @@ class Host:
     tp_pair_s: float = 0.0
     """Fixed seconds of a column- then row-parallel pair of linears (DTensor's dispatch, beside the
     FLOPs and the link's latency), forward and backward: two in each block under tensor parallelism."""
+    measured: bool = False
+    """Whether the rate and fixed costs were measured here (else the FLOP model's rate, no fixed costs)."""
 
 
 def host_of(cores: int | None = None, threads: int | None = None, overhead_s: float = 0.0,
-            tp_pair_s: float = 0.0) -> Host:
+            tp_pair_s: float = 0.0, measured: bool = False) -> Host:
     """This machine: `cores` (default: the CPUs this process may run on), `threads` per rank
     (default: OMP_NUM_THREADS, else 1 as the launcher sets)."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads is None:
         threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
-    return Host(max(1, cores), max(1, threads), overhead_s, tp_pair_s)
+    return Host(max(1, cores), max(1, threads), overhead_s, tp_pair_s, measured)
 
 
 def _cached(name: str, key: dict, measure) -> dict:

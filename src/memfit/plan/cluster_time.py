@@ -113,7 +113,7 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
     offload = 0.0
     if lay.offload_optimizer:
         row = rank_peaks(Layout(**{**lay.__dict__, "offload_optimizer": None}), unit, cfg.layers)[0]
-        offload = 2 * (row["grads"] + row["params"]) / HOST_BW
+        offload = 2 * (row["grad_bytes"] + row["params"]) / HOST_BW
     cores = 0.0
     if host is not None:  # every rank's busy seconds over the cores they share
         busy = lay.dp * lay.accum * sum(per_stage) if lay.strategy == "pipeline" else lay.gpus * lay.accum * mb
