@@ -2,7 +2,7 @@
 processes (ddp; ddp with every block recomputed; ddp at micro-batch 1 x accumulation 4; pipeline
 gpipe with 1 micro-batch and 1f1b with 4; tensor tp 2), interleaved in shuffled rounds.
 
-    PYTHONPATH=src python bench/cluster_rank.py [--rounds 2] [--measured FILE]
+    PYTHONPATH=src python bench/cluster_rank.py [--rounds 2] [--measured FILE --rounds 1]
 
 Each contender is `memfit train --nproc 2 --strategy S` (a fresh process group per run); its
 figure is the median step time over the steps after the first. The prediction is what
@@ -12,7 +12,8 @@ DTensor's cost per sharded pair measured, the ranks sharing this machine's cores
 the rounds, under the same load (MEMFIT_NO_CACHE=1). The FLOP-model prediction (a GPU-style
 model: no fixed costs, no core sharing, the link at LINK_GBS) is kept beside it for comparison.
 The machine is shared and loaded: rounds are few (launches cost ~40 s each) and the load is
-recorded before and after. `--measured FILE` reuses a run's measured times (from its JSON).
+recorded before and after. `--measured FILE` reuses a run's measured times (from its JSON) and
+adds `--rounds` more (0: none), so the rounds can be split over runs of under ten minutes.
 """
 from __future__ import annotations
 
@@ -121,18 +122,18 @@ def main() -> None:
     ap.add_argument("--measured", help="a cluster_rank JSON whose measured times to reuse")
     args = ap.parse_args()
     load_before = load()
-    if args.measured:
+    times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
+    rng = random.Random(0)
+    if args.measured:  # its rounds, then --rounds more (0: none)
         old = json.loads(Path(args.measured).read_text())
-        times = {n: old["contenders"][n]["measured_s"] for n in CONTENDERS}
+        times = {n: list(old["contenders"][n]["measured_s"]) for n in CONTENDERS}
         load_before = old["load_before"]
-    else:
-        times = {k: [] for k in CONTENDERS}
-        rng = random.Random(0)
-        for _ in range(args.rounds):
-            order = list(CONTENDERS)
-            rng.shuffle(order)
-            for name in order:
-                times[name].append(_measure(name))
+        rng = random.Random(len(times["ddp"]))
+    for _ in range(args.rounds):
+        order = list(CONTENDERS)
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(_measure(name))
     load_measured = load()
     os.environ["MEMFIT_NO_CACHE"] = "1"  # the host measured now, under the rounds' load
     host, basis = _predicted("cpu", None, "measured")

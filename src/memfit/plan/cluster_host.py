@@ -34,7 +34,7 @@ from memfit.plan.cluster_links import Link
 CALIBRATE_ROWS = (1, 4)
 MAX_CALIBRATE_PARAMS = 200_000_000
 """Models above this are not built for a calibration run (the FLOP model's CPU rate is used)."""
-_VERSION = 2
+_VERSION = 3
 _MEMO: dict[str, object] = {}
 
 
@@ -82,6 +82,8 @@ def _cached(name: str, key: dict, measure) -> dict:
 
 
 def _timed(fn, reps: int) -> float:
+    """Median seconds of one call over `reps` batches of 5 (a loaded machine's preemptions fall in few)."""
+    import statistics
     import time
 
     import torch.distributed as dist
@@ -89,10 +91,13 @@ def _timed(fn, reps: int) -> float:
     for _ in range(3):
         fn()
     dist.barrier()
-    t0 = time.perf_counter()
+    out = []
     for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        out.append((time.perf_counter() - t0) / 5)
+    return statistics.median(out)
 
 
 def _pair_s(rank: int, world: int) -> float:
@@ -110,7 +115,7 @@ def _pair_s(rank: int, world: int) -> float:
     tp = parallelize_module(copy.deepcopy(plain), init_device_mesh("cpu", (world,)),
                             {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(2, 16, 32, requires_grad=True)
-    return _timed(lambda: tp(x).sum().backward(), 20) - _timed(lambda: plain(x).sum().backward(), 20)
+    return _timed(lambda: tp(x).sum().backward(), 12) - _timed(lambda: plain(x).sum().backward(), 12)
 
 
 def _probe(rank: int, world: int) -> tuple[float, float, float]:
@@ -118,7 +123,7 @@ def _probe(rank: int, world: int) -> tuple[float, float, float]:
     import torch.distributed as dist
 
     out = []
-    for numel, reps in ((1, 200), (1 << 20, 20)):
+    for numel, reps in ((1, 40), (1 << 20, 6)):
         x = torch.ones(numel)
         out.append(_timed(lambda: dist.all_reduce(x), reps))
     return out[0], out[1], _pair_s(rank, world)

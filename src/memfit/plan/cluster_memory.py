@@ -9,8 +9,8 @@ the per-rank figures of memfit.distributed.rank_memory: ZeRO-3 gathers the rest 
 norms) and two blocks (running, prefetched); ZeRO-2/3 copy one block's full gradients into a flat
 bucket for the reduce-scatter, ZeRO-1 the largest bucket at the step; DDP keeps its gradient
 buckets, which are the gradients (gradient_as_bucket_view). Without accumulation, one process and
-ZeRO-1 make their gradients during backward as the activations are freed: backward's peak holds
-the head's and one block's, the step every one (two moments; `grad_bytes` is the rank's whole
+ZeRO-1-3 make (reduce) their gradients during backward as the activations are freed: backward's
+peak holds the head's and one block's, the step every one (two moments; `grad_bytes` is the rank's whole
 gradient bytes). A pipeline stage holds the activations of the
 micro-batches in flight (gpipe all M; 1f1b min(M, stages - r)) and its gradients: under gpipe the
 last stage's peak is in its first backward, with every micro-batch's activations still held and the
@@ -135,9 +135,10 @@ def rank_peaks(lay: Layout, unit: UnitProfile, layers: int, tied: bool = False) 
         t_bwd = unit.temps[1] * lay.rows // 2
         t_step = int(unit.temps[0] * min(1.0, shard / max(one_block, 1)))
         bwd_grads = grads
-        if lay.accum == 1 and lay.strategy in ("none", "zero1"):
-            # made during backward as the activations are freed: at its peak (its start), the head's
-            # and one block's; DDP's buckets and an earlier micro-batch's gradients are there throughout
+        if lay.accum == 1 and lay.strategy in ("none", "zero1", "zero2", "zero3"):
+            # made (ZeRO-2/3: reduced) during backward as the activations are freed: at its peak (its
+            # start), the head's and one block's; DDP's buckets and an earlier micro-batch's gradients
+            # are there throughout
             bwd_grads = int(grads * min(1.0, (unit.head_numel + unit.block_numel) / max(numel, 1)))
         bwd_extra = 0 if lay.zero == 1 else extra  # ZeRO-1's flat bucket: at the step only
         row = {"rank": r, "params": params, "optimizer": opt, "grad_bytes": grads,
