@@ -1,6 +1,6 @@
 """Cluster planner: predicted step-time ranking against measured, for 6 layouts of one model on 2 gloo
-processes (ddp; ddp with every block recomputed; ddp at micro-batch 1 x accumulation 4; pipeline
-gpipe with 1 micro-batch and 1f1b with 4; tensor tp 2), interleaved in shuffled rounds.
+processes (ddp, with and without every block recomputed; pipeline gpipe with 1 micro-batch, with and
+without every block recomputed, and 1f1b with 4; tensor tp 2), interleaved in shuffled rounds.
 
     PYTHONPATH=src python bench/cluster_rank.py [--rounds 2] [--measured FILE --rounds 1]
 
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -36,8 +37,9 @@ SEQ, BATCH, STEPS, LINK_GBS = 64, 4, 6, 2.0
 CONTENDERS = {
     "ddp": ["--strategy", "ddp"],
     "ddp, every block recomputed": ["--strategy", "ddp", "--checkpoint", "full"],
-    "ddp, micro-batch 1 x accumulation 4": ["--strategy", "ddp", "--batch", "1", "--accum", "4"],
     "pipeline gpipe x1": ["--strategy", "pipeline", "--microbatches", "1", "--schedule", "gpipe"],
+    "pipeline gpipe x1, every block recomputed": ["--strategy", "pipeline", "--microbatches", "1", "--schedule",
+                                                  "gpipe", "--checkpoint", "full"],
     "pipeline 1f1b x4": ["--strategy", "pipeline", "--microbatches", "4", "--schedule", "1f1b"],
     "tensor tp2": ["--strategy", "tensor", "--tp", "2"],
 }
@@ -76,7 +78,7 @@ def _layout(name: str):
     from memfit.plan.cluster_memory import Layout
 
     if name.startswith("pipeline"):  # replica rows 2 x BATCH in M micro-batches
-        m, sched = int(name.split("x")[-1]), name.split()[1]
+        m, sched = int(re.search(r"x(\d+)", name).group(1)), name.split()[1]
         return Layout("pipeline", dp=1, pp=2, rows=2 * BATCH // m, accum=m, schedule=sched)
     if name.startswith("tensor"):
         return Layout("tensor", dp=1, tp=2, rows=2 * BATCH)
@@ -126,7 +128,7 @@ def main() -> None:
     rng = random.Random(0)
     if args.measured:  # its rounds, then --rounds more (0: none)
         old = json.loads(Path(args.measured).read_text())
-        times = {n: list(old["contenders"][n]["measured_s"]) for n in CONTENDERS}
+        times = {n: list(old["contenders"].get(n, {}).get("measured_s", [])) for n in CONTENDERS}
         load_before = old["load_before"]
         rng = random.Random(len(times["ddp"]))
     for _ in range(args.rounds):
@@ -145,7 +147,7 @@ def main() -> None:
     save("cluster_rank", {
         "bench": "cluster_rank", "machine": machine(), "load_before": load_before, "load_measured": load_measured,
         "load_after": load(), "model": MODEL, "seq": SEQ, "batch_per_process": BATCH, "processes": 2,
-        "steps": STEPS, "rounds": len(times[names[0]]), "time_basis": basis, "link_gbs_flop_model": LINK_GBS,
+        "steps": STEPS, "rounds": min(len(t) for t in times.values()), "time_basis": basis, "link_gbs_flop_model": LINK_GBS,
         "contenders": {n: {"measured_s": times[n], "median_s": m, "spread_s": [min(times[n]), max(times[n])],
                            "predicted": host[n], "flop_model": flop_model[n],
                            "ratio": m / host[n]["total"]} for n, m in zip(names, measured)},

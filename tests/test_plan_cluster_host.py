@@ -33,9 +33,13 @@ def _time(setup, lay: Layout, host: Host | None) -> dict:
 def test_ranks_sharing_cores_do_not_overlap(setup):
     pipe = Layout("pipeline", dp=1, pp=2, rows=2, accum=4)
     ddp = Layout("ddp", dp=2, rows=2)
-    for lay in (pipe, ddp):  # a core per rank: the GPU-style figure
-        assert _time(setup, lay, Host(cores=2))["cores"] == 0.0
-        assert _time(setup, lay, Host(cores=2))["total"] == pytest.approx(_time(setup, lay, None)["total"])
+    for lay in (pipe, ddp):  # a core to spare: the GPU-style figure
+        assert _time(setup, lay, Host(cores=4))["cores"] == 0.0
+        assert _time(setup, lay, Host(cores=4))["total"] == pytest.approx(_time(setup, lay, None)["total"])
+    # a core per rank and none to spare: gloo's work hides behind nothing
+    fits = _time(setup, ddp, Host(cores=2))
+    assert fits["cores"] == 0.0 and fits["comm"] > 0 and fits["comm_exposed"] == fits["comm"]
+    assert _time(setup, ddp, None)["comm_exposed"] < fits["comm"]
     one = _time(setup, pipe, Host(cores=1))
     # on one core the two stages run one after the other: every micro-batch of both, no bubble saved
     alone = _time(setup, replace(pipe, pp=1, dp=1, strategy="none"), None)

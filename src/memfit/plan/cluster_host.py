@@ -7,9 +7,10 @@
 `memfit plan MODEL --gpus N --device cpu` plans for what `memfit train --nproc N` runs here, so its
 time model must be this machine's, not a GPU cluster's:
 
-- compute: the rate and a fixed cost per block and micro-batch, from two memfit.profile runs of the
-  model (every block kept, at 1 and 4 sequences, on `threads` threads as the launcher gives each rank):
-  step(rows) = fixed + FLOPs(rows) / rate, the fixed part spread over the blocks. A CPU runs small
+- compute: the rate and a fixed cost per block and micro-batch, from warm steps of the model timed
+  as memfit.profile times them (every block kept, at 1, 2, 4 and 8 sequences, on `threads` threads as
+  the launcher gives each rank): step(rows) = fixed + FLOPs(rows) / rate, fitted by least squares,
+  the fixed part spread over the blocks. A CPU runs small
   matmuls and many small ops far below its rate, which the FLOP model alone misses (a pipeline's
   smaller micro-batches, tensor parallelism's narrower ones).
 - the link: gloo's all-reduce between two ranks on this machine, timed at 4 bytes (latency) and
@@ -31,10 +32,11 @@ from dataclasses import dataclass
 from memfit.core import cache
 from memfit.plan.cluster_links import Link
 
-CALIBRATE_ROWS = (1, 4)
+CALIBRATE_ROWS = (1, 2, 4, 8)
+PROFILE_ROUNDS = 5
 MAX_CALIBRATE_PARAMS = 200_000_000
 """Models above this are not built for a calibration run (the FLOP model's CPU rate is used)."""
-_VERSION = 3
+_VERSION = 4
 _MEMO: dict[str, object] = {}
 
 
@@ -115,7 +117,7 @@ def _pair_s(rank: int, world: int) -> float:
     tp = parallelize_module(copy.deepcopy(plain), init_device_mesh("cpu", (world,)),
                             {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(2, 16, 32, requires_grad=True)
-    return _timed(lambda: tp(x).sum().backward(), 12) - _timed(lambda: plain(x).sum().backward(), 12)
+    return _timed(lambda: tp(x).sum().backward(), 20) - _timed(lambda: plain(x).sum().backward(), 20)
 
 
 def _probe(rank: int, world: int) -> tuple[float, float, float]:
@@ -162,8 +164,9 @@ def step_flops(spec, seq: int, rows: int) -> float:
 
 def calibrate(model: str, seq: int, precision: str, optimizer: str = "adamw",
               threads: int = 1) -> tuple[float, float] | None:
-    """(FLOP/s, fixed seconds per block and micro-batch) on `threads` threads, from memfit.profile at
-    CALIBRATE_ROWS sequences; None for a model too large to build here."""
+    """(FLOP/s, fixed seconds per block and micro-batch) on `threads` threads: warm steps timed as
+    memfit.profile times them (median of PROFILE_ROUNDS) at each of CALIBRATE_ROWS sequences, and the
+    line step = fixed + FLOPs / rate fitted through them; None for a model too large to build here."""
     from memfit.models.spec import parse_model
 
     spec = parse_model(model)
@@ -173,24 +176,26 @@ def calibrate(model: str, seq: int, precision: str, optimizer: str = "adamw",
     def measure() -> dict:
         import torch
 
-        from memfit.profile.measure import profile
+        from memfit.profile.measure import _median_steps
 
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            t = [profile(model, batch=r, seq=seq, precision=precision, optimizer=optimizer, use_cache=False)
-                 .step_s["none"] for r in CALIBRATE_ROWS]
+            t = [_median_steps(spec, {"none": ("none", None)}, r, seq, precision, PROFILE_ROUNDS, optimizer)["none"]
+                 for r in CALIBRATE_ROWS]
         finally:
             torch.set_num_threads(before)
         return {"rows": list(CALIBRATE_ROWS), "step_s": t}
 
     got = _cached("compute", {"model": repr(spec.config), "seq": seq, "precision": precision,
                               "optimizer": optimizer, "threads": threads}, measure)
-    (r1, r2), (t1, t2) = got["rows"], got["step_s"]
-    f1, f2 = step_flops(spec, seq, r1), step_flops(spec, seq, r2)
-    rate = (f2 - f1) / (t2 - t1) if t2 > t1 else f2 / t2
-    fixed = max(t1 - f1 / rate, 0.0)
-    return rate, fixed / spec.config.layers
+    f = [step_flops(spec, seq, r) for r in got["rows"]]
+    t = got["step_s"]
+    mf, mt = sum(f) / len(f), sum(t) / len(t)  # least squares: t = fixed + f / rate
+    slope = sum((x - mf) * (y - mt) for x, y in zip(f, t)) / sum((x - mf) ** 2 for x in f)
+    if slope <= 0:  # noise beyond the signal: the rate of the largest run, no fixed part
+        return f[-1] / t[-1], 0.0
+    return 1 / slope, max(mt - mf * slope, 0.0) / spec.config.layers
 
 
 def _numel(spec, seq: int) -> int:

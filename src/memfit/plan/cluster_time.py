@@ -27,6 +27,7 @@ Optimizer offload adds the gradients' trip to the host and the weights' back at 
 On this machine's CPU (`host`, memfit.plan.cluster_host): a fixed cost per block and micro-batch
 beside the FLOPs, and the ranks share its cores: the step is no shorter than every rank's busy time
 times its threads over the cores; the difference is the "cores" term (zero with a core per thread).
+With no core to spare, no communication overlaps (gloo computes on the cores the ranks use).
 """
 from __future__ import annotations
 
@@ -114,6 +115,8 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
     if lay.offload_optimizer:
         row = rank_peaks(Layout(**{**lay.__dict__, "offload_optimizer": None}), unit, cfg.layers)[0]
         offload = 2 * (row["grad_bytes"] + row["params"]) / HOST_BW
+    if host is not None and lay.gpus * host.threads >= host.cores:
+        exposed = comm  # gloo's copies and reductions run on the cores the compute uses: nothing hides them
     cores = 0.0
     if host is not None:  # every rank's busy seconds over the cores they share
         busy = lay.dp * lay.accum * sum(per_stage) if lay.strategy == "pipeline" else lay.gpus * lay.accum * mb
