@@ -55,6 +55,12 @@ def test_fixed_costs_make_small_micro_batches_and_tensor_parallel_slower(setup):
     assert gpu[0] == pytest.approx(gpu[1])  # the FLOP model alone cannot tell them apart
     host = Host(cores=2, overhead_s=0.01)
     assert _time(setup, small, host)["compute"] - _time(setup, big, host)["compute"] == pytest.approx(3 * 4 * 0.01)
+    # the optimizer step once per step, for the weights the rank updates (ZeRO: its shard)
+    stepped = Host(cores=2, step_s_per_elem=1e-8)
+    one, acc = _time(setup, big, stepped)["compute"], _time(setup, small, stepped)["compute"]
+    assert acc - one == pytest.approx(_time(setup, small, Host(cores=2))["compute"] - _time(setup, big, Host(cores=2))["compute"])
+    z = Layout("zero1", dp=2, rows=4)
+    assert _time(setup, big, stepped)["compute"] - _time(setup, z, stepped)["compute"] > 0
     tp = Layout("tensor", dp=1, tp=2, rows=8)
     plain, dt = _time(setup, tp, Host(cores=2)), _time(setup, tp, Host(cores=2, tp_pair_s=0.005))
     assert dt["compute"] - plain["compute"] == pytest.approx(4 * 2 * 0.005)
@@ -63,12 +69,13 @@ def test_fixed_costs_make_small_micro_batches_and_tensor_parallel_slower(setup):
 def test_calibration_recovers_rate_and_fixed_cost(monkeypatch):
     from memfit.models.spec import parse_model
 
-    spec, rate, fixed = parse_model(MODEL), 3e9, 0.02
-    steps = [fixed + step_flops(spec, SEQ, r) / rate for r in cluster_host.CALIBRATE_ROWS]
+    spec, rate, fixed, opt = parse_model(MODEL), 3e9, 0.02, 0.005
+    steps = [fixed + opt + step_flops(spec, SEQ, r) / rate for r in cluster_host.CALIBRATE_ROWS]
     monkeypatch.setattr(cluster_host, "_cached", lambda name, key, measure: {"rows": list(cluster_host.CALIBRATE_ROWS),
-                                                                             "step_s": steps})
-    got_rate, per_block = calibrate(MODEL, SEQ, "32-true")
+                                                                             "step_s": steps, "optimizer_s": opt})
+    got_rate, per_block, per_elem = calibrate(MODEL, SEQ, "32-true")
     assert got_rate == pytest.approx(rate) and per_block == pytest.approx(fixed / spec.config.layers)
+    assert per_elem * cluster_host._numel(spec, SEQ) == pytest.approx(opt)
 
 
 def test_loopback_is_a_measured_link(monkeypatch):

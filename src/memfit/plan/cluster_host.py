@@ -10,7 +10,8 @@ time model must be this machine's, not a GPU cluster's:
 - compute: the rate and a fixed cost per block and micro-batch, from warm steps of the model timed
   as memfit.profile times them (every block kept, at 1, 2, 4 and 8 sequences, on `threads` threads as
   the launcher gives each rank): step(rows) = fixed + FLOPs(rows) / rate, fitted by least squares,
-  the fixed part spread over the blocks. A CPU runs small
+  the fixed part, less the optimizer step (timed alone, once per step in proportion to the
+  weights a rank updates), spread over the blocks. A CPU runs small
   matmuls and many small ops far below its rate, which the FLOP model alone misses (a pipeline's
   smaller micro-batches, tensor parallelism's narrower ones).
 - the link: gloo's all-reduce between two ranks on this machine, timed at 4 bytes (latency) and
@@ -36,7 +37,7 @@ CALIBRATE_ROWS = (1, 2, 4, 8)
 PROFILE_ROUNDS = 5
 MAX_CALIBRATE_PARAMS = 200_000_000
 """Models above this are not built for a calibration run (the FLOP model's CPU rate is used)."""
-_VERSION = 4
+_VERSION = 5
 _MEMO: dict[str, object] = {}
 
 
@@ -50,19 +51,21 @@ class Host:
     tp_pair_s: float = 0.0
     """Fixed seconds of a column- then row-parallel pair of linears (DTensor's dispatch, beside the
     FLOPs and the link's latency), forward and backward: two in each block under tensor parallelism."""
+    step_s_per_elem: float = 0.0
+    """Seconds of the optimizer step per weight element the rank updates (once per step)."""
     measured: bool = False
     """Whether the rate and fixed costs were measured here (else the FLOP model's rate, no fixed costs)."""
 
 
 def host_of(cores: int | None = None, threads: int | None = None, overhead_s: float = 0.0,
-            tp_pair_s: float = 0.0, measured: bool = False) -> Host:
+            tp_pair_s: float = 0.0, measured: bool = False, step_s_per_elem: float = 0.0) -> Host:
     """This machine: `cores` (default: the CPUs this process may run on), `threads` per rank
     (default: OMP_NUM_THREADS, else 1 as the launcher sets)."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads is None:
         threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
-    return Host(max(1, cores), max(1, threads), overhead_s, tp_pair_s, measured)
+    return Host(max(1, cores), max(1, threads), overhead_s, tp_pair_s, step_s_per_elem, measured)
 
 
 def _cached(name: str, key: dict, measure) -> dict:
@@ -162,11 +165,35 @@ def step_flops(spec, seq: int, rows: int) -> float:
     return 3 * fwd * rows
 
 
+def _optimizer_s(spec, seq: int, precision: str, optimizer: str) -> float:
+    """Median seconds of one optimizer step over the whole model (gradients set, learning rate 0)."""
+    import statistics
+    import time
+
+    import torch
+
+    from memfit.apply.optimizer import TrainingOptimizer
+
+    model = spec.build(seq=seq)
+    opt = TrainingOptimizer(model, optimizer, lr=0.0, precision=precision)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    out = []
+    for i in range(2 + PROFILE_ROUNDS):
+        t0 = time.perf_counter()
+        opt.step()
+        if i >= 2:  # two warm-up steps (the optimizer state is made in the first)
+            out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
 def calibrate(model: str, seq: int, precision: str, optimizer: str = "adamw",
-              threads: int = 1) -> tuple[float, float] | None:
-    """(FLOP/s, fixed seconds per block and micro-batch) on `threads` threads: warm steps timed as
-    memfit.profile times them (median of PROFILE_ROUNDS) at each of CALIBRATE_ROWS sequences, and the
-    line step = fixed + FLOPs / rate fitted through them; None for a model too large to build here."""
+              threads: int = 1) -> tuple[float, float, float] | None:
+    """(FLOP/s, fixed seconds per block and micro-batch, optimizer seconds per weight element) on
+    `threads` threads: warm steps timed as memfit.profile times them (median of PROFILE_ROUNDS) at
+    each of CALIBRATE_ROWS sequences, the line step = fixed + FLOPs / rate fitted through them, and
+    the optimizer step timed alone and taken out of the fixed part; None for a model too large to
+    build here."""
     from memfit.models.spec import parse_model
 
     spec = parse_model(model)
@@ -183,19 +210,21 @@ def calibrate(model: str, seq: int, precision: str, optimizer: str = "adamw",
         try:
             t = [_median_steps(spec, {"none": ("none", None)}, r, seq, precision, PROFILE_ROUNDS, optimizer)["none"]
                  for r in CALIBRATE_ROWS]
+            step = _optimizer_s(spec, seq, precision, optimizer)
         finally:
             torch.set_num_threads(before)
-        return {"rows": list(CALIBRATE_ROWS), "step_s": t}
+        return {"rows": list(CALIBRATE_ROWS), "step_s": t, "optimizer_s": step}
 
     got = _cached("compute", {"model": repr(spec.config), "seq": seq, "precision": precision,
                               "optimizer": optimizer, "threads": threads}, measure)
     f = [step_flops(spec, seq, r) for r in got["rows"]]
-    t = got["step_s"]
+    t, numel = got["step_s"], _numel(spec, seq)
+    opt = min(got["optimizer_s"], min(t))
     mf, mt = sum(f) / len(f), sum(t) / len(t)  # least squares: t = fixed + f / rate
     slope = sum((x - mf) * (y - mt) for x, y in zip(f, t)) / sum((x - mf) ** 2 for x in f)
     if slope <= 0:  # noise beyond the signal: the rate of the largest run, no fixed part
-        return f[-1] / t[-1], 0.0
-    return 1 / slope, max(mt - mf * slope, 0.0) / spec.config.layers
+        return f[-1] / max(t[-1] - opt, 1e-9), 0.0, opt / numel
+    return 1 / slope, max(mt - mf * slope - opt, 0.0) / spec.config.layers, opt / numel
 
 
 def _numel(spec, seq: int) -> int:

@@ -27,6 +27,8 @@ Optimizer offload adds the gradients' trip to the host and the weights' back at 
 On this machine's CPU (`host`, memfit.plan.cluster_host): a fixed cost per block and micro-batch
 beside the FLOPs, and the ranks share its cores: the step is no shorter than every rank's busy time
 times its threads over the cores; the difference is the "cores" term (zero with a core per thread).
+The optimizer step's fixed cost, measured apart, is counted once per step, for the weights a rank
+updates (the fullest stage's; ZeRO's shard).
 With no core to spare, no communication overlaps (gloo computes on the cores the ranks use).
 """
 from __future__ import annotations
@@ -111,6 +113,8 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
         compute, bubble = lay.accum * mb, (lay.pp - 1) * mb
     else:
         compute, bubble = lay.accum * mb, 0.0
+    opt = host.step_s_per_elem * numel / (lay.dp if lay.zero else 1) if host else 0.0  # once per step
+    compute += opt
     offload = 0.0
     if lay.offload_optimizer:
         row = rank_peaks(Layout(**{**lay.__dict__, "offload_optimizer": None}), unit, cfg.layers)[0]
@@ -119,7 +123,8 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
         exposed = comm  # gloo's copies and reductions run on the cores the compute uses: nothing hides them
     cores = 0.0
     if host is not None:  # every rank's busy seconds over the cores they share
-        busy = lay.dp * lay.accum * sum(per_stage) if lay.strategy == "pipeline" else lay.gpus * lay.accum * mb
+        busy = (lay.dp * lay.accum * sum(per_stage) if lay.strategy == "pipeline" else lay.gpus * lay.accum * mb) \
+            + lay.gpus * opt
         cores = max(busy * host.threads / host.cores - compute - bubble, 0.0)
     total = compute + bubble + exposed + offload + cores
     return {"compute": compute - lay.accum * recompute, "recompute": lay.accum * recompute, "comm": comm,
