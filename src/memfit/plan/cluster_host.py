@@ -37,7 +37,7 @@ CALIBRATE_ROWS = (1, 2, 4, 8)
 PROFILE_ROUNDS = 5
 MAX_CALIBRATE_PARAMS = 200_000_000
 """Models above this are not built for a calibration run (the FLOP model's CPU rate is used)."""
-_VERSION = 5
+_VERSION = 6
 _MEMO: dict[str, object] = {}
 
 
@@ -176,10 +176,10 @@ def _optimizer_s(spec, seq: int, precision: str, optimizer: str) -> float:
 
     model = spec.build(seq=seq)
     opt = TrainingOptimizer(model, optimizer, lr=0.0, precision=precision)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
     out = []
     for i in range(2 + PROFILE_ROUNDS):
+        for p in model.parameters():  # (each step zeroes them)
+            p.grad = torch.zeros_like(p)
         t0 = time.perf_counter()
         opt.step()
         if i >= 2:  # two warm-up steps (the optimizer state is made in the first)
