@@ -137,6 +137,9 @@ def main() -> None:
         for name in order:
             times[name].append(_measure(name))
     load_measured = load()
+    # the measured times first, so that a failure below costs no launches (--measured reads this too)
+    (Path(tempfile.gettempdir()) / "cluster_rank_measured.json").write_text(json.dumps(
+        {"load_before": load_before, "contenders": {n: {"measured_s": t} for n, t in times.items()}}))
     os.environ["MEMFIT_NO_CACHE"] = "1"  # the host measured now, under the rounds' load
     host, basis = _predicted("cpu", None, "measured")
     flop_model, flop_basis = _predicted("cpu", _flops(), str(LINK_GBS))

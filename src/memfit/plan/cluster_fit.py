@@ -36,7 +36,7 @@ def _basis(flops: float, calibrated: bool, host=None) -> str:
         return (f"host, measured here: compute {flops / 1e9:.3g} GFLOP/s + {host.overhead_s * 1e3:.3g} ms per block "
                 f"and micro-batch, optimizer {host.step_s_per_elem * 1e9:.3g} ns per weight (timed as memfit profile "
                 f"does), DTensor {host.tp_pair_s * 1e3:.3g} ms per tensor-parallel "
-                f"pair, gloo's loopback{share}")
+                f"pair and {host.tp_param_step_s * 1e3:.3g} ms per parameter in the step, gloo's loopback{share}")
     if calibrated:
         return (f"calibrated: {flops / 1e12:.3g} TFLOP/s per device and the link bandwidth given, measured on this "
                 f"machine{share}")
@@ -89,8 +89,9 @@ def _host(model, spec, seq, precision, optimizer, flops, cores, interconnect):
         if flops is None else None
     if got is not None:  # measured here: the fixed costs (per block; DTensor's per TP pair) come with the rate
         flops = got[0]
-        host = host_of(host.cores, host.threads, got[1], loopback()["tp_pair_s"], measured=True,
-                       step_s_per_elem=got[2])
+        link = loopback()
+        host = host_of(host.cores, host.threads, got[1], link["tp_pair_s"], measured=True, step_s_per_elem=got[2],
+                       tp_param_step_s=link["tp_param_step_s"])
     return host, flops, interconnect
 
 

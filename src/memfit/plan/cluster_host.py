@@ -17,7 +17,8 @@ time model must be this machine's, not a GPU cluster's:
 - the link: gloo's all-reduce between two ranks on this machine, timed at 4 bytes (latency) and
   4 MiB (bandwidth), as the ring formulas of memfit.plan.cluster_links count them; and what a
   column- then row-parallel pair of linears costs under DTensor beyond its FLOPs and the link's
-  latency (two pairs a block under tensor parallelism: DTensor's dispatch on a CPU is milliseconds).
+  latency (two pairs a block under tensor parallelism: DTensor's dispatch on a CPU is milliseconds),
+  and what AdamW's step costs per DTensor parameter beyond a plain one's.
 - cores: N ranks of `threads` threads share `cores` cores. The step can be no shorter than every
   rank's busy time over the cores it shares (memfit.plan.cluster_time adds the difference as the
   "cores" term): on enough cores that is zero; on fewer, pipeline stages do not overlap.
@@ -37,7 +38,7 @@ CALIBRATE_ROWS = (1, 2, 4, 8)
 PROFILE_ROUNDS = 5
 MAX_CALIBRATE_PARAMS = 200_000_000
 """Models above this are not built for a calibration run (the FLOP model's CPU rate is used)."""
-_VERSION = 6
+_VERSION = 7
 _MEMO: dict[str, object] = {}
 
 
@@ -51,6 +52,8 @@ class Host:
     tp_pair_s: float = 0.0
     """Fixed seconds of a column- then row-parallel pair of linears (DTensor's dispatch, beside the
     FLOPs and the link's latency), forward and backward: two in each block under tensor parallelism."""
+    tp_param_step_s: float = 0.0
+    """The optimizer step's extra seconds per DTensor parameter (four a block under tensor parallelism)."""
     step_s_per_elem: float = 0.0
     """Seconds of the optimizer step per weight element the rank updates (once per step)."""
     measured: bool = False
@@ -58,14 +61,15 @@ class Host:
 
 
 def host_of(cores: int | None = None, threads: int | None = None, overhead_s: float = 0.0,
-            tp_pair_s: float = 0.0, measured: bool = False, step_s_per_elem: float = 0.0) -> Host:
+            tp_pair_s: float = 0.0, measured: bool = False, step_s_per_elem: float = 0.0,
+            tp_param_step_s: float = 0.0) -> Host:
     """This machine: `cores` (default: the CPUs this process may run on), `threads` per rank
     (default: OMP_NUM_THREADS, else 1 as the launcher sets)."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads is None:
         threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
-    return Host(max(1, cores), max(1, threads), overhead_s, tp_pair_s, step_s_per_elem, measured)
+    return Host(max(1, cores), max(1, threads), overhead_s, tp_pair_s, tp_param_step_s, step_s_per_elem, measured)
 
 
 def _cached(name: str, key: dict, measure) -> dict:
@@ -120,10 +124,15 @@ def _pair_s(rank: int, world: int) -> float:
     tp = parallelize_module(copy.deepcopy(plain), init_device_mesh("cpu", (world,)),
                             {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(2, 16, 32, requires_grad=True)
-    return _timed(lambda: tp(x).sum().backward(), 20) - _timed(lambda: plain(x).sum().backward(), 20)
+    pair = _timed(lambda: tp(x).sum().backward(), 20) - _timed(lambda: plain(x).sum().backward(), 20)
+    steps = []
+    for m in (tp, plain):  # AdamW over the pair's 4 parameters: DTensors (sharded or replicated) or plain
+        opt = torch.optim.AdamW(m.parameters(), lr=0.0)
+        steps.append(_timed(opt.step, 12))
+    return pair, (steps[0] - steps[1]) / 4
 
 
-def _probe(rank: int, world: int) -> tuple[float, float, float]:
+def _probe(rank: int, world: int) -> tuple[float, float, float, float]:
     import torch
     import torch.distributed as dist
 
@@ -131,7 +140,7 @@ def _probe(rank: int, world: int) -> tuple[float, float, float]:
     for numel, reps in ((1, 40), (1 << 20, 6)):
         x = torch.ones(numel)
         out.append(_timed(lambda: dist.all_reduce(x), reps))
-    return out[0], out[1], _pair_s(rank, world)
+    return (out[0], out[1], *_pair_s(rank, world))
 
 
 def loopback() -> dict:
@@ -139,11 +148,11 @@ def loopback() -> dict:
     def measure() -> dict:
         from memfit.distributed.spawn import run_world
 
-        small, big, pair = run_world(_probe, 2, timeout_s=60)[0]
+        small, big, pair, param_step = run_world(_probe, 2, timeout_s=60)[0]
         latency = small / 2
         # the pair's two all-reduces (forward and backward, 2 ring steps each) are the link's
         return {"latency_s": latency, "bytes_per_s": (4 << 20) / max(big - 2 * latency, 1e-9),
-                "tp_pair_s": max(pair - 4 * latency, 0.0)}
+                "tp_pair_s": max(pair - 4 * latency, 0.0), "tp_param_step_s": max(param_step, 0.0)}
 
     return _cached("loopback", {}, measure)
 

@@ -114,6 +114,8 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
     else:
         compute, bubble = lay.accum * mb, 0.0
     opt = host.step_s_per_elem * numel / (lay.dp if lay.zero else 1) if host else 0.0  # once per step
+    if host and lay.tp > 1:  # the step over DTensors: four sharded matrices a block
+        opt += host.tp_param_step_s * 4 * max(sizes)
     compute += opt
     offload = 0.0
     if lay.offload_optimizer:
