@@ -93,19 +93,22 @@ def render(result: dict) -> str:
     for name, m in result["models"].items():
         a = m["answer"]
         deg = f"dp {a['dp']}" + (f" x tp {a['tp']}" if a["tp"] > 1 else "") + (f" x pp {a['pp']}" if a["pp"] > 1 else "")
-        ans = (f"{a['gpus']} GPUs, {a['strategy']} ({deg}), micro-batch {a['micro_batch']} x {a['accumulation']}"
+        ans = (f"{a['gpus']} GPUs, {a['strategy']} ({deg}), micro-batch {a['micro_batch']} x {a['accumulation']} "
+               f"(global batch {a['global_batch']} x seq {a['seq']})"
                + (", optimizer offloaded" if a["offload_optimizer"] else "")
                + f"; peak {_gib(a['peak'])} per rank (full trace {_gib(a['traced_peak'])})")
         cell = lambda k: " / ".join(f"{m[f'{k}_{f}']['median']:.1f}" for f in ("wall_s", "cpu_s", "in_process_s"))  # noqa: E731
         rows.append(f"| {name} | {ans} | {a['tokens_per_s']:,.0f} ({a['tokens_per_s_per_device']:,.0f}) | "
                     f"{cell('cold')} | {cell('warm')} |")
     wall = [m[f"{k}_wall_s"]["max"] for m in result["models"].values() for k in ("cold", "warm")]
+    cpu = [m[f"{k}_cpu_s"]["max"] for m in result["models"].values() for k in ("cold", "warm")]
     return (f"`PYTHONPATH=src python bench/cluster_speed.py --rounds {result['rounds']}` — `memfit plan MODEL "
             f"--budget 80GiB --gpus auto --precision bf16-master`, each run a fresh process; cold: a fresh cache "
             f"folder, warm: the same folder again; medians of {result['rounds']} interleaved rounds (load "
             f"{result['load_before']} before, {result['load_after']} after, on 2 cores). Tokens/s by the FLOP model "
             f"(400 TFLOP/s per device assumed, not measured).\n\n" + "\n".join(rows)
-            + f"\n\nSlowest run: {max(wall):.1f} s wall (target: under {result['target_s']:.0f} s).\n")
+            + f"\n\nSlowest run: {max(wall):.1f} s wall, {max(cpu):.1f} s CPU (target: under {result['target_s']:.0f} s "
+            f"wall). With the load above 2 the wall time is mostly waiting for a core.\n")
 
 
 def snippets(result: dict) -> dict[str, str]:
