@@ -122,6 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--measured", help="a cluster_rank JSON whose measured times to reuse")
+    ap.add_argument("--passes", type=int, default=3, help="host measurements (each predicts every contender)")
     args = ap.parse_args()
     load_before = load()
     times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
@@ -140,8 +141,10 @@ def main() -> None:
     # the measured times first, so that a failure below costs no launches (--measured reads this too)
     (Path(tempfile.gettempdir()) / "cluster_rank_measured.json").write_text(json.dumps(
         {"load_before": load_before, "contenders": {n: {"measured_s": t} for n, t in times.items()}}))
-    os.environ["MEMFIT_NO_CACHE"] = "1"  # the host measured now, under the rounds' load
-    host, basis = _predicted("cpu", None, "measured")
+    os.environ["MEMFIT_NO_CACHE"] = "1"  # the host measured now, under the rounds' load, --passes times
+    passes = [_predicted("cpu", None, "measured") for _ in range(args.passes)]
+    host = {n: {k: statistics.median(p[0][n][k] for p in passes) for k in passes[0][0][n]} for n in CONTENDERS}
+    basis = passes[-1][1] + f" (the last of {args.passes} measurements; each term the median over them)"
     flop_model, flop_basis = _predicted("cpu", _flops(), str(LINK_GBS))
     for t in flop_model.values():  # the GPU-style model: no fixed costs, no core sharing
         t["total"] -= t.get("cores", 0.0)
@@ -155,42 +158,31 @@ def main() -> None:
                            "predicted": host[n], "flop_model": flop_model[n],
                            "ratio": m / host[n]["total"]} for n, m in zip(names, measured)},
         "spearman": spearman([host[n]["total"] for n in names], measured),
+        "spearman_per_pass": [spearman([p[0][n]["total"] for n in names], measured) for p in passes],
         "spearman_flop_model": spearman([flop_model[n]["total"] for n in names], measured)})
 
 
 def render(result: dict) -> str:
     rows = ["| layout (2 gloo processes) | predicted step (s) | of which shared cores / bubble / exposed comm (s) "
-            "| measured median (s) | min-max (s) | measured / predicted | FLOP model (s) |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+            "| measured median (s) | min-max (s) | runs | measured / predicted | FLOP model (s) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for n, c in result["contenders"].items():
         t = c["predicted"]
         rows.append(f"| {n} | {t['total']:.3f} | {t.get('cores', 0):.3f} / {t['bubble']:.3f} / "
                     f"{t['comm_exposed']:.3f} | {c['median_s']:.3f} | {c['spread_s'][0]:.3f}-{c['spread_s'][1]:.3f} "
-                    f"| {c['ratio']:.2f} | {c['flop_model']['total']:.3f} |")
+                    f"| {len(c['measured_s'])} | {c['ratio']:.2f} | {c['flop_model']['total']:.3f} |")
     return (f"### Cluster planner: predicted against measured step-time ranking\n\n"
-            f"`PYTHONPATH=src python bench/cluster_rank.py --rounds {result['rounds']}` — {result['model']}, seq "
+            f"`PYTHONPATH=src python bench/cluster_rank.py --rounds 2`, continued by `--measured "
+            f"bench/results/cluster_rank.json --rounds 1` runs — {result['model']}, seq "
             f"{result['seq']}, --batch {result['batch_per_process']} per process (the same global batch in each "
-            f"layout), {result['rounds']} interleaved shuffled rounds (few: each is a fresh 2-process launch on a "
-            f"loaded machine; load {result['load_before']} before, {result['load_after']} after). Prediction: "
+            f"layout), interleaved shuffled rounds, at least {result['rounds']} a layout (runs: a layout added later "
+            f"has fewer; each is a fresh 2-process launch on a loaded machine; load {result['load_before']} before, "
+            f"{result.get('load_measured')} after the rounds, {result['load_after']} at the end). Prediction: "
             f"{result['time_basis']}.\n\n" + "\n".join(rows)
             + f"\n\nSpearman rank correlation (predicted vs measured): **{result['spearman']:.2f}** with the host "
-            f"model; {result['spearman_flop_model']:.2f} with the FLOP model alone.\n")
-
-
-def render(result: dict) -> str:
-    rows = ["| layout (2 gloo processes) | predicted step (s) | measured median (s) | measured min-max (s) |",
-            "|---|---:|---:|---:|"]
-    for n, c in result["contenders"].items():
-        rows.append(f"| {n} | {c['predicted']['total']:.3f} | {c['median_s']:.3f} | "
-                    f"{c['spread_s'][0]:.3f}-{c['spread_s'][1]:.3f} |")
-    return (f"### Cluster planner: predicted against measured step-time ranking\n\n"
-            f"`PYTHONPATH=src python bench/cluster_rank.py --rounds {result['rounds']}` — {result['model']}, seq "
-            f"{result['seq']}, --batch {result['batch_per_process']} per process, {result['rounds']} interleaved "
-            f"shuffled rounds (few: each is a fresh 2-process launch on a loaded machine; load "
-            f"{result['load_before']} before, {result['load_after']} after). FLOP rate measured "
-            f"({result['flops_measured'] / 1e9:.1f} GFLOP/s, one thread), link assumed "
-            f"{result['link_gbs_assumed']} GB/s.\n\n" + "\n".join(rows)
-            + f"\n\nSpearman rank correlation (predicted vs measured): **{result['spearman']:.2f}**\n")
+            f"model (each host measurement alone: "
+            f"{', '.join(f'{x:.2f}' for x in result.get('spearman_per_pass', []))}); "
+            f"{result['spearman_flop_model']:.2f} with the FLOP model alone.\n")
 
 
 def snippets(result: dict) -> dict[str, str]:
