@@ -1,15 +1,19 @@
-"""Cluster planner: predicted step-time ranking against measured, for 5 layouts of one model on 2 gloo
-processes (ddp, ddp with every block recomputed, pipeline 1f1b x4 and gpipe x2, tensor tp 2),
-interleaved in shuffled rounds.
+"""Cluster planner: predicted step-time ranking against measured, for 6 layouts of one model on 2 gloo
+processes (ddp, with and without every block recomputed; pipeline gpipe with 1 micro-batch, with and
+without every block recomputed, and 1f1b with 4; tensor tp 2), interleaved in shuffled rounds.
 
-    PYTHONPATH=src python bench/cluster_rank.py [--rounds 3]
+    PYTHONPATH=src python bench/cluster_rank.py [--rounds 2] [--measured FILE --rounds 1]
 
 Each contender is `memfit train --nproc 2 --strategy S` (a fresh process group per run); its
-figure is the median step time over the steps after the first. The prediction is the cluster
-planner's time model (memfit.plan.cluster_time) for the same layout, with the FLOP rate measured
-here (a float32 matmul, one thread) and the link at LINK_GBS (gloo over loopback; assumed, not
-measured). The machine is shared and loaded: rounds are few (launches cost ~30 s each) and the
-load is recorded before and after; the rank correlation, not the seconds, is the result.
+figure is the median step time over the steps after the first. The prediction is what
+`memfit plan MODEL --gpus 2 --device cpu` predicts for the same layout: the planner's host model
+(memfit.plan.cluster_host: compute calibrated by memfit profile at one thread, gloo's loopback and
+DTensor's cost per sharded pair measured, the ranks sharing this machine's cores), measured after
+the rounds, under the same load (MEMFIT_NO_CACHE=1). The FLOP-model prediction (a GPU-style
+model: no fixed costs, no core sharing, the link at LINK_GBS) is kept beside it for comparison.
+The machine is shared and loaded: rounds are few (launches cost ~40 s each) and the load is
+recorded before and after. `--measured FILE` reuses a run's measured times (from its JSON) and
+adds `--rounds` more (0: none), so the rounds can be split over runs of under ten minutes.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -32,8 +37,10 @@ SEQ, BATCH, STEPS, LINK_GBS = 64, 4, 6, 2.0
 CONTENDERS = {
     "ddp": ["--strategy", "ddp"],
     "ddp, every block recomputed": ["--strategy", "ddp", "--checkpoint", "full"],
+    "pipeline gpipe x1": ["--strategy", "pipeline", "--microbatches", "1", "--schedule", "gpipe"],
+    "pipeline gpipe x1, every block recomputed": ["--strategy", "pipeline", "--microbatches", "1", "--schedule",
+                                                  "gpipe", "--checkpoint", "full"],
     "pipeline 1f1b x4": ["--strategy", "pipeline", "--microbatches", "4", "--schedule", "1f1b"],
-    "pipeline gpipe x2": ["--strategy", "pipeline", "--microbatches", "2", "--schedule", "gpipe"],
     "tensor tp2": ["--strategy", "tensor", "--tp", "2"],
 }
 
@@ -56,6 +63,9 @@ def _measure(name: str) -> float:
         cmd = [sys.executable, "-m", "memfit", "train", "--model", MODEL, "--seq", str(SEQ), "--batch", str(BATCH),
                "--steps", str(STEPS), "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--no-track",
                "--quiet", "--device", "cpu", "--nproc", "2", "--out", out, *CONTENDERS[name]]
+        if "--batch" in CONTENDERS[name]:  # the contender's own split of the same global batch
+            i = cmd.index("--batch")
+            del cmd[i:i + 2]
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode:
@@ -67,36 +77,33 @@ def _measure(name: str) -> float:
 def _layout(name: str):
     from memfit.plan.cluster_memory import Layout
 
-    n = 2
     if name.startswith("pipeline"):  # replica rows 2 x BATCH in M micro-batches
-        m, sched = int(name.split("x")[-1]), name.split()[1]
-        return Layout("pipeline", dp=1, pp=2, rows=n * BATCH // m, accum=m, schedule=sched)
+        m, sched = int(re.search(r"x(\d+)", name).group(1)), name.split()[1]
+        return Layout("pipeline", dp=1, pp=2, rows=2 * BATCH // m, accum=m, schedule=sched)
     if name.startswith("tensor"):
         return Layout("tensor", dp=1, tp=2, rows=2 * BATCH)
-    return Layout("ddp", dp=n, rows=BATCH)
+    if "accumulation" in name:
+        return Layout("ddp", dp=2, rows=1, accum=BATCH)
+    return Layout("ddp", dp=2, rows=BATCH)
 
 
-def _predicted(flops: float) -> dict[str, dict]:
+def _predicted(device: str, flops: float | None, link: str | None) -> tuple[dict[str, dict], str]:
+    """Each contender's predicted step terms and the time basis, as `memfit plan --gpus 2` on `device`."""
     from dataclasses import replace
 
-    from memfit.plan.cluster_fit import problem_of
+    from memfit.plan.cluster_fit import _basis, problem_of
+    from memfit.plan.cluster_memory import stage_sizes
     from memfit.plan.cluster_search import evaluate
 
-    p = problem_of(MODEL, "1GiB", str(LINK_GBS), None, 2 * BATCH, SEQ, "32-true", "adamw", "recompute", "cpu", flops)
-    layers = p.spec.config.layers
+    p = problem_of(MODEL, "1GiB", link, None, 2 * BATCH, SEQ, "32-true", "adamw", "recompute", device, flops)
     out = {}
     for name in CONTENDERS:
         lay = _layout(name)
         full = "recomputed" in name
-        lay = replace(lay, counts=[(0, 0, k) if full else (k, 0, 0) for k in _stages(layers, lay.pp)])
+        lay = replace(lay, counts=[(0, 0, k) if full else (k, 0, 0) for k in stage_sizes(p.spec.config.layers, lay.pp)])
         out[name] = evaluate(p, lay).time
-    return out
-
-
-def _stages(layers: int, pp: int) -> list[int]:
-    from memfit.plan.cluster_memory import stage_sizes
-
-    return stage_sizes(layers, pp)
+    link_name = p.topo_of(2).intra.name
+    return out, _basis(p.flops, True, p.host) + f" ({link_name})"
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -113,44 +120,69 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--measured", help="a cluster_rank JSON whose measured times to reuse")
+    ap.add_argument("--passes", type=int, default=3, help="host measurements (each predicts every contender)")
     args = ap.parse_args()
     load_before = load()
-    flops = _flops()
-    predicted = _predicted(flops)
     times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
     rng = random.Random(0)
+    if args.measured:  # its rounds, then --rounds more (0: none)
+        old = json.loads(Path(args.measured).read_text())
+        times = {n: list(old["contenders"].get(n, {}).get("measured_s", [])) for n in CONTENDERS}
+        load_before = old["load_before"]
+        rng = random.Random(len(times["ddp"]))
     for _ in range(args.rounds):
         order = list(CONTENDERS)
         rng.shuffle(order)
         for name in order:
             times[name].append(_measure(name))
+    load_measured = load()
+    # the measured times first, so that a failure below costs no launches (--measured reads this too)
+    (Path(tempfile.gettempdir()) / "cluster_rank_measured.json").write_text(json.dumps(
+        {"load_before": load_before, "contenders": {n: {"measured_s": t} for n, t in times.items()}}))
+    os.environ["MEMFIT_NO_CACHE"] = "1"  # the host measured now, under the rounds' load, --passes times
+    passes = [_predicted("cpu", None, "measured") for _ in range(args.passes)]
+    host = {n: {k: statistics.median(p[0][n][k] for p in passes) for k in passes[0][0][n]} for n in CONTENDERS}
+    basis = passes[-1][1] + f" (the last of {args.passes} measurements; each term the median over them)"
+    flop_model, flop_basis = _predicted("cpu", _flops(), str(LINK_GBS))
+    for t in flop_model.values():  # the GPU-style model: no fixed costs, no core sharing
+        t["total"] -= t.get("cores", 0.0)
     names = list(CONTENDERS)
     measured = [statistics.median(times[n]) for n in names]
-    pred = [predicted[n]["total"] for n in names]
     save("cluster_rank", {
-        "bench": "cluster_rank", "machine": machine(), "load_before": load_before, "load_after": load(),
-        "model": MODEL, "seq": SEQ, "batch_per_process": BATCH, "processes": 2, "steps": STEPS, "rounds": args.rounds,
-        "flops_measured": flops, "link_gbs_assumed": LINK_GBS,
+        "bench": "cluster_rank", "machine": machine(), "load_before": load_before, "load_measured": load_measured,
+        "load_after": load(), "model": MODEL, "seq": SEQ, "batch_per_process": BATCH, "processes": 2,
+        "steps": STEPS, "rounds": min(len(t) for t in times.values()), "time_basis": basis, "link_gbs_flop_model": LINK_GBS,
         "contenders": {n: {"measured_s": times[n], "median_s": m, "spread_s": [min(times[n]), max(times[n])],
-                           "predicted": predicted[n]} for n, m in zip(names, measured)},
-        "spearman": spearman(pred, measured)})
+                           "predicted": host[n], "flop_model": flop_model[n],
+                           "ratio": m / host[n]["total"]} for n, m in zip(names, measured)},
+        "spearman": spearman([host[n]["total"] for n in names], measured),
+        "spearman_per_pass": [spearman([p[0][n]["total"] for n in names], measured) for p in passes],
+        "spearman_flop_model": spearman([flop_model[n]["total"] for n in names], measured)})
 
 
 def render(result: dict) -> str:
-    rows = ["| layout (2 gloo processes) | predicted step (s) | measured median (s) | measured min-max (s) |",
-            "|---|---:|---:|---:|"]
+    rows = ["| layout (2 gloo processes) | predicted step (s) | of which shared cores / bubble / exposed comm (s) "
+            "| measured median (s) | min-max (s) | runs | measured / predicted | FLOP model (s) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for n, c in result["contenders"].items():
-        rows.append(f"| {n} | {c['predicted']['total']:.3f} | {c['median_s']:.3f} | "
-                    f"{c['spread_s'][0]:.3f}-{c['spread_s'][1]:.3f} |")
+        t = c["predicted"]
+        rows.append(f"| {n} | {t['total']:.3f} | {t.get('cores', 0):.3f} / {t['bubble']:.3f} / "
+                    f"{t['comm_exposed']:.3f} | {c['median_s']:.3f} | {c['spread_s'][0]:.3f}-{c['spread_s'][1]:.3f} "
+                    f"| {len(c['measured_s'])} | {c['ratio']:.2f} | {c['flop_model']['total']:.3f} |")
     return (f"### Cluster planner: predicted against measured step-time ranking\n\n"
-            f"`PYTHONPATH=src python bench/cluster_rank.py --rounds {result['rounds']}` — {result['model']}, seq "
-            f"{result['seq']}, --batch {result['batch_per_process']} per process, {result['rounds']} interleaved "
-            f"shuffled rounds (few: each is a fresh 2-process launch on a loaded machine; load "
-            f"{result['load_before']} before, {result['load_after']} after). FLOP rate measured "
-            f"({result['flops_measured'] / 1e9:.1f} GFLOP/s, one thread), link assumed "
-            f"{result['link_gbs_assumed']} GB/s.\n\n" + "\n".join(rows)
-            + f"\n\nSpearman rank correlation (predicted vs measured): **{result['spearman']:.2f}**\n")
+            f"`PYTHONPATH=src python bench/cluster_rank.py --rounds 2`, continued by `--measured "
+            f"bench/results/cluster_rank.json --rounds 1` runs — {result['model']}, seq "
+            f"{result['seq']}, --batch {result['batch_per_process']} per process (the same global batch in each "
+            f"layout), interleaved shuffled rounds, at least {result['rounds']} a layout (runs: a layout added later "
+            f"has fewer; each is a fresh 2-process launch on a loaded machine; load {result['load_before']} before, "
+            f"{result.get('load_measured')} after the rounds, {result['load_after']} at the end). Prediction: "
+            f"{result['time_basis']}.\n\n" + "\n".join(rows)
+            + f"\n\nSpearman rank correlation (predicted vs measured): **{result['spearman']:.2f}** with the host "
+            f"model (each host measurement alone: "
+            f"{', '.join(f'{x:.2f}' for x in result.get('spearman_per_pass', []))}); "
+            f"{result['spearman_flop_model']:.2f} with the FLOP model alone.\n")
 
 
 def snippets(result: dict) -> dict[str, str]:

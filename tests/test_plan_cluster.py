@@ -61,7 +61,7 @@ def _tiny(budget):
 
 def test_sharding_lowers_the_per_rank_states_and_more_memory_never_loses_a_fit():
     rows = {(r.layout.strategy, r.layout.rows, r.layout.accum): r for r in candidates(_tiny("1GiB"), 4)}
-    states = {s: rows[(s, 1, 1)].ranks[0]["params"] + rows[(s, 1, 1)].ranks[0]["grads"]
+    states = {s: rows[(s, 1, 1)].ranks[0]["params"] + rows[(s, 1, 1)].ranks[0]["grad_bytes"]
               + rows[(s, 1, 1)].ranks[0]["optimizer"] for s in ("ddp", "zero1", "zero2", "zero3")}
     assert states["ddp"] > states["zero1"] > states["zero2"] > states["zero3"]
     small, big = candidates(_tiny("7MiB"), 4), candidates(_tiny("9MiB"), 4)

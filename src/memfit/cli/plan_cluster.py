@@ -19,7 +19,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=_gpus, metavar="N|auto",
                    help="plan for N devices of --budget each, or auto: the smallest count that fits and the "
                    "fastest plan there; --batch is then the global batch (default 256)")
-    g.add_argument("--interconnect", metavar="LINK", help="nvlink, pcie, ib or a bandwidth in GB/s (default nvlink)")
+    g.add_argument("--interconnect", metavar="LINK", help="nvlink, pcie, ib, measured (with --device cpu: "
+                   "gloo here and the compute, measured once and cached) or a bandwidth in GB/s (default nvlink)")
+    g.add_argument("--cores", type=integer(1, 4096), metavar="C", help="with --device cpu: the CPU cores the "
+                   "ranks share (default: this machine's)")
     g.add_argument("--nodes", type=integer(1, 4096), metavar="K", help="the devices over K nodes (default 8 a node); "
                    "groups that span nodes run at InfiniBand's speed")
 
@@ -29,7 +32,7 @@ def run_cluster(args: argparse.Namespace, model: str, device: str) -> int:
 
     cp = plan_cluster(model, args.budget, args.gpus, interconnect=args.interconnect, nodes=args.nodes,
                       batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
-                      allow=args.allow, device=device, verify=args.verify)
+                      allow=args.allow, device=device, verify=args.verify, cores=args.cores)
     if args.json:
         print(json.dumps({"plan": cp.plan, "cluster": cp.to_json()}, indent=1))
         return 0
@@ -66,10 +69,10 @@ def smallest_cluster_hint(args: argparse.Namespace, model: str, device: str) -> 
     from memfit.plan.cluster_plan import degrees
 
     try:
-        cp = plan_cluster(model, args.budget, "auto", interconnect=args.interconnect, nodes=args.nodes,
+        # memory alone decides the hint: no link probe or compute calibration on a CPU device
+        cp = plan_cluster(model, args.budget, "auto", interconnect=args.interconnect or "nvlink", nodes=args.nodes,
                           batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
-                          allow=args.allow, device=device,
-                          verify=False)
+                          allow=args.allow, device=device, verify=False, flops=1e11)
     except MemfitError:
         return ""
     lay = cp.lay

@@ -30,11 +30,18 @@ DEFAULT_BATCH = 256
 MAX_REFUSED = 3
 
 
-def _basis(flops: float, calibrated: bool) -> str:
+def _basis(flops: float, calibrated: bool, host=None) -> str:
+    share = f"; ranks of {host.threads} thread(s) share {host.cores} CPU core(s)" if host is not None else ""
+    if host is not None and host.measured:
+        return (f"host, measured here: compute {flops / 1e9:.3g} GFLOP/s + {host.overhead_s * 1e3:.3g} ms per block "
+                f"and micro-batch, optimizer {host.step_s_per_elem * 1e9:.3g} ns per weight (timed as memfit profile "
+                f"does), DTensor {host.tp_pair_s * 1e3:.3g} ms per tensor-parallel "
+                f"pair and {host.tp_param_step_s * 1e3:.3g} ms per parameter in the step, gloo's loopback{share}")
     if calibrated:
-        return f"calibrated: {flops / 1e12:.3g} TFLOP/s per device and the link bandwidth given, measured on this machine"
+        return (f"calibrated: {flops / 1e12:.3g} TFLOP/s per device and the link bandwidth given, measured on this "
+                f"machine{share}")
     return (f"FLOP model: {flops / 1e12:.3g} TFLOP/s sustained per device assumed (not measured) and the "
-            "interconnect's published bandwidth; seconds for ranking and sizing, not a measurement")
+            f"interconnect's published bandwidth; seconds for ranking and sizing, not a measurement{share}")
 
 
 def actions_of(lay: Layout, layers: int) -> list[BlockAction]:
@@ -46,9 +53,12 @@ def actions_of(lay: Layout, layers: int) -> list[BlockAction]:
 
 
 def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precision, optimizer, allow, device,
-             flops) -> ClusterProblem:
+               flops, cores: int | None = None) -> ClusterProblem:
     """The search's inputs, checked (a model name or spec with memfit's GPT config; the allow list for
-    `device`; the FLOP rate for the time model)."""
+    `device`; the FLOP rate for the time model). On a CPU device the devices are this machine's
+    cores (memfit.plan.cluster_host): the ranks share them; with `interconnect` "measured" (or
+    "loopback") the link is gloo's here, measured, and compute is calibrated by memfit.profile where
+    the model is small enough to build."""
     from memfit.models.spec import parse_model
 
     spec = parse_model(model) if isinstance(model, str) else model
@@ -57,21 +67,43 @@ def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precisi
                           "gpt:/llama: spec, not a module or a Hugging Face config")
     allowed = parse_allow(allow, device)
     precisions = (precision,) + (("bf16-master",) if "precision" in allowed and precision != "bf16-master" else ())
+    seq = seq or min(spec.config.seq or 1024, 4096)
+    host = None
+    if device == "cpu":
+        host, flops, interconnect = _host(model, spec, seq, precision, optimizer, flops, cores, interconnect)
+        nodes = nodes or 1
     parse_interconnect(interconnect)  # fail on a bad name before any work
-    return ClusterProblem(spec, seq or min(spec.config.seq or 1024, 4096), batch or DEFAULT_BATCH,
-                          parse_budget(budget), lambda n: topology(n, interconnect, nodes), precisions, optimizer,
-                          allowed, flops or DEVICE_FLOPS.get(device, FLOPS) / (2 if precision == "32-true" and
-                                                                               device == "cuda" else 1))
+    rate = flops or DEVICE_FLOPS.get(device, FLOPS) / (2 if precision == "32-true" and device == "cuda" else 1)
+    return ClusterProblem(spec, seq, batch or DEFAULT_BATCH, parse_budget(budget),
+                          lambda n: topology(n, interconnect, nodes), precisions, optimizer, allowed, rate, host=host)
+
+
+def _host(model, spec, seq, precision, optimizer, flops, cores, interconnect):
+    """(Host, FLOP/s, link) for ranks on this machine's cores; measured unless given."""
+    from memfit.plan.cluster_host import calibrate, host_of, loopback
+
+    host = host_of(cores)
+    if str(interconnect).lower() not in ("loopback", "measured"):
+        return host, flops, interconnect  # the core sharing alone: nothing measured unless asked
+    got = calibrate(model if isinstance(model, str) else spec.name, seq, precision, optimizer, host.threads) \
+        if flops is None else None
+    if got is not None:  # measured here: the fixed costs (per block; DTensor's per TP pair) come with the rate
+        flops = got[0]
+        link = loopback()
+        host = host_of(host.cores, host.threads, got[1], link["tp_pair_s"], measured=True, step_s_per_elem=got[2],
+                       tp_param_step_s=link["tp_param_step_s"])
+    return host, flops, interconnect
 
 
 def plan_cluster(model: Any, budget: Any, gpus: int | str = "auto", *, interconnect: Any = None,
                  nodes: int | None = None, batch: int | None = None, seq: int | None = None,
                  precision: str = "32-true", optimizer: str = "adamw", allow: Any = None, device: str = "cuda",
-                 verify: bool = True, flops: float | None = None) -> ClusterPlan:
+                 verify: bool = True, flops: float | None = None, cores: int | None = None) -> ClusterPlan:
     """The cluster plan (see the module docstring). `batch`: the global batch in sequences (default 256);
-    `flops`: sustained FLOP/s per device (measured: the time basis says calibrated)."""
+    `flops`: sustained FLOP/s per device (measured: the time basis says calibrated); `cores`: on a CPU
+    device, the cores the ranks share (default: this machine's)."""
     t0 = time.perf_counter()
-    p = problem_of(model, budget, interconnect, nodes, batch, seq, precision, optimizer, allow, device, flops)
+    p = problem_of(model, budget, interconnect, nodes, batch, seq, precision, optimizer, allow, device, flops, cores)
     if gpus == "auto":
         n, rows = smallest(p)
         if n is None:
@@ -132,12 +164,12 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
         from memfit.plan.cluster_memory import rank_peaks
 
         on = rank_peaks(Layout(**{**lay.__dict__, "offload_optimizer": None}), p.unit(lay.tp, lay.precision), layers)
-        host = max(r["optimizer"] + r["grads"] for r in on)
+        host = max(r["optimizer"] + r["grad_bytes"] for r in on)
         notes.append(f"optimizer offload: each rank's optimizer state and gradients ({format_bytes(host)}) live in "
                      f"host memory: {format_bytes(host * min(n, 8))} per node of {min(n, 8)}")
     return ClusterPlan(model=p.spec.name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
                        ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
-                       time_basis=_basis(p.flops, calibrated), interconnect=link, global_batch=p.batch, seq=p.seq,
+                       time_basis=_basis(p.flops, calibrated, p.host), interconnect=link, global_batch=p.batch, seq=p.seq,
                        plan=single.to_json(), traced_peak=traced, ranked=[_brief(r) for r in rows[:20]], notes=notes)
 
 

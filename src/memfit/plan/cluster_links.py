@@ -15,7 +15,8 @@ for the hardware generation, not measurements:
 A group that spans nodes runs at the inter-node link's speed (`per_node` GPUs in a node, 8 unless
 `--nodes K` splits the GPUs evenly; ranks numbered node by node, so a group of consecutive ranks
 within a node stays on the intra-node link, which `--interconnect` names; between nodes: ib, or
-the intra-node link when that is slower). A number is taken as GB/s.
+the intra-node link when that is slower). A number is taken as GB/s. `loopback` (or `measured`):
+gloo between ranks on this machine, measured once and cached (memfit.plan.cluster_host).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ LINKS = {
 
 
 def parse_interconnect(value: str | float | None) -> Link:
-    """A link name (nvlink, pcie, ib) or a bandwidth in GB/s; None: nvlink."""
+    """A link name (nvlink, pcie, ib, loopback) or a bandwidth in GB/s; None: nvlink."""
     if value is None:
         return LINKS["nvlink"]
     if isinstance(value, Link):
@@ -47,11 +48,15 @@ def parse_interconnect(value: str | float | None) -> Link:
     text = str(value).strip().lower()
     if text in LINKS:
         return LINKS[text]
+    if text in ("loopback", "measured"):
+        from memfit.plan.cluster_host import loopback_link
+
+        return loopback_link()
     try:
         gbs = float(text.removesuffix("gb/s").removesuffix("gbs"))
     except ValueError:
-        raise ConfigError(f"unknown interconnect {value!r}; use nvlink, pcie, ib or a bandwidth in GB/s "
-                          "(e.g. 25)") from None
+        raise ConfigError(f"unknown interconnect {value!r}; use nvlink, pcie, ib, loopback (measured "
+                          "here) or a bandwidth in GB/s (e.g. 25)") from None
     if gbs <= 0:
         raise ConfigError(f"interconnect bandwidth must be positive, got {value!r}")
     return Link(f"{gbs:g} GB/s", gbs * 1e9, LINKS["pcie"].latency_s)

@@ -8,7 +8,10 @@ Model states come from memfit.measure.formulas.model_state_bytes over the elemen
 the per-rank figures of memfit.distributed.rank_memory: ZeRO-3 gathers the rest (embeddings, head,
 norms) and two blocks (running, prefetched); ZeRO-2/3 copy one block's full gradients into a flat
 bucket for the reduce-scatter, ZeRO-1 the largest bucket at the step; DDP keeps its gradient
-buckets beside the gradients between steps. A pipeline stage holds the activations of the
+buckets, which are the gradients (gradient_as_bucket_view). Without accumulation, one process and
+ZeRO-1-3 make (reduce) their gradients during backward as the activations are freed: backward's
+peak holds the head's and one block's, the step every one (two moments; `grad_bytes` is the rank's whole
+gradient bytes). A pipeline stage holds the activations of the
 micro-batches in flight (gpipe all M; 1f1b min(M, stages - r)) and its gradients: under gpipe the
 last stage's peak is in its first backward, with every micro-batch's activations still held and the
 gradients being made (measured: 8.17 MiB on a 2-stage run that pipeline_ranks, which leaves gpipe's
@@ -83,8 +86,7 @@ def _states(lay: Layout, unit: UnitProfile, numel: int, tensors: int) -> tuple[i
         extra += w * unit.block_numel
     elif lay.zero == 1:
         extra += w * max(unit.block_numel, unit.rest_numel)
-    if lay.strategy == "ddp":
-        extra += s.grads
+    # (DDP's buckets are the gradients themselves: memfit's DDP sets gradient_as_bucket_view)
     return s.params, s.grads, s.optimizer, extra
 
 
@@ -132,10 +134,20 @@ def rank_peaks(lay: Layout, unit: UnitProfile, layers: int, tied: bool = False) 
         shard = numel / (lay.dp if lay.zero else 1)
         t_bwd = unit.temps[1] * lay.rows // 2
         t_step = int(unit.temps[0] * min(1.0, shard / max(one_block, 1)))
-        moving = max(acts + t_bwd, t_step)
-        row = {"rank": r, "params": params, "grads": grads, "optimizer": opt, "extra": extra,
-               "activations": acts, "temporaries": moving - acts if moving > acts else 0}
-        row["total"] = params + grads + opt + extra + moving
+        bwd_grads = grads
+        if lay.accum == 1 and lay.strategy in ("none", "zero1", "zero2", "zero3"):
+            # made (ZeRO-2/3: reduced) during backward as the activations are freed: at its peak (its
+            # start), the head's and one block's; DDP's buckets and an earlier micro-batch's gradients
+            # are there throughout
+            bwd_grads = int(grads * min(1.0, (unit.head_numel + unit.block_numel) / max(numel, 1)))
+        bwd_extra = 0 if lay.zero == 1 else extra  # ZeRO-1's flat bucket: at the step only
+        row = {"rank": r, "params": params, "optimizer": opt, "grad_bytes": grads,
+               "backward": params + opt + bwd_extra + bwd_grads + acts + t_bwd}
+        if bwd_extra + acts + t_bwd + bwd_grads >= extra + t_step + grads:  # the categories of the peak moment
+            row.update(extra=bwd_extra, grads=bwd_grads, activations=acts, temporaries=t_bwd)
+        else:
+            row.update(extra=extra, grads=grads, activations=0, temporaries=t_step)
+        row["total"] = params + opt + row["extra"] + row["grads"] + row["activations"] + row["temporaries"]
         out.append(row)
     return out
 
@@ -144,6 +156,6 @@ def fixed_bytes(lay: Layout, unit: UnitProfile, layers: int, rank: int, tied: bo
     """(bytes that no block action changes, bytes per kept block, per selective, per recomputed):
     the linear form rank_peaks takes in the action counts (without the recompute working set)."""
     probe = Layout(**{**lay.__dict__, "counts": [(0, 0, 0)] * lay.pp})
-    base = rank_peaks(probe, unit, layers, tied)[rank]["total"]
+    base = rank_peaks(probe, unit, layers, tied)[rank]["backward"]  # (the step's moment: no counts change it)
     per = lay.rows * in_flight(lay, rank)
     return base, per * unit.saved["keep"], per * unit.saved["selective"], per * unit.saved["recompute"]

@@ -105,7 +105,8 @@ class ClusterPlan:
                  f"  blocks per rank: {acts}",
                  f"  predicted step {t['total']:.3g} s = compute {t['compute']:.3g} + recompute {t['recompute']:.3g}"
                  f" + exposed comm {t['comm_exposed']:.3g} (of {t['comm']:.3g}) + bubble {t['bubble']:.3g}"
-                 f" + offload {t['offload']:.3g}; {self.tokens_per_s:,.0f} tokens/s"
+                 f" + offload {t['offload']:.3g}" + (f" + shared cores {t['cores']:.3g}" if t.get("cores") else "")
+                 + f"; {self.tokens_per_s:,.0f} tokens/s"
                  f" ({self.tokens_per_s / self.gpus:,.0f} per device); comm {format_bytes(t['comm_bytes'])} per rank",
                  f"  time basis: {self.time_basis}",
                  f"  run it: {self.train_command()}",

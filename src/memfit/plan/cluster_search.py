@@ -41,6 +41,8 @@ class ClusterProblem:
     flops: float
     tp_max: int = 8
     units: dict = field(default_factory=dict)
+    host: object = None
+    """memfit.plan.cluster_host.Host when the devices are this machine's CPU cores, else None."""
 
     def unit(self, tp: int, precision: str):
         key = (tp, precision)
@@ -147,7 +149,7 @@ def evaluate(p: ClusterProblem, lay: Layout) -> Row:
     unit = p.unit(lay.tp, lay.precision)
     ranks = rank_peaks(lay, unit, cfg.layers, bool(getattr(cfg, "tied_embeddings", False)))
     peak = max(r["total"] for r in ranks)
-    t = step_time(lay, unit, cfg, p.seq, p.topo_of(lay.gpus), p.flops)
+    t = step_time(lay, unit, cfg, p.seq, p.topo_of(lay.gpus), p.flops, p.host)
     return Row(lay, peak, ranks, t, peak <= p.budget, p.batch * p.seq)
 
 

@@ -23,9 +23,17 @@ by the ring formulas memfit.distributed.comm counts with, over the group's link
               (stages - 1) micro-batch slots of the slowest stage; dp all-reduce at the step
 
 Optimizer offload adds the gradients' trip to the host and the weights' back at HOST_BW.
+
+On this machine's CPU (`host`, memfit.plan.cluster_host): a fixed cost per block and micro-batch
+beside the FLOPs, and the ranks share its cores: the step is no shorter than every rank's busy time
+times its threads over the cores; the difference is the "cores" term (zero with a core per thread).
+The optimizer step's fixed cost, measured apart, is counted once per step, for the weights a rank
+updates (the fullest stage's; ZeRO's shard).
+With no core to spare, no communication overlaps (gloo computes on the cores the ranks use).
 """
 from __future__ import annotations
 
+from memfit.plan.cluster_host import Host
 from memfit.plan.cluster_links import Topology, ring_seconds
 from memfit.plan.cluster_memory import Layout, rank_peaks, stage_sizes
 from memfit.plan.cluster_unit import UnitProfile
@@ -72,7 +80,8 @@ def _dp_sync(lay: Layout, topo: Topology, numel: int, mb_backward: float) -> tup
     return t_rs + t_ag, t_rs + max(t_ag - lay.accum * 3 * mb_backward / 2, 0.0), int(rs + ag)
 
 
-def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flops: float) -> dict:
+def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flops: float,
+              host: Host | None = None) -> dict:
     block_f, head_f = _flops(cfg, unit, seq, lay.tp)
     sizes = stage_sizes(cfg.layers, lay.pp)
     act = unit.boundary  # bytes of one sequence's hidden states
@@ -81,8 +90,10 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
         keep, sel, rec = lay.counts[r] if r < len(lay.counts) else (k, 0, 0)
         fwd = k * block_f + (head_f if r == lay.pp - 1 else 0)
         extra = (rec + SELECTIVE_SHARE * sel) * block_f
-        per_stage.append((3 * fwd + extra) * lay.rows / flops)
-        recompute = max(recompute, extra * lay.rows / flops)
+        # fixed seconds per block, forward and backward (a forward: a third); DTensor's two pairs under TP
+        fixed = (host.overhead_s + (2 * host.tp_pair_s if lay.tp > 1 else 0.0)) if host else 0.0
+        per_stage.append((3 * fwd + extra) * lay.rows / flops + fixed * (k + (rec + SELECTIVE_SHARE * sel) / 3))
+        recompute = max(recompute, extra * lay.rows / flops + fixed * (rec + SELECTIVE_SHARE * sel) / 3)
     mb = max(per_stage)  # one micro-batch on the slowest stage
     comm, exposed, sent = 0.0, 0.0, 0
     if lay.tp > 1:  # the hidden states all-reduced over TP, per block of the (fullest) stage
@@ -102,10 +113,22 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
         compute, bubble = lay.accum * mb, (lay.pp - 1) * mb
     else:
         compute, bubble = lay.accum * mb, 0.0
+    opt = host.step_s_per_elem * numel / (lay.dp if lay.zero else 1) if host else 0.0  # once per step
+    if host and lay.tp > 1:  # the step over DTensors: four sharded matrices a block
+        opt += host.tp_param_step_s * 4 * max(sizes)
+    compute += opt
     offload = 0.0
     if lay.offload_optimizer:
         row = rank_peaks(Layout(**{**lay.__dict__, "offload_optimizer": None}), unit, cfg.layers)[0]
-        offload = 2 * (row["grads"] + row["params"]) / HOST_BW
-    total = compute + bubble + exposed + offload
+        offload = 2 * (row["grad_bytes"] + row["params"]) / HOST_BW
+    if host is not None and lay.gpus * host.threads >= host.cores:
+        exposed = comm  # gloo's copies and reductions run on the cores the compute uses: nothing hides them
+    cores = 0.0
+    if host is not None:  # every rank's busy seconds over the cores they share
+        busy = (lay.dp * lay.accum * sum(per_stage) if lay.strategy == "pipeline" else lay.gpus * lay.accum * mb) \
+            + lay.gpus * opt
+        cores = max(busy * host.threads / host.cores - compute - bubble, 0.0)
+    total = compute + bubble + exposed + offload + cores
     return {"compute": compute - lay.accum * recompute, "recompute": lay.accum * recompute, "comm": comm,
-            "comm_exposed": exposed, "bubble": bubble, "offload": offload, "total": total, "comm_bytes": sent}
+            "comm_exposed": exposed, "bubble": bubble, "offload": offload, "cores": cores, "total": total,
+            "comm_bytes": sent}

@@ -2,7 +2,7 @@
 
     traced_peak(spec, layout, seq, actions)  -> bytes
 
-none / ddp / zero1-3: memfit.estimate of the rank's micro-batch with the plan's per-block actions
+none / ddp / zero1-3: one memfit.estimate of the rank's micro-batch (every moment of backward) with the plan's per-block actions
 (the composed trace for deep models), put on the strategy's shard layout by
 memfit.distributed.rank_memory (rank_model_state, rank_totals). pipeline and tensor:
 memfit.measure.parallel_estimate (pipeline_ranks traces one block under the plan's one action;
@@ -47,32 +47,28 @@ def traced_peak(spec, lay: Layout, seq: int, actions: list) -> int:
         return worst
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
     from memfit.measure.estimate import estimate
+    from memfit.measure.rank_estimate import _peak_block
 
-    # Two moments: the optimizer step (the trace as planned) and backward, traced with a stateless
-    # optimizer (sgd) so that the one-device peak is backward's, whose activations the strategy's
-    # rank keeps; rank_totals puts each on the rank's model states. The device-resident trace is
-    # used (deep models take the composed path; an offload trace is not composed): the offloaded
-    # optimizer state and gradients are taken off the rank's figures instead.
-    states = rank_model_state(spec.on_meta(seq), "ddp" if lay.strategy == "none" else lay.strategy,
-                              max(lay.dp, 1), **common)
+    # One trace: backward's moments, traced with a stateless optimizer (sgd) so that each moment is
+    # a backward one, whose activations the strategy's rank keeps; rank_totals puts every moment on
+    # the rank's model states (the plan's optimizer state included: rank_model_state below). The
+    # optimizer step's moment is model states alone, exact by formula on both sides. Offload takes
+    # the rank's optimizer state and gradients (under ZeRO its shares) off the device.
+    # (a -master mode's fp32 master copy is optimizer state: its -true twin computes the same way)
+    prec = lay.precision.replace("-master", "-true")
+    est = estimate(spec, batch=lay.rows, seq=seq, checkpoint=to_string(actions), precision=prec, optimizer="sgd")
+    d = dict(est.per_device)
+    if lay.strategy == "none":
+        states = rank_model_state(spec.on_meta(seq), "ddp", 1, **common)[0]
+        return d["total"] + (0 if lay.offload_optimizer else states["optimizer"]) - \
+            (d["grads"] if lay.offload_optimizer else 0)
+    states = rank_model_state(spec.on_meta(seq), lay.strategy, max(lay.dp, 1), **common)
     if lay.offload_optimizer:  # each rank offloads its own shard (ZeRO-Offload)
         states = [{**r, "optimizer": 0, "grads": 0 if lay.zero >= 2 else r["grads"]} for r in states]
-    worst = 0
-    # (a -master mode's fp32 master copy is optimizer state: its -true twin computes the same way)
-    for opt, prec in ((lay.optimizer, lay.precision), ("sgd", lay.precision.replace("-master", "-true"))):
-        est = estimate(spec, batch=lay.rows, seq=seq, checkpoint=to_string(actions), precision=prec, optimizer=opt)
-        d, saved = dict(est.per_device), est.module_activations
-        if opt == "sgd" and not saved and lay.strategy != "none":
-            d, saved = _full_trace(spec, lay.rows, seq, prec, actions)
-        if lay.strategy == "none":
-            worst = max(worst, d["total"] - d["optimizer"] + states[0]["optimizer"]
-                        - (d["grads"] if lay.offload_optimizer else 0))
-            continue
-        if opt == "sgd":
-            d["total"] += states[0]["optimizer"] - d["optimizer"]
-        worst = max(worst, max(r["total"] + (_held(lay, states[0]["grads"], r["grads"]) if opt == "sgd" else 0)
-                               for r in rank_totals(states, d, saved, lay.rows * seq)))
-    return worst
+    rows = rank_totals(states, d, est.module_activations, lay.rows * seq, peak_block=_peak_block(est.modules),
+                       moments=est.moments)
+    step = max(r["params"] + r["gathered"] + r["grads"] + r["optimizer"] for r in states)
+    return max(step, max(r["total"] + _held(lay, states[0]["grads"], r["grads"]) for r in rows))
 
 
 def _held(lay: Layout, rank_grads: int, moment_grads: int) -> int:
@@ -82,13 +78,3 @@ def _held(lay: Layout, rank_grads: int, moment_grads: int) -> int:
     if lay.accum <= 1:
         return 0
     return rank_grads if lay.zero >= 2 else max(rank_grads - moment_grads, 0)
-
-
-def _full_trace(spec, rows: int, seq: int, precision: str, actions: list) -> tuple[dict, dict]:
-    """One step traced in full (the composed estimate keeps no per-module figures, which a ZeRO rank's
-    backward peak is made of): per-device categories and the bytes each module saves for backward."""
-    from memfit.measure.trace import trace_step
-
-    t = trace_step(spec, rows, seq, precision, "sgd", to_string(actions), steps=1)
-    cats = {c: getattr(t, c) for c in ("params", "grads", "optimizer", "activations", "temporaries")}
-    return {**cats, "total": t.peak}, dict(t.module_activations)
