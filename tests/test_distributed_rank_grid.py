@@ -2,8 +2,9 @@
 
 The default tier runs the cases that caught the per-rank bugs: deep models (the composed path from
 12 blocks) under ZeRO-3 with and without checkpointing, a tied-embedding Llama under ddp and
-zero2 with full checkpointing (the peak in backward), and a 1F1B pipeline whose micro-batches all
-fit in the warm-up. `--runslow` runs the whole grid (docs/estimate.md has its table).
+zero2 with full checkpointing (the peak in backward), a 1F1B pipeline whose micro-batches all
+fit in the warm-up, and a GPipe pipeline with full checkpointing (the peak is a block's recompute
+beside the sends GPipe holds). `--runslow` runs the whole grid (docs/estimate.md has its table).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_covering_subset_each_rank_within_3_percent(tmp_path):
     llama = grid.hf_configs(tmp_path)["llama-tied"]
     cases = [grid.Case(grid.gpt(12), "zero3"), grid.Case(grid.gpt(13), "zero3", "bf16-master", "full"),
              grid.Case(llama, "ddp", checkpoint="full"), grid.Case(llama, "zero2", checkpoint="full"),
-             grid.Case(grid.gpt(2), "pipeline", schedule="1f1b")]
+             grid.Case(grid.gpt(2), "pipeline", schedule="1f1b"),
+             grid.Case(grid.gpt(2), "pipeline", "bf16-master", "full", schedule="gpipe")]
     _check(cases, 2)
 
 
