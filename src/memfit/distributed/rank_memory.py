@@ -131,9 +131,11 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
                                temporaries=tokens * r["grad_per_token"]),
                           dict(held, grads=r["grads"])]
             if blocks and root is not None:  # the head's backward done, the last block's beginning
+                # (the head's temporaries, the logits and their gradient, are gone: what flows is the
+                # gradient into the block)
                 head = saved[root] - sum(blocks) - sum(saved.get(e, 0) for e in r["embeddings"])
                 moments_r.append(dict(held, grads=r["head_grads"], activations=saved[root] - head,
-                                      temporaries=one_device["temporaries"]))
+                                      temporaries=tokens * r["grad_per_token"]))
         cats = max((_filled(m) for m in moments_r), key=lambda m: m["total"])
         # each module's peak on this rank (the module table), from its one-device moment
         modules = {k: _filled(_moment(r, held, m, _block_index(k), full))["total"] for k, m in (moments or {}).items()}
