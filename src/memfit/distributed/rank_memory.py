@@ -70,6 +70,7 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
             row["grads"] = w * (shard if stage >= 2 else sum(b.padded for b in layout.buckets))
             # the bucket whose full gradients are copied into a flat buffer for the collective
             row["in_flight"] = w * (max(blocks or [0]) if stage >= 2 else max(b.padded for b in layout.buckets))
+            row["spare"] = w * max(rest, *blocks) if blocks else w * rest  # the flat buffer kept after a reduce
             row["optimizer"] = per_elem_opt * shard + counters * tensors
         else:
             holds = strategy == "ddp" or rank == 0
@@ -88,7 +89,8 @@ RANK_CATEGORIES = ("params", "gathered", "grads", "in_flight", "optimizer", "act
 
 
 def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, int] | None = None,
-                tokens: int = 0, peak_block: int | None = -1, moments: dict[str, dict] | None = None) -> list[dict]:
+                tokens: int = 0, peak_block: int | None = -1, moments: dict[str, dict] | None = None,
+                accum: int = 1) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total", at the peak;
     `moments`: the same at each module's highest moment; `saved`: bytes saved for backward per
@@ -108,7 +110,12 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     backward beginning (everything saved but the head's, two blocks gathered), the first bucket's
     reduce-scatter (what is still saved is the other blocks' and the embeddings'; the bucket's
     gradients and their flat copy, 2 x `in_flight`; the head's gradients, `head_grads`; the gradient
-    flowing into the next block, tokens x `grad_per_token`, a temporary) and the step."""
+    flowing into the next block, tokens x `grad_per_token`, a temporary) and the step.
+
+    With `accum` > 1 micro-batches per step, every forward and backward moment recurs in a later
+    micro-batch beside the gradients of the earlier ones: the whole gradients (ddp, ps, zero1: autograd
+    accumulates in place) or, under zero2/3, the rank's reduced slices of every bucket plus the flat
+    buffer the last reduce-scatter left (kept for the next bucket: `spare`)."""
     saved = saved or {}
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
     root = max(saved, key=saved.get, default=None)  # the model itself saves the most
@@ -121,22 +128,25 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
         held = dict(params=r["params"], gathered=r["gathered"], optimizer=r["optimizer"])
         zero = r["strategy"].startswith("zero")
         full = r["full_grads"]
-        moments_r = [_moment(r, held, m, inside, full) for m, inside in cands]
+        moments_r = [_moment(r, held, m, inside, full) for m, inside in cands if m["grads"] < full]
+        steps = [_moment(r, held, m, inside, full) for m, inside in cands if m["grads"] >= full]
         if r["strategy"] == "zero1":
-            moments_r.append(dict(held, grads=r["grads"], in_flight=r["in_flight"]))
+            steps.append(dict(held, grads=r["grads"], in_flight=r["in_flight"]))
         elif zero:
             before = (sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"]) if blocks
                       else one_device["activations"])  # no per-block figures: everything saved stays
-            moments_r += [dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
-                               temporaries=tokens * r["grad_per_token"]),
-                          dict(held, grads=r["grads"])]
+            moments_r.append(dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
+                                  temporaries=tokens * r["grad_per_token"]))
+            steps.append(dict(held, grads=r["grads"]))
             if blocks and root is not None:  # the head's backward done, the last block's beginning
                 # (the head's temporaries, the logits and their gradient, are gone: what flows is the
                 # gradient into the block)
                 head = saved[root] - sum(blocks) - sum(saved.get(e, 0) for e in r["embeddings"])
                 moments_r.append(dict(held, grads=r["head_grads"], activations=saved[root] - head,
                                       temporaries=tokens * r["grad_per_token"]))
-        cats = max((_filled(m) for m in moments_r), key=lambda m: m["total"])
+        if accum > 1:
+            moments_r += [_later(r, m) for m in moments_r]
+        cats = max((_filled(m) for m in moments_r + steps), key=lambda m: m["total"])
         # each module's peak on this rank (the module table), from its one-device moment
         modules = {k: _filled(_moment(r, held, m, _block_index(k), full))["total"] for k, m in (moments or {}).items()}
         out.append({**r, **cats, "modules": modules})
@@ -171,6 +181,13 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
             ends = block == 0 and m["grads"] or block == r["n_blocks"] - 1 and not m["grads"]
             out["gathered"] = r["rest"] + (0 if block is None else r["one_block"] if ends else held["gathered"] - r["rest"])
     return out
+
+
+def _later(r: dict, m: dict) -> dict:
+    """Moment `m` of the first micro-batch as a later micro-batch sees it (see rank_totals)."""
+    if r["strategy"] in ("zero2", "zero3"):
+        return dict(m, grads=m.get("grads", 0) + r["grads"], in_flight=max(m.get("in_flight", 0), r["spare"]))
+    return dict(m, grads=max(m.get("grads", 0), r["grads"]))
 
 
 def _filled(moment: dict) -> dict:

@@ -29,13 +29,13 @@ from memfit.measure.trace import trace_step
 
 def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | None = None,
                    schedule: str = "1f1b", precision: str = "32-true", optimizer: str = "adamw",
-                   checkpoint: str = "none") -> list[dict]:
+                   checkpoint: str = "none", accum: int = 1) -> list[dict]:
     cfg, m = spec.config, microbatches or world
     check_pipeline(cfg.layers, world, batch * world, m, schedule)
     b = batch * world // m
     out = []
     for r in range(world):
-        cats = trace_stage(spec, r, world, m, b, seq, schedule, precision, optimizer, checkpoint)
+        cats = trace_stage(spec, r, world, m, b, seq, schedule, precision, optimizer, checkpoint, accum=accum)
         row = {"rank": r, "strategy": "pipeline", "world": world, "gathered": 0, "in_flight": 0,
                **{c: cats[c] for c in ("params", "grads", "optimizer", "activations", "temporaries")},
                "blocks": len(stage_blocks(cfg.layers, world, r)),

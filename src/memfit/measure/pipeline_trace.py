@@ -34,8 +34,9 @@ from memfit.measure.fake_mode import fake_mode
 
 def trace_stage(spec, rank: int, stages: int, microbatches: int, rows: int, seq: int, schedule: str = "1f1b",
                 precision: str = "32-true", optimizer: str = "adamw", checkpoint: str = "none",
-                steps: int = 2) -> dict[str, int]:
-    """The stage of `rank` (micro-batches of `rows` sequences): its tracked categories at the step's peak."""
+                steps: int = 2, accum: int = 1) -> dict[str, int]:
+    """The stage of `rank` (micro-batches of `rows` sequences): its tracked categories at the step's peak.
+    `accum`: schedule runs per optimizer step (PipelineOptimizer.accumulate_step: gradients add up)."""
     from memfit.core.tracker import track
 
     with fake_mode():
@@ -44,13 +45,16 @@ def trace_stage(spec, rank: int, stages: int, microbatches: int, rows: int, seq:
         dtype = _sent_dtype(stage, opt, rows, seq, first, cfg)
         recv = [torch.empty(rows, seq, cfg.hidden, dtype=dtype) for _ in range(microbatches)] if not first else []
         grad_in = [torch.empty(rows, seq, cfg.hidden, dtype=dtype) for _ in range(microbatches)] if not last else []
-        batches = [torch.randint(0, cfg.vocab, (rows * microbatches, seq)) for _ in range(steps)]
+        batches = [[torch.randint(0, cfg.vocab, (rows * microbatches, seq)) for _ in range(accum)]
+                   for _ in range(steps)]
         run = _Stage(stage, opt, recv, grad_in, first, last)
-        for s, x in enumerate(batches):
+        for s, xs in enumerate(batches):
             tracker = track(stage, opt, device="cpu") if s == steps - 1 else None
             with tracker if tracker is not None else contextlib.nullcontext():
-                with opt.autocast():
-                    (_gpipe if schedule == "gpipe" else _one_f_one_b)(run, x.tensor_split(microbatches), stages - rank)
+                for x in xs:
+                    with opt.autocast():
+                        (_gpipe if schedule == "gpipe" else _one_f_one_b)(run, x.tensor_split(microbatches),
+                                                                          stages - rank)
                 opt.step()
         opt.close()
         return dict(tracker.breakdown)
