@@ -68,9 +68,12 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
                 row["rest"] = w * rest  # gathered alone between the blocks (the head and loss)
                 row["one_block"], row["n_blocks"] = w * max(blocks or [0]), len(blocks)
             row["grads"] = w * (shard if stage >= 2 else sum(b.padded for b in layout.buckets))
+            row["blocks_n"] = len(blocks)  # (buckets of blocks are reduced from the last one down)
             # the bucket whose full gradients are copied into a flat buffer for the collective
             row["in_flight"] = w * (max(blocks or [0]) if stage >= 2 else max(b.padded for b in layout.buckets))
-            row["spare"] = w * max(rest, *blocks) if blocks else w * rest  # the flat buffer kept after a reduce
+            # the flat buffer the last reduce-scatter of a micro-batch leaves (the rest's: the
+            # embeddings' gradients come last), kept into the next micro-batch
+            row["spare"] = w * (rest or max(blocks or [0]))
             row["optimizer"] = per_elem_opt * shard + counters * tensors
         else:
             holds = strategy == "ddp" or rank == 0
@@ -175,6 +178,15 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
         done = m["grads"] >= full  # the step: every bucket reduced
         out["grads"] = r["grads"] if done else round(r["grads"] * m["grads"] / full) if full else 0
         out["in_flight"] = 0 if done else min(m["grads"], r["in_flight"])
+        # inside block i's backward the later blocks' buckets are reduced to slices; what else one
+        # process holds (block i's gradients so far, the rest's: head, final norm) is not reduced yet
+        later = r.get("blocks_n", 0) - 1 - block if block is not None and block >= 0 else -1
+        if not done and m["grads"] and later >= 0 and m["grads"] >= later * r["in_flight"]:
+            out["grads"] = later * (r["in_flight"] // r["world"])
+            out["in_flight"] = m["grads"] - later * r["in_flight"]
+            if later:  # the flat buffer of the last reduce-scatter is kept for the next bucket
+                out["in_flight"] += r["in_flight"]
+                out["spare_kept"] = True
         if s == "zero3" and "rest" in r:
             # the running block and the prefetched next one, except where there is no next: the
             # first block's backward, the last block's forward
@@ -186,7 +198,10 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
 def _later(r: dict, m: dict) -> dict:
     """Moment `m` of the first micro-batch as a later micro-batch sees it (see rank_totals)."""
     if r["strategy"] in ("zero2", "zero3"):
-        return dict(m, grads=m.get("grads", 0) + r["grads"], in_flight=max(m.get("in_flight", 0), r["spare"]))
+        # the current micro-batch's reduce-scatters add into the slices (no new bytes); its unreduced
+        # gradients (in_flight) are beside them and the flat buffer kept from the earlier one
+        spare = 0 if m.get("spare_kept") else r["spare"]  # (replaced at this micro-batch's first reduce)
+        return dict(m, grads=r["grads"], in_flight=m.get("in_flight", 0) + spare)
     return dict(m, grads=max(m.get("grads", 0), r["grads"]))
 
 

@@ -60,7 +60,7 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
                            peak_block=_peak_block(one.modules), moments=one.moments, accum=accum)
     for r in rows:
         r.pop("embeddings", None)
-        for k in ("rest", "one_block", "n_blocks", "full_grads"):
+        for k in ("rest", "one_block", "n_blocks", "blocks_n", "spare", "full_grads"):
             r.pop(k, None)
         r["total"] = sum(r[c] for c in RANK_CATEGORIES)
     return rows
