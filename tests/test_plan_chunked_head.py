@@ -151,3 +151,12 @@ def test_time_model_prices_the_forward_summed_weight_gradient_as_no_extra_gemm()
     one_gemm = 2 * 8192 * 64 * 1024 / FLOPS
     assert bf16 - fp32 == pytest.approx(one_gemm, rel=0.5)
     assert fp32 < 0.5 * one_gemm
+
+
+def test_a_loop_that_keeps_its_output_is_priced_exactly_with_a_chunked_head():
+    """keep_output: the output the step begins with and holds through the update moves with the head
+    (a chunked head's holds no full logits), so the composed figure is the traced step's (it was the
+    plain head's logits over)."""
+    plan = fit(SPEC, budget=BUDGET, batch=1, seq=256, allow=("recompute", "selective", "chunked-head"),
+               keep_output=True)
+    assert plan.head_chunks and plan.keep_output and plan.predicted_peak == plan.measured_peak <= BUDGET
