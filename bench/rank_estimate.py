@@ -58,21 +58,24 @@ def main() -> None:
     ap.add_argument("--world4-depths", type=int, nargs="+", default=[2, 12, 13])
     ap.add_argument("--hf", action="store_true", help="add the Hugging Face families")
     ap.add_argument("--hf-only", action="store_true", help="the Hugging Face families alone")
+    ap.add_argument("--strategies", nargs="+", help="only these strategies (e.g. pipeline zero3); the other "
+                    "cases' rows are kept from the earlier runs")
     args = ap.parse_args()
+    keep = (lambda cases: [c for c in cases if c.strategy in args.strategies]) if args.strategies else (lambda c: c)
     if args.hf_only:
         args.hf, args.worlds = True, []
     command = "PYTHONPATH=src python bench/rank_estimate.py " + ("--hf-only" if args.hf_only else (
         "--depths " + " ".join(map(str, args.depths)) + " --worlds " + " ".join(map(str, args.worlds))
         + (" --world4-depths " + " ".join(map(str, args.world4_depths)) if 4 in args.worlds else "")
-        + (" --hf" if args.hf else "")))
+        + (" --hf" if args.hf else ""))) + (" --strategies " + " ".join(args.strategies) if args.strategies else "")
     # Each run replaces its own cases in bench/results/rank_estimate.json and keeps the others: the
     # grid may be run in parts.
-    rows = _run(grid.gpt_cases(args.depths), 2, [], command) if 2 in args.worlds else []
+    rows = _run(keep(grid.gpt_cases(args.depths)), 2, [], command) if 2 in args.worlds else []
     if 4 in args.worlds:
-        rows += _run(grid.gpt_cases(args.world4_depths, 4, precisions=("32-true",)), 4, rows, command)
+        rows += _run(keep(grid.gpt_cases(args.world4_depths, 4, precisions=("32-true",))), 4, rows, command)
     if args.hf:
         with tempfile.TemporaryDirectory() as d:
-            rows += _run(grid.hf_cases(grid.hf_configs(Path(d))), 2, rows, command)
+            rows += _run(keep(grid.hf_cases(grid.hf_configs(Path(d)))), 2, rows, command)
     print(render(json.loads(_save(rows, command).read_text())))
 
 

@@ -56,12 +56,13 @@ class Case:
     schedule: str | None = None
     microbatches: int | None = None
     tags: tuple = field(default=())
+    accum: int = 1
 
     @property
     def name(self) -> str:
         s = self.strategy + (f"-{self.schedule}" if self.schedule else "")
         return f"{Path(self.model).parent.name if self.model.endswith('.json') else self.model} {s} " \
-               f"{self.precision} ckpt={self.checkpoint}"
+               f"{self.precision} ckpt={self.checkpoint}" + (f" accum={self.accum}" if self.accum > 1 else "")
 
     def options(self) -> list[str]:
         out = ["--precision", self.precision, "--checkpoint", self.checkpoint]
@@ -69,6 +70,8 @@ class Case:
             out += ["--schedule", self.schedule]
         if self.microbatches:
             out += ["--microbatches", str(self.microbatches)]
+        if self.accum > 1:
+            out += ["--accum", str(self.accum)]
         return out
 
 
@@ -115,23 +118,30 @@ def _one(case: Case, rank: int, world: int) -> dict:
     with opt:
         rows = opt.data_rows(BATCH * world) if case.strategy == "tensor" else None
         for step in range(3):
-            m = torch.randint(0, vocab, (BATCH * world, SEQ), generator=g)
+            ms = [torch.randint(0, vocab, (BATCH * world, SEQ), generator=g) for _ in range(case.accum)]
             tracker = track(opt.tracked_module, opt, device="cpu") if step == 2 else None
             with tracker if tracker is not None else contextlib.nullcontext():
                 if case.strategy == "pipeline":
-                    opt.accumulate_step([(m, m)])
+                    opt.accumulate_step([(m, m) for m in ms])
                 elif case.strategy == "tensor":
-                    opt.accumulate_step([(m[rows], m[rows])])
+                    opt.accumulate_step([(m[rows], m[rows]) for m in ms])
                 else:
-                    x = m[rank * BATCH:(rank + 1) * BATCH] if case.strategy != "none" else m[:BATCH]
-                    with opt.micro_batch(True), opt.autocast():
-                        loss = _loss(opt.model, x)
-                    if case.strategy == "none":
-                        opt.backward(loss)
-                    else:
-                        opt.backward(loss / world, final=True)
-                    opt.step()
+                    _data_parallel_step(case, opt, ms, rank, world)
     return dict(tracker.breakdown)
+
+
+def _data_parallel_step(case: Case, opt, ms: list, rank: int, world: int) -> None:
+    """One step of len(ms) micro-batches, each rank on its rows (the gradients of the earlier ones held)."""
+    for i, m in enumerate(ms):
+        last = i == len(ms) - 1
+        x = m[rank * BATCH:(rank + 1) * BATCH] if case.strategy != "none" else m[:BATCH]
+        with opt.micro_batch(last), opt.autocast():
+            loss = _loss(opt.model, x)
+        if case.strategy == "none":
+            opt.backward(loss / len(ms))
+        else:
+            opt.backward(loss / (world * len(ms)), final=last)
+    opt.step()
 
 
 def tracked(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:

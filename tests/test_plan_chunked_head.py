@@ -168,3 +168,12 @@ def test_head_time_constants_are_the_fit_to_the_recorded_bench():
 
     fit = chunked_head.fit_constants(json.loads((bench / "results" / "chunked_head.json").read_text()))
     assert (head.EXTRA_GEMMS, head.CHUNK_TOKENS) == (fit["EXTRA_GEMMS"], fit["CHUNK_TOKENS"])
+
+
+def test_a_loop_that_keeps_its_output_is_priced_exactly_with_a_chunked_head():
+    """keep_output: the output the step begins with and holds through the update moves with the head
+    (a chunked head's holds no full logits), so the composed figure is the traced step's (it was the
+    plain head's logits over)."""
+    plan = fit(SPEC, budget=BUDGET, batch=1, seq=256, allow=("recompute", "selective", "chunked-head"),
+               keep_output=True)
+    assert plan.head_chunks and plan.keep_output and plan.predicted_peak == plan.measured_peak <= BUDGET

@@ -34,6 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
     p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world)")
+    p.add_argument("--accum", type=integer(1), default=1, metavar="K",
+                   help="micro-batches per optimizer step (default 1): the gradients of the earlier ones are held "
+                   "through the later ones (ZeRO-2/3: each rank's reduced slices)")
     add(p, "checkpoint", default="none")
     add(p, "offload_optimizer", default="none")
     p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 24GiB or 80GB: says if it fits")
@@ -68,7 +71,7 @@ def _estimate(args: argparse.Namespace):
     common = dict(precision=args.precision, optimizer=args.optimizer, zero=args.zero, world=args.world,
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
-                  schedule=args.schedule, tp=args.tp)
+                  schedule=args.schedule, tp=args.tp, accum=args.accum)
     if is_factory(model):  # any nn.Module: a factory and its example batch
         if not args.input:
             raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")

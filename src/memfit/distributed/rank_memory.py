@@ -68,8 +68,12 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
                 row["rest"] = w * rest  # gathered alone between the blocks (the head and loss)
                 row["one_block"], row["n_blocks"] = w * max(blocks or [0]), len(blocks)
             row["grads"] = w * (shard if stage >= 2 else sum(b.padded for b in layout.buckets))
+            row["blocks_n"] = len(blocks)  # (buckets of blocks are reduced from the last one down)
             # the bucket whose full gradients are copied into a flat buffer for the collective
             row["in_flight"] = w * (max(blocks or [0]) if stage >= 2 else max(b.padded for b in layout.buckets))
+            # the flat buffer the last reduce-scatter of a micro-batch leaves (the rest's: the
+            # embeddings' gradients come last), kept into the next micro-batch
+            row["spare"] = w * (rest or max(blocks or [0]))
             row["optimizer"] = per_elem_opt * shard + counters * tensors
         else:
             holds = strategy == "ddp" or rank == 0
@@ -88,7 +92,8 @@ RANK_CATEGORIES = ("params", "gathered", "grads", "in_flight", "optimizer", "act
 
 
 def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, int] | None = None,
-                tokens: int = 0, peak_block: int | None = -1, moments: dict[str, dict] | None = None) -> list[dict]:
+                tokens: int = 0, peak_block: int | None = -1, moments: dict[str, dict] | None = None,
+                accum: int = 1) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total", at the peak;
     `moments`: the same at each module's highest moment; `saved`: bytes saved for backward per
@@ -108,7 +113,12 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     backward beginning (everything saved but the head's, two blocks gathered), the first bucket's
     reduce-scatter (what is still saved is the other blocks' and the embeddings'; the bucket's
     gradients and their flat copy, 2 x `in_flight`; the head's gradients, `head_grads`; the gradient
-    flowing into the next block, tokens x `grad_per_token`, a temporary) and the step."""
+    flowing into the next block, tokens x `grad_per_token`, a temporary) and the step.
+
+    With `accum` > 1 micro-batches per step, every forward and backward moment recurs in a later
+    micro-batch beside the gradients of the earlier ones: the whole gradients (ddp, ps, zero1: autograd
+    accumulates in place) or, under zero2/3, the rank's reduced slices of every bucket plus the flat
+    buffer the last reduce-scatter left (kept for the next bucket: `spare`)."""
     saved = saved or {}
     blocks = [v for k, v in saved.items() if _BLOCK.fullmatch(k)]
     root = max(saved, key=saved.get, default=None)  # the model itself saves the most
@@ -121,20 +131,25 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
         held = dict(params=r["params"], gathered=r["gathered"], optimizer=r["optimizer"])
         zero = r["strategy"].startswith("zero")
         full = r["full_grads"]
-        moments_r = [_moment(r, held, m, inside, full) for m, inside in cands]
+        moments_r = [_moment(r, held, m, inside, full) for m, inside in cands if m["grads"] < full]
+        steps = [_moment(r, held, m, inside, full) for m, inside in cands if m["grads"] >= full]
         if r["strategy"] == "zero1":
-            moments_r.append(dict(held, grads=r["grads"], in_flight=r["in_flight"]))
+            steps.append(dict(held, grads=r["grads"], in_flight=r["in_flight"]))
         elif zero:
             before = (sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"]) if blocks
                       else one_device["activations"])  # no per-block figures: everything saved stays
-            moments_r += [dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
-                               temporaries=tokens * r["grad_per_token"]),
-                          dict(held, grads=r["grads"])]
+            moments_r.append(dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
+                                  temporaries=tokens * r["grad_per_token"]))
+            steps.append(dict(held, grads=r["grads"]))
             if blocks and root is not None:  # the head's backward done, the last block's beginning
+                # (the head's temporaries, the logits and their gradient, are gone: what flows is the
+                # gradient into the block)
                 head = saved[root] - sum(blocks) - sum(saved.get(e, 0) for e in r["embeddings"])
                 moments_r.append(dict(held, grads=r["head_grads"], activations=saved[root] - head,
-                                      temporaries=one_device["temporaries"]))
-        cats = max((_filled(m) for m in moments_r), key=lambda m: m["total"])
+                                      temporaries=tokens * r["grad_per_token"]))
+        if accum > 1:
+            moments_r += [_later(r, m) for m in moments_r]
+        cats = max((_filled(m) for m in moments_r + steps), key=lambda m: m["total"])
         # each module's peak on this rank (the module table), from its one-device moment
         modules = {k: _filled(_moment(r, held, m, _block_index(k), full))["total"] for k, m in (moments or {}).items()}
         out.append({**r, **cats, "modules": modules})
@@ -163,12 +178,31 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
         done = m["grads"] >= full  # the step: every bucket reduced
         out["grads"] = r["grads"] if done else round(r["grads"] * m["grads"] / full) if full else 0
         out["in_flight"] = 0 if done else min(m["grads"], r["in_flight"])
+        # inside block i's backward the later blocks' buckets are reduced to slices; what else one
+        # process holds (block i's gradients so far, the rest's: head, final norm) is not reduced yet
+        later = r.get("blocks_n", 0) - 1 - block if block is not None and block >= 0 else -1
+        if not done and m["grads"] and later >= 0 and m["grads"] >= later * r["in_flight"]:
+            out["grads"] = later * (r["in_flight"] // r["world"])
+            out["in_flight"] = m["grads"] - later * r["in_flight"]
+            if later:  # the flat buffer of the last reduce-scatter is kept for the next bucket
+                out["in_flight"] += r["in_flight"]
+                out["spare_kept"] = True
         if s == "zero3" and "rest" in r:
             # the running block and the prefetched next one, except where there is no next: the
             # first block's backward, the last block's forward
             ends = block == 0 and m["grads"] or block == r["n_blocks"] - 1 and not m["grads"]
             out["gathered"] = r["rest"] + (0 if block is None else r["one_block"] if ends else held["gathered"] - r["rest"])
     return out
+
+
+def _later(r: dict, m: dict) -> dict:
+    """Moment `m` of the first micro-batch as a later micro-batch sees it (see rank_totals)."""
+    if r["strategy"] in ("zero2", "zero3"):
+        # the current micro-batch's reduce-scatters add into the slices (no new bytes); its unreduced
+        # gradients (in_flight) are beside them and the flat buffer kept from the earlier one
+        spare = 0 if m.get("spare_kept") else r["spare"]  # (replaced at this micro-batch's first reduce)
+        return dict(m, grads=r["grads"], in_flight=m.get("in_flight", 0) + spare)
+    return dict(m, grads=max(m.get("grads", 0), r["grads"]))
 
 
 def _filled(moment: dict) -> dict:

@@ -53,6 +53,8 @@ class Estimate:
     ranks: list[dict] = field(default_factory=list)
     """Under a strategy: each distinct rank's figures at its peak moment, with the `rank_ids` it covers
     (memfit.measure.rank_estimate); the categories add up to `total`."""
+    accum: int = 1
+    """Micro-batches per optimizer step: the peak counts the gradients held across them."""
     moments: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     """The traced step's categories at each module's (or composed stretch's) highest moment, before
     any sharding: what the per-rank estimate transforms (not in the JSON)."""
@@ -106,6 +108,7 @@ def estimate(
     microbatches: int | None = None,
     schedule: str = "1f1b",
     tp: int | None = None,
+    accum: int = 1,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -118,12 +121,14 @@ def estimate(
     `strategy` ("ddp", "ps", "zero1".."zero3", "pipeline", "tensor") on `world` ranks, `batch` rows each
     (pipeline and tensor: of the global batch world x batch; `microbatches`, `schedule`, `tp`):
     per_device is the largest rank's figure and `ranks` lists each distinct rank. `zero=Z` with
-    `world=N` is `strategy="zeroZ"`.
+    `world=N` is `strategy="zeroZ"`. `accum` micro-batches per optimizer step: a later micro-batch
+    runs beside the gradients of the earlier ones (ZeRO-2/3: the rank's reduced slices).
     """
     from memfit.measure.moe import routing as moe_routing
     from memfit.measure.rank_estimate import strategy_of
 
     _positive("world", world)
+    _positive("accum", accum)
     strategy = strategy_of(strategy, zero, world)
     with moe_routing(routing):
         lora_run = lora is not None or getattr(model, "lora", None) is not None
@@ -135,13 +140,21 @@ def estimate(
                             offload_optimizer=offload_optimizer, device_memory=device_memory, loss_fn=loss_fn,
                             lora=lora, worst=routing == "worst")
             return with_ranks(one, _spec_of(model, lora), strategy, world, microbatches=microbatches, schedule=schedule,
-                              tp=tp)
+                              tp=tp, accum=accum)
         if strategy in ("pipeline", "tensor"):
             raise ConfigError(f"strategy {strategy} cuts memfit's GPT: give a gpt:/llama: spec or a known name "
                               "(without LoRA adapters)")
         est = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                         zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
                         device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst")
+        if accum > 1:
+            if strategy is not None or not isinstance(model, (str, ModelSpec)) or lora_run:
+                raise ConfigError("accum > 1 is estimated for a model name, spec or config.json (without LoRA "
+                                  "adapters) on one device or under a strategy; estimate one micro-batch (accum=1)")
+            from memfit.measure.rank_estimate import with_accumulation
+
+            est = with_accumulation(est, _spec_of(model, lora), accum)
+            est.accum = accum
     if strategy is not None:
         est.strategy = strategy
         est.note = (f"{strategy} on {world} ranks as the one-device figure with its model states sharded, "

@@ -34,9 +34,10 @@ def strategy_of(strategy: str | None, zero: int, world: int) -> str | None:
 
 
 def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: int | None = None,
-              schedule: str = "1f1b", tp: int | None = None) -> list[dict]:
+              schedule: str = "1f1b", tp: int | None = None, accum: int = 1) -> list[dict]:
     """Every rank's row (see the module docstring); `one` is the one-device Estimate of the per-rank
-    micro-batch (model states unsharded)."""
+    micro-batch (model states unsharded); `accum` micro-batches per step (the gradients of the earlier
+    ones are held through the later ones)."""
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
 
     if strategy in MODEL_PARALLEL:
@@ -47,16 +48,19 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
                               "not a Hugging Face config")
         common = dict(precision=one.precision, optimizer=one.optimizer, checkpoint=one.checkpoint)
         if strategy == "pipeline":
-            rows = pipeline_ranks(spec, one.batch, one.seq, world, microbatches, schedule, **common)
+            rows = pipeline_ranks(spec, one.batch, one.seq, world, microbatches, schedule, accum=accum, **common)
+        elif accum > 1:
+            raise ConfigError("--accum with --strategy tensor is not estimated; estimate one micro-batch "
+                              "(--accum 1) or use pipeline or a data-parallel strategy")
         else:
             rows = tensor_ranks(spec, one.batch, one.seq, world, tp, **common)
     else:
         states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer)
         rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1),
-                           peak_block=_peak_block(one.modules), moments=one.moments)
+                           peak_block=_peak_block(one.modules), moments=one.moments, accum=accum)
     for r in rows:
         r.pop("embeddings", None)
-        for k in ("rest", "one_block", "n_blocks", "full_grads"):
+        for k in ("rest", "one_block", "n_blocks", "blocks_n", "spare", "full_grads"):
             r.pop(k, None)
         r["total"] = sum(r[c] for c in RANK_CATEGORIES)
     return rows
@@ -106,5 +110,24 @@ def with_ranks(one: Any, spec: Any, strategy: str, world: int, **kw: Any) -> Any
     one.ranks = distinct(rows)
     top = one.ranks[0]
     one.per_device, one.strategy, one.world = per_device(top), strategy, world
+    one.accum = kw.get("accum", 1)
     one.zero = int(strategy[-1]) if strategy.startswith("zero") else 0
+    return one
+
+
+def with_accumulation(one: Any, spec: Any, accum: int) -> Any:
+    """The one-device Estimate `one` of a micro-batch turned into the peak of a step of `accum`
+    micro-batches: a later micro-batch runs beside the earlier ones' gradients (autograd accumulates
+    in place), the moments of memfit.distributed.rank_memory.rank_totals on one process."""
+    from memfit.distributed.rank_memory import rank_model_state, rank_totals
+
+    if accum <= 1 or not one.traced:
+        return one
+    row = rank_model_state(spec.on_meta(one.seq), "ps", 1, one.precision, one.optimizer)[0]
+    row.update(params=one.per_device["params"], optimizer=one.per_device["optimizer"])
+    top = rank_totals([row], one.per_device, one.module_activations, one.batch * (one.seq or 1),
+                      peak_block=_peak_block(one.modules), moments=one.moments, accum=accum)[0]
+    if top["total"] > one.per_device["total"]:
+        one.per_device = {c: top[c] for c in ("params", "grads", "optimizer", "activations", "temporaries")}
+        one.per_device["total"] = sum(one.per_device.values())
     return one

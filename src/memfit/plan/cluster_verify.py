@@ -5,7 +5,7 @@
 none / ddp / zero1-3: one memfit.estimate of the rank's micro-batch (every moment of backward) with the plan's per-block actions
 (the composed trace for deep models), put on the strategy's shard layout by
 memfit.distributed.rank_memory (rank_model_state, rank_totals). pipeline and tensor:
-memfit.measure.parallel_estimate (pipeline_ranks traces one block under the plan's one action;
+memfit.measure.parallel_estimate (pipeline_ranks traces each stage's step under the plan's one action;
 tensor_ranks traces the whole model one TP rank runs). Optimizer offload takes the rank's optimizer
 state and gradients off the device (under ZeRO the rank's shares of them). With accumulation a later
 micro-batch's backward runs beside the gradients of the earlier ones (measured on 2 gloo ranks: the
@@ -29,9 +29,9 @@ def traced_peak(spec, lay: Layout, seq: int, actions: list) -> int:
         mode = actions[0].mode
         b, _ = per_process_batch(lay)
         rows = pipeline_ranks(spec, b, seq, lay.pp, lay.accum, lay.schedule, checkpoint=_CHECKPOINT[mode], **common)
-        # gpipe's rows leave the gradients out; the last stage's first backward holds them beside
-        # every micro-batch's activations (see memfit.plan.cluster_memory)
-        return max(r["total"] + (r["params"] if r["grads"] == 0 else 0) for r in rows)
+        # each stage's step is traced in the schedule's order (gpipe's first backward, beside every
+        # micro-batch's activations, included)
+        return max(r["total"] for r in rows)
     if lay.strategy == "tensor":
         from memfit.measure.parallel_estimate import tensor_ranks
 

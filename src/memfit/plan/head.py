@@ -83,9 +83,13 @@ def head_profile(src: ChainSource, prof: ChainProfile, chunks: int, precision: s
 
 
 def _graft(prof: ChainProfile, plain: ChainProfile, chunked: ChainProfile) -> ChainProfile:
-    out = replace(prof, post_fwd=prof.post_fwd + (chunked.post_fwd - plain.post_fwd),
-                  post_bwd=prof.post_bwd + (chunked.post_bwd - plain.post_bwd),
-                  bw_temps=prof.bw_temps + chunked.bw_temps - plain.bw_temps)
+    # Every stretch around the blocks moves by what the head changes: the head's own (forward, backward)
+    # and, for a loop that keeps its output, the output the step begins with (the previous step's,
+    # `start`) and holds through the update (`opt`); a chunked head's output holds no full logits.
+    moved = {k: getattr(prof, k) + (getattr(chunked, k) - getattr(plain, k))
+             for k in ("pre_fwd", "post_fwd", "post_bwd", "pre_bwd", "opt")}
+    start = tuple(a + c - b for a, b, c in zip(prof.start, plain.start, chunked.start))
+    out = replace(prof, start=start, bw_temps=prof.bw_temps + chunked.bw_temps - plain.bw_temps, **moved)
     if prof.plain is not None:
         out.plain = _graft(prof.plain, plain, chunked)
     out.unchunked = getattr(prof, "unchunked", prof)  # what corrections traced on the plain head refer to

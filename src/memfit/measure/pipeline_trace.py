@@ -1,0 +1,188 @@
+"""One pipeline stage's training step traced under FakeTensorMode, in the order torch's schedule runs it.
+
+    trace_stage(spec, rank=1, stages=2, microbatches=2, rows=2, seq=64, schedule="1f1b")
+    -> {"params": ..., "grads": ..., "optimizer": ..., "activations": ..., "temporaries": ..., "total": ...}
+
+The stage is built and checkpointed as memfit.distributed.pipeline builds it (the GPT cut by
+cut_to_stage, the policy re-applied to the stage's blocks, the step of ModelParallelOptimizer) and
+its micro-batches run through the stage as torch.distributed.pipelining's ScheduleGPipe and
+Schedule1F1B run them, holding what they hold:
+
+* each forward's output (and its input) until that micro-batch's backward (the fwd cache); the last
+  stage computes the loss right after its forward and keeps it;
+* a sent tensor until its send's work is released: GPipe keeps every send's work to the end of its
+  phase loop, so every forward output and every input gradient it sends lives to the step's end;
+  1F1B keeps the last forward's send and the previous backward's gradient send across the next
+  computation (a recomputed block's backward included), and the `output` of the last forward;
+* the receive buffers (one per micro-batch) exist before the step, as torch allocates them when the
+  stage is first run; a buffer counts from the moment an op saves it, as the tracker sees it.
+
+With checkpointing, a block's backward recomputes its forward beside everything above: that moment
+(the recompute's saved tensors, the gradient arriving from the next stage, the held sends) is traced,
+not assumed. Nothing is allocated; the figures are the tracker's at the last step's peak.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from memfit.measure.fake_mode import fake_mode
+
+
+def trace_stage(spec, rank: int, stages: int, microbatches: int, rows: int, seq: int, schedule: str = "1f1b",
+                precision: str = "32-true", optimizer: str = "adamw", checkpoint: str = "none",
+                steps: int = 2, accum: int = 1) -> dict[str, int]:
+    """The stage of `rank` (micro-batches of `rows` sequences): its tracked categories at the step's peak.
+    `accum`: schedule runs per optimizer step (PipelineOptimizer.accumulate_step: gradients add up)."""
+    from memfit.core.tracker import track
+
+    with fake_mode():
+        stage, opt, cfg = _build(spec, rank, stages, seq, precision, optimizer, checkpoint)
+        first, last = rank == 0, rank == stages - 1
+        dtype = _sent_dtype(stage, opt, rows, seq, first, cfg)
+        recv = [torch.empty(rows, seq, cfg.hidden, dtype=dtype) for _ in range(microbatches)] if not first else []
+        grad_in = [torch.empty(rows, seq, cfg.hidden, dtype=dtype) for _ in range(microbatches)] if not last else []
+        batches = [[torch.randint(0, cfg.vocab, (rows * microbatches, seq)) for _ in range(accum)]
+                   for _ in range(steps)]
+        run = _Stage(stage, opt, recv, grad_in, first, last)
+        for s, xs in enumerate(batches):
+            tracker = track(stage, opt, device="cpu") if s == steps - 1 else None
+            with tracker if tracker is not None else contextlib.nullcontext():
+                for x in xs:
+                    with opt.autocast():
+                        (_gpipe if schedule == "gpipe" else _one_f_one_b)(run, x.tensor_split(microbatches),
+                                                                          stages - rank)
+                opt.step()
+        opt.close()
+        return dict(tracker.breakdown)
+
+
+def _build(spec, rank: int, stages: int, seq: int, precision: str, optimizer: str, checkpoint: str):
+    """The stage module and its optimizer, as PipelineOptimizer makes them (without a process group)."""
+    from memfit.apply.checkpoint import applied, checkpoint as apply_checkpoint, remove
+    from memfit.distributed.mp_optimizer import ModelParallelOptimizer
+    from memfit.distributed.stages import cut_to_stage, mark_tied
+
+    gpt = spec.build(seq=seq)
+    gpt.train()
+    apply_checkpoint(gpt, checkpoint)
+    policy = applied(gpt)
+    actions = policy.actions if policy is not None else None
+    remove(gpt)
+    mark_tied(gpt)
+    stage = cut_to_stage(gpt, rank, stages)
+    own = [i for i, b in enumerate(gpt.blocks) if not isinstance(b, nn.Identity)]
+    if actions is not None:
+        apply_checkpoint(stage, [actions[i] for i in own], blocks=stage.blocks)
+    opt = ModelParallelOptimizer.__new__(ModelParallelOptimizer)
+    opt._make_inner(stage, list(gpt.named_parameters()), optimizer, 1e-3, 0.0, precision, None, None, None, None, {})
+    opt.scaler = None  # the loss scale is a scalar: its overflow check needs the world, not memory
+    return stage, opt, gpt.cfg
+
+
+def _sent_dtype(stage: nn.Module, opt, rows: int, seq: int, first: bool, cfg) -> torch.dtype:
+    """The dtype of the hidden states between stages: what a block returns under the step's autocast."""
+    block = next(iter(stage.blocks))
+    with torch.no_grad(), opt.autocast():
+        h = torch.empty(rows, seq, cfg.hidden, dtype=opt.mode.param_dtype)
+        out = block(h)
+    return (out[0] if isinstance(out, tuple) else out).dtype
+
+
+class _Stage:
+    """torch's PipelineStage's forward_one_chunk / backward_one_chunk and its caches, on one process."""
+
+    def __init__(self, module, opt, recv, grad_in, first: bool, last: bool) -> None:
+        self.module, self.opt, self.recv, self.grad_in = module, opt, recv, grad_in
+        self.first, self.last = first, last
+        self.cache: dict[int, tuple] = {}
+        self.losses: list[torch.Tensor] = []
+        self.mbs: tuple = ()
+        self.total = 1.0
+
+    def start(self, mbs: tuple) -> None:
+        """clear_runtime_states and the step's split: the input buffers' gradients are dropped."""
+        self.cache, self.losses, self.mbs = {}, [], mbs
+        self.total = float(sum(m.numel() for m in mbs))
+        for b in self.recv:
+            b.grad = None
+
+    def forward(self, i: int) -> torch.Tensor:
+        inp = self.mbs[i] if self.first else self.recv[i].requires_grad_(True)
+        out = self.module(inp)
+        self.cache[i] = (out, inp)
+        if self.last:  # PipelineOptimizer._loss: the summed cross-entropy over the global token count
+            loss = F.cross_entropy(out.reshape(-1, out.size(-1)), self.mbs[i].reshape(-1), ignore_index=-1,
+                                   reduction="sum")
+            self.losses.append(self.opt.scaled(loss / self.total))
+        return out
+
+    def backward(self, j: int) -> torch.Tensor | None:
+        """stage_backward; returns the input's gradient (sent to the previous stage), None on the first."""
+        out, inp = self.cache.pop(j)
+        if self.last:
+            torch.autograd.backward([self.losses[j]])
+        else:
+            torch.autograd.backward([out], grad_tensors=[self.grad_in[j]])
+        grad = None
+        if not self.first:
+            grad, inp.grad = inp.grad, None
+        if self.last and not self.first and not out._is_view():
+            out.detach_()
+        return grad
+
+    def sends(self, out: torch.Tensor | None) -> list:
+        """What a send's ops (and their work) hold: the tensor's storage (a detached view)."""
+        return [] if out is None else [out.detach()]
+
+
+def _gpipe(st: _Stage, mbs: tuple, _warmup: int) -> None:
+    st.start(mbs)
+    fwd_works: list = []
+    output = None
+    for i in range(len(mbs)):
+        output = st.forward(i)
+        fwd_works += st.sends(None if st.last else output)
+    bwd_works: list = []
+    for i in range(len(mbs)):
+        bwd_works += st.sends(st.backward(i))
+    del output, fwd_works, bwd_works
+    st.losses = []
+
+
+def _one_f_one_b(st: _Stage, mbs: tuple, depth: int) -> None:
+    """Schedule1F1B._step_microbatches: `depth` (stages - rank) forwards of warm-up, then 1B1F, then
+    the remaining backwards; the variables that hold sends live as long as torch's do."""
+    st.start(mbs)
+    m = len(mbs)
+    warmup = min(m, depth)
+    send_work: list = []
+    fwd_sends: list = []
+    output = None
+    for i in range(warmup):
+        output = st.forward(i)
+        fwd_sends = st.sends(None if st.last else output)
+        if i != warmup - 1:
+            send_work = list(fwd_sends)
+    fwd, bwd = warmup, 0
+    bwd_sends: list = []
+    while True:
+        bwd_sends = st.sends(st.backward(bwd))
+        bwd += 1
+        if fwd == m:
+            break
+        output = st.forward(fwd)
+        fwd_sends = st.sends(None if st.last else output)
+        fwd += 1
+    send_work = list(bwd_sends)
+    while bwd < m:
+        grad = st.backward(bwd)
+        bwd_sends = st.sends(grad)
+        send_work = list(bwd_sends)
+        del grad
+        bwd += 1
+    del output, fwd_sends, bwd_sends, send_work
+    st.losses = []
