@@ -32,7 +32,7 @@ import platform
 from dataclasses import dataclass
 
 from memfit.core import cache
-from memfit.plan.cluster_links import Link
+from memfit.plan.cluster_link import Link
 
 CALIBRATE_ROWS = (1, 2, 4, 8)
 PROFILE_ROUNDS = 5

@@ -23,13 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Link:
-    name: str
-    bytes_per_s: float
-    latency_s: float
+from memfit.plan.cluster_link import Link
 
 
 LINKS = {
