@@ -25,7 +25,8 @@ ADAM_WARMUP = 5
 def names_no_mode(spec: CompressionSpec) -> bool:
     """topk / sign with error feedback and none of the options that choose a mode."""
     return (spec.name in ("topk", "sign") and spec.adam is None and not spec.adam_off and not spec.momentum
-            and not spec.start and spec.error_feedback and spec.var is None and spec.select is None)
+            and not spec.start and spec.error_feedback and spec.var is None and spec.select is None
+            and spec.owe is None)
 
 
 def for_optimizer(spec: CompressionSpec, optimizer: Any | None) -> CompressionSpec:

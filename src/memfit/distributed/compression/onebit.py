@@ -170,6 +170,7 @@ def attach(state: Any, optimizer: Any) -> CompressedAdamStep:
         raise ConfigError(f"compression {state.spec}: adam= needs the optimizer; pass "
                           "register_compression(model, spec, optimizer=opt)")
     step = CompressedAdamStep(state, torch_optimizer_of(optimizer))
+    state.lr_of = lambda: step.optimizer.param_groups[0]["lr"]
     if state.spec.clip is None:
         state.clip = getattr(optimizer, "clip", getattr(getattr(optimizer, "inner", None), "clip", None))
     return step

@@ -63,6 +63,8 @@ class CompressionState:
         """The model's parameters by position (DDP keys are tuples of positions)."""
         self.local_adam: LocalAdam | None = None
         self.clip = self.spec.clip
+        self.lr_of = None
+        """adam mode: the optimizer's current learning rate (set by onebit.attach), for owe=step."""
         """Local gradient clip norm (adam mode without clip=: the optimizer's, set by onebit.attach)."""
         if self.spec.name == "powersgd":
             self.powersgd = BatchedPowerSGD(self.spec.rank, self.spec.dense_steps, self.spec.seed)
@@ -149,9 +151,16 @@ class CompressionState:
         # top-k ranks x = y + residual by x * y (onebit.agreement) unless select=x: plain |x|
         agree = self.spec.name == "topk" and self.spec.selection == "agree"
         weight = (lambda x: agreement(x, y)) if agree else None
-        out = self._gather(y, key, step, world, sizes, weight=weight)
+        lr = self._step_lr()  # owe=step: the residual holds lr-scaled steps, applied at their own lr
+        out = self._gather(y * lr if lr != 1.0 else y, key, step, world, sizes, weight=weight)
         out = out if self.average else out / world  # the update is the mean of the ranks' directions
-        return (out * WIRE_SCALE).to(flat.dtype)
+        return (out * (WIRE_SCALE / lr)).to(flat.dtype)
+
+    def _step_lr(self) -> float:
+        if self.spec.owed != "step" or self.lr_of is None:
+            return 1.0
+        lr = float(self.lr_of())
+        return lr if lr > 0 else 1.0
 
     def _clipped(self, g: torch.Tensor) -> torch.Tensor:
         return g * min(1.0, self.clip / (float(g.norm()) + 1e-6))
