@@ -32,7 +32,7 @@ _OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "see
             "var", "select", "owe"}
 WARM_CODECS = ("int8", "fp32")
 VARIANCES = ("batch", "rank")
-SELECTIONS = ("agree", "x")
+SELECTIONS = ("agree", "gain", "x")
 OWED = ("step", "direction")
 
 

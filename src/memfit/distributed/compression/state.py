@@ -149,12 +149,20 @@ class CompressionState:
         if not self.update_phase:  # warm-up: plain Adam on the exchanged gradient
             return self._warm(flat, world, sizes)
         # top-k ranks x = y + residual by x * y (onebit.agreement) unless select=x: plain |x|
-        agree = self.spec.name == "topk" and self.spec.selection == "agree"
-        weight = (lambda x: agreement(x, y)) if agree else None
+        weight = self._selection_weight(key, y)
         lr = self._step_lr()  # owe=step: the residual holds lr-scaled steps, applied at their own lr
         out = self._gather(y * lr if lr != 1.0 else y, key, step, world, sizes, weight=weight)
         out = out if self.average else out / world  # the update is the mean of the ranks' directions
         return (out * (WIRE_SCALE / lr)).to(flat.dtype)
+
+    def _selection_weight(self, key, y: torch.Tensor):
+        """adam-mode top-k's ranking weight of x (None: |x|): agreement with the direction y
+        (select=agree) or with the momentum m (select=gain: x m estimates the loss decrease that
+        sending x buys, to first order)."""
+        if self.spec.name != "topk" or self.spec.selection == "x":
+            return None
+        toward = y if self.spec.selection == "agree" else self.local_adam.m[key]
+        return lambda x: agreement(x, toward)
 
     def _step_lr(self) -> float:
         if self.spec.owed != "step" or self.lr_of is None:
