@@ -48,7 +48,7 @@ def _one_rank(monkeypatch, spec: str) -> CompressionState:
 
 @pytest.mark.parametrize("select", ["agree", "gain", "x"])
 def test_adam_mode_sends_the_selected_elements_with_exact_error_feedback(monkeypatch, select):
-    spec = "topk:0.05,adam=0" + ("" if select == "agree" else f",select={select}")
+    spec = f"topk:0.05,adam=0,select={select}"
     state, twin = _one_rank(monkeypatch, spec), CompressionState("topk:0.05,adam=0")  # twin: the moments
     g = torch.Generator().manual_seed(3)
     residual = torch.zeros(400)
@@ -72,7 +72,8 @@ def test_adam_mode_sends_the_selected_elements_with_exact_error_feedback(monkeyp
 
 @pytest.mark.parametrize("other", ["select=x", "select=gain"])
 def test_the_choices_send_different_elements(monkeypatch, other):
-    agree, plain = _one_rank(monkeypatch, "topk:0.05,adam=0"), CompressionState(f"topk:0.05,adam=0,{other}")
+    agree = _one_rank(monkeypatch, "topk:0.05,adam=0,select=agree")
+    plain = CompressionState(f"topk:0.05,adam=0,{other}")
     g = torch.Generator().manual_seed(4)
     differ = False
     for _ in range(6):
@@ -84,7 +85,7 @@ def test_the_choices_send_different_elements(monkeypatch, other):
 
 
 def test_select_defaults_and_spec_round_trip():
-    assert parse_compression("topk:0.01,adam=5").selection == "agree"
+    assert parse_compression("topk:0.01,adam=5").selection == "gain"
     spec = parse_compression("topk:0.01,adam=5,select=x")
     assert spec.selection == "x" and str(spec) == "topk:0.01,adam=5,select=x"
     assert parse_compression(str(spec)) == spec

@@ -72,11 +72,12 @@ class CompressionSpec:
     """adam mode: the second moment in each rank's Adam direction. "rank": the rank's own v, which
     counts its 1/N of the batch's noise N times; "batch": an estimate of the v Adam would see on the
     whole batch's mean gradient, from the rank's own moments (no bytes; onebit.batch_second_moment).
-    None = the measured better one: "batch" for top-k, "rank" for sign (docs/compression.md)."""
+    None = "batch", measured the better for both compressors with owe=step (docs/compression.md)."""
     select: str | None = None
     """adam mode, top-k: how the k elements are chosen from x = direction + residual. "agree": the
-    largest max(0, x y) with y the rank's current Adam direction (onebit.agreement); "x": the
-    largest |x| (DGC's top-k). None = "agree"."""
+    largest max(0, x y) with y the rank's current Adam direction (onebit.agreement); "gain": the
+    largest max(0, x m) with m the rank's first moment (x m: the first-order loss decrease that
+    sending x buys); "x": the largest |x| (DGC's top-k). None = "gain"."""
     owe: str | None = None
     """adam mode: the units of the residual. "step": the lr-scaled update lr_t y (parameter units),
     so a direction held back is applied at the learning rate of the step that computed it;
@@ -94,12 +95,12 @@ class CompressionSpec:
     @property
     def variance(self) -> str:
         """adam mode's second moment: `var`, or the compressor's default."""
-        return self.var or ("batch" if self.name == "topk" else "rank")
+        return self.var or "batch"
 
     @property
     def selection(self) -> str:
-        """adam-mode top-k's choice of elements: `select`, or "agree"."""
-        return self.select or "agree"
+        """adam-mode top-k's choice of elements: `select`, or "gain" (measured best)."""
+        return self.select or "gain"
 
     @property
     def owed(self) -> str:
