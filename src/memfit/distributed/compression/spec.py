@@ -11,7 +11,9 @@ A spec is a name, an optional main value after ":" and optional ",key=value" opt
     sign:adam=0                     1-bit Adam: each rank's local Adam direction sent 1-bit with
                                     error feedback, averaged into the update (onebit.py)
     topk:0.01,adam=5                the same with top-k 1%, after 5 int8 warm-up steps of plain Adam;
-                                    top-k keeps the elements where direction and residual agree most
+                                    top-k keeps the elements whose owed step buys the most loss
+                                    decrease to first order (select=gain), the residual holds
+                                    lr-scaled steps (owe=step)
     topk:0.01,adam=5,select=x       ... keeping the largest |direction + residual| instead
     sign:adam=5,var=batch           adam mode dividing by the batch's estimated second moment
     topk:0.01,adam=off              plain error feedback even under Adam(W) (see defaults.py)
