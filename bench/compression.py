@@ -279,8 +279,8 @@ def render(result: dict) -> str:
           if result.get("optimizer_name", "adamw") == "adamw"
           and any(r["compressor"] in ("topk:0.01", "sign") and "mode" not in r
                   for r in result["rows"]) else []),
-        *([f"Measured before `{ADAM_DEFAULTS}` became adam mode's defaults: an adam-mode row that names none of "
-           "`owe=`, `select=`, `var=` ran with `owe=direction`, `select=agree` and, for sign, `var=rank`.", ""]
+        *([f"Measured before `{ADAM_DEFAULTS}` became adam mode's defaults: an adam-mode row ran with "
+           "`owe=direction`, `select=agree` and, for sign, `var=rank` wherever its spec does not name them.", ""]
           if result.get("date", "") < ADAM_DEFAULTS_SINCE and any("adam=" in r.get("mode", r["compressor"])
                                                    and "adam=off" not in r.get("mode", r["compressor"])
                                                    for r in result["rows"]) else []),
