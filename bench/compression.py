@@ -221,12 +221,15 @@ def main() -> None:
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "momentum"),
                     help="adamw: the default job's; momentum: SGD with momentum 0.9, DGC's setting")
     ap.add_argument("--lr", type=float, help="peak learning rate (default: 0.002 for adamw, 0.5 for momentum)")
-    ap.add_argument("--compressors", nargs="+", help="specs, the first is the baseline (default: per optimizer)")
+    ap.add_argument("--compressors", nargs="+", help="specs, the first is the baseline (default: per optimizer); "
+                    "'zero2 SPEC' or zero2/SPEC trains SPEC under memfit's ZeRO-2")
     ap.add_argument("--name", help="results/<name>.json and docs/<name>_loss.png (default: compression, "
                     "compression_sgd for momentum)")
     args = ap.parse_args()
     args.lr = args.lr or LRS[args.optimizer]
     args.compressors = args.compressors or COMPRESSORS[args.optimizer]
+    # "zero2/SPEC" is "zero2 SPEC" without the space (bench/benches.txt splits its arguments on spaces)
+    args.compressors = [ZERO2 + c[len("zero2/"):] if c.startswith("zero2/") else c for c in args.compressors]
     args.name = args.name or NAMES[args.optimizer]
     load_before, t0 = os.getloadavg()[0], time.perf_counter()
     rows = measure(args.steps, args.model, args.compressors, args.optimizer, args.lr)
