@@ -66,6 +66,9 @@ NAMES = {"adamw": NAME, "momentum": "compression_sgd"}
 TARGETS = {"topk:0.01": (50, 0.02), "sign": (25, 0.03), "int8": (3.5, 0.005)}
 """compressor (and its variants with options): (at least this many times fewer bytes, final val loss within)."""
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+ADAM_DEFAULTS, ADAM_DEFAULTS_SINCE = "owe=step,select=gain,var=batch", "2026-11-25"
+"""adam mode's defaults since that date; a result written before it ran owe=direction, select=agree
+and var=rank for sign (what an adam-mode spec without those options meant then)."""
 ZERO2 = "zero2 "
 """A contender named "zero2 SPEC" trains with memfit's ZeRO-2 (compressed reduce-scatter) instead of DDP."""
 
@@ -218,12 +221,15 @@ def main() -> None:
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "momentum"),
                     help="adamw: the default job's; momentum: SGD with momentum 0.9, DGC's setting")
     ap.add_argument("--lr", type=float, help="peak learning rate (default: 0.002 for adamw, 0.5 for momentum)")
-    ap.add_argument("--compressors", nargs="+", help="specs, the first is the baseline (default: per optimizer)")
+    ap.add_argument("--compressors", nargs="+", help="specs, the first is the baseline (default: per optimizer); "
+                    "'zero2 SPEC' or zero2/SPEC trains SPEC under memfit's ZeRO-2")
     ap.add_argument("--name", help="results/<name>.json and docs/<name>_loss.png (default: compression, "
                     "compression_sgd for momentum)")
     args = ap.parse_args()
     args.lr = args.lr or LRS[args.optimizer]
     args.compressors = args.compressors or COMPRESSORS[args.optimizer]
+    # "zero2/SPEC" is "zero2 SPEC" without the space (bench/benches.txt splits its arguments on spaces)
+    args.compressors = [ZERO2 + c[len("zero2/"):] if c.startswith("zero2/") else c for c in args.compressors]
     args.name = args.name or NAMES[args.optimizer]
     load_before, t0 = os.getloadavg()[0], time.perf_counter()
     rows = measure(args.steps, args.model, args.compressors, args.optimizer, args.lr)
@@ -276,6 +282,11 @@ def render(result: dict) -> str:
           if result.get("optimizer_name", "adamw") == "adamw"
           and any(r["compressor"] in ("topk:0.01", "sign") and "mode" not in r
                   for r in result["rows"]) else []),
+        *([f"Measured before `{ADAM_DEFAULTS}` became adam mode's defaults: an adam-mode row ran with "
+           "`owe=direction`, `select=agree` and, for sign, `var=rank` wherever its spec does not name them.", ""]
+          if result.get("date", "") < ADAM_DEFAULTS_SINCE and any("adam=" in r.get("mode", r["compressor"])
+                                                   and "adam=off" not in r.get("mode", r["compressor"])
+                                                   for r in result["rows"]) else []),
         "| compressor | bytes/step/rank | fewer bytes | coding share | step s (median [q1, q3]) | final val loss | vs none | target |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -288,6 +299,16 @@ def render(result: dict) -> str:
                      f"{100 * r['coding_share']:.1f}% | {med:.3f} [{q1:.3f}, {q3:.3f}] | "
                      f"{r['final_val_loss']:.4f} | {100 * r['val_vs_none']:+.2f}% | {target} |")
     return "\n".join(lines)
+
+
+def snippets(result: dict) -> dict[str, str]:
+    """A compact table per result name, for docs/compression.md (<!-- bench:NAME -->)."""
+    lines = [f"`.venv/bin/python {result.get('command', NAME)}` ({result['steps']} steps, load "
+             f"{result['load_avg'][0]:.1f} -> {result['load_avg'][1]:.1f}, {result['wall_s']:.0f} s):", "",
+             "| compressor | fewer bytes | final val loss | vs none |", "|---|---:|---:|---:|"]
+    lines += [f"| `{r['compressor']}` | {r['ratio']:.1f}x | {r['final_val_loss']:.4f} | {100 * r['val_vs_none']:+.2f}% |"
+              for r in result["rows"]]
+    return {f"{result.get('name', NAME)}_table": "\n".join(lines)}
 
 
 if __name__ == "__main__":

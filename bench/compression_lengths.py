@@ -32,20 +32,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[150, 300, 1000])
     ap.add_argument("--keep", action="store_true", help="keep the other lengths already in the JSON (runs taken "
-                    "one length at a time, each under its own load)")
+                    "one length at a time, or side by side, each under its own load)")
     args = ap.parse_args()
-    old = RESULTS / f"{NAME}.json"
-    runs = [r for r in json.loads(old.read_text())["runs"] if r["steps"] not in args.lengths] \
-        if args.keep and old.exists() else []
-    asked = sorted({*args.lengths, *(r["steps"] for r in runs)})
+    mine: list[dict] = []
     for steps in args.lengths:
         load_before, t0 = list(os.getloadavg()), time.perf_counter()
         rows = bench.measure(steps, bench.MODEL, SPECS, "adamw", bench.LR)
         for r in rows:
             r.pop("train_loss", None)  # the curves stay in compression.json; here the end points
-        runs.append({"steps": steps, "rows": rows, "wall_s": time.perf_counter() - t0,
+        mine.append({"steps": steps, "rows": rows, "wall_s": time.perf_counter() - t0,
                      "load_avg": [load_before, list(os.getloadavg())], "date": time.strftime("%Y-%m-%d %H:%M")})
-        runs.sort(key=lambda r: r["steps"])
+        runs = sorted(mine + (_kept(args.lengths) if args.keep else []), key=lambda r: r["steps"])
+        asked = sorted({*args.lengths, *(r["steps"] for r in runs)})
         for r in rows:
             print(f"{steps:>5} {r['compressor']:>10} ({r['mode']}): {r['ratio']:.1f}x, val {r['final_val_loss']:.4f} "
                   f"({100 * r['val_vs_none']:+.2f}%)", flush=True)
@@ -54,6 +52,13 @@ def main() -> None:
                            "seq": bench.SEQ, "threads_per_rank": 1, "lengths_asked": sorted({*asked, 150, 300, 1000}),
                            "runs": runs})
         print(f"wrote {path}", flush=True)
+
+
+def _kept(lengths: list[int]) -> list[dict]:
+    """The other lengths' runs in the JSON as it is now: read at each write, so runs of different
+    lengths started side by side (each with --keep) do not drop each other's results."""
+    old = RESULTS / f"{NAME}.json"
+    return [r for r in json.loads(old.read_text())["runs"] if r["steps"] not in lengths] if old.exists() else []
 
 
 def _table(result: dict) -> list[str]:

@@ -30,7 +30,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
     (["--strategy", "zero2", "--compress", "int8:adam=10"], "applies to topk and sign"),
     (["--strategy", "ddp", "--compress", "sign:adam=-1"], "0 or more"),
     (["--strategy", "ddp", "--optimizer", "sgd", "--compress", "sign:adam=5"], "adam and adamw"),
-    (["--strategy", "ddp", "--compress", "topk:0.01,adam=5,select=biggest"], "accepted: agree, x"),
+    (["--strategy", "ddp", "--compress", "topk:0.01,adam=5,select=biggest"], "accepted: agree, gain, x"),
 ])
 def test_bad_compression_requests_exit_2_with_one_line(extra, message, capsys, tmp_path):
     rc = main(["train", *FAST, "--out", str(tmp_path / "r"), "--nproc", "2", *extra])

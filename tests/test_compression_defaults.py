@@ -24,6 +24,10 @@ def test_plain_topk_and_sign_run_adam_mode_under_adam(spec, name):
     assert resolved.adam == ADAM_WARMUP and resolved.name == parse_compression(spec).name
     assert resolved.ratio == parse_compression(spec).ratio and resolved.chunk == parse_compression(spec).chunk
     assert str(resolved).endswith(f"adam={ADAM_WARMUP}")
+    # the measured-best adam mode (docs/compression.md): lr-scaled residual, the batch's second
+    # moment, and top-k ranking the owed update by its first-order gain
+    assert resolved.owed == "step" and resolved.variance == "batch"
+    assert resolved.name == "sign" or resolved.selection == "gain"
 
 
 @pytest.mark.parametrize("make", [

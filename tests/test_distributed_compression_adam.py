@@ -86,7 +86,7 @@ def test_error_feedback_invariant_on_the_adam_direction_is_exact():
     ("sign:adam=5,warm=bf16", "warm='bf16'"),
     ("topk:0.01,clip=-1", "positive gradient norm"),
     ("sign:adam=2,ef=0", "applies to topk and sign"),
-    ("topk:0.01,adam=5,select=largest", "accepted: agree, x"),
+    ("topk:0.01,adam=5,select=largest", "accepted: agree, gain, x"),
     ("topk:0.01,select=x", "add adam=W"),
     ("sign:adam=5,select=agree", "sign sends every element"),
     ("sign:adam=5,var=global", "accepted: batch, rank"),

@@ -46,9 +46,9 @@ def _one_rank(monkeypatch, spec: str) -> CompressionState:
     return CompressionState(spec)
 
 
-@pytest.mark.parametrize("select", ["agree", "x"])
+@pytest.mark.parametrize("select", ["agree", "gain", "x"])
 def test_adam_mode_sends_the_selected_elements_with_exact_error_feedback(monkeypatch, select):
-    spec = "topk:0.05,adam=0" + ("" if select == "agree" else ",select=x")
+    spec = f"topk:0.05,adam=0,select={select}"
     state, twin = _one_rank(monkeypatch, spec), CompressionState("topk:0.05,adam=0")  # twin: the moments
     g = torch.Generator().manual_seed(3)
     residual = torch.zeros(400)
@@ -59,7 +59,8 @@ def test_adam_mode_sends_the_selected_elements_with_exact_error_feedback(monkeyp
         out = state.exchange(grad, key=0, sizes=[150, 250]) / WIRE_SCALE  # one rank: the mean is what it sent
         new_residual = state.feedback.residual[0]
         assert torch.equal(out + new_residual, x)  # error feedback exact under either choice
-        score = (x * y).clamp(min=0) if select == "agree" else x.abs()
+        m = twin.local_adam.m[0]  # gain: the first moment, so x m is the first-order loss decrease
+        score = {"agree": (x * y).clamp(min=0), "gain": (x * m).clamp(min=0), "x": x.abs()}[select]
         for lo, n in ((0, 150), (150, 250)):
             kept = out[lo:lo + n] != 0
             assert int(kept.sum()) == k_for(n, 0.05)
@@ -69,12 +70,14 @@ def test_adam_mode_sends_the_selected_elements_with_exact_error_feedback(monkeyp
     assert state.update_phase
 
 
-def test_the_two_choices_send_different_elements(monkeypatch):
-    agree, plain = _one_rank(monkeypatch, "topk:0.05,adam=0"), CompressionState("topk:0.05,adam=0,select=x")
+@pytest.mark.parametrize("other", ["select=x", "select=gain"])
+def test_the_choices_send_different_elements(monkeypatch, other):
+    agree = _one_rank(monkeypatch, "topk:0.05,adam=0,select=agree")
+    plain = CompressionState(f"topk:0.05,adam=0,{other}")
     g = torch.Generator().manual_seed(4)
     differ = False
     for _ in range(6):
-        grad = torch.randn(400, generator=g)
+        grad = torch.randn(400, generator=g) * torch.linspace(0.1, 3.0, 400)  # unequal scales: m differs from y
         a, b = agree.exchange(grad, key=0), plain.exchange(grad.clone(), key=0)
         differ |= not torch.equal(a != 0, b != 0)
         agree.end_step(), plain.end_step()
@@ -82,7 +85,7 @@ def test_the_two_choices_send_different_elements(monkeypatch):
 
 
 def test_select_defaults_and_spec_round_trip():
-    assert parse_compression("topk:0.01,adam=5").selection == "agree"
+    assert parse_compression("topk:0.01,adam=5").selection == "gain"
     spec = parse_compression("topk:0.01,adam=5,select=x")
     assert spec.selection == "x" and str(spec) == "topk:0.01,adam=5,select=x"
     assert parse_compression(str(spec)) == spec

@@ -75,9 +75,9 @@ def test_local_clip_defaults_to_the_optimizers_and_an_explicit_one_wins():
 
 def test_var_defaults_and_spec_round_trip():
     assert parse_compression("topk:0.01,adam=5").variance == "batch"
-    assert parse_compression("sign:adam=5").variance == "rank"
-    spec = parse_compression("sign:adam=5,var=batch")
-    assert spec.variance == "batch" and str(spec) == "sign,adam=5,var=batch"
+    assert parse_compression("sign:adam=5").variance == "batch"
+    spec = parse_compression("sign:adam=5,var=rank")
+    assert spec.variance == "rank" and str(spec) == "sign,adam=5,var=rank"
     assert parse_compression(str(spec)) == spec
-    assert CompressionState("sign:adam=5,var=batch").local_adam.batch_variance
-    assert not CompressionState("sign:adam=5").local_adam.batch_variance
+    assert CompressionState("sign:adam=5").local_adam.batch_variance
+    assert not CompressionState("sign:adam=5,var=rank").local_adam.batch_variance

@@ -3,7 +3,8 @@
 Under Adam(W), error feedback on the gradient converges badly (docs/compression.md: +34.8% top-k
 1%, +26.7% sign over the uncompressed final validation loss at 80 steps), because Adam's update
 is not linear in the gradient; the adam mode (onebit.py, `adam=5`: five int8 warm-up steps, then
-each rank's Adam direction compressed with error feedback) is within a few percent. Under SGD the
+each rank's Adam direction compressed with error feedback; with its own defaults owe=step,
+var=batch and, for top-k, select=gain, chosen at 300 steps: spec.py) is within a few percent. Under SGD the
 update is linear, and error feedback on the gradient is the mode (with DGC's momentum= where the
 user asks for it). So a spec that names no mode gets adam=5 when the optimizer is an Adam(W) whose
 state sits beside its parameters, and stays plain error feedback otherwise (SGD, optimizer
@@ -25,7 +26,8 @@ ADAM_WARMUP = 5
 def names_no_mode(spec: CompressionSpec) -> bool:
     """topk / sign with error feedback and none of the options that choose a mode."""
     return (spec.name in ("topk", "sign") and spec.adam is None and not spec.adam_off and not spec.momentum
-            and not spec.start and spec.error_feedback and spec.var is None and spec.select is None)
+            and not spec.start and spec.error_feedback and spec.var is None and spec.select is None
+            and spec.owe is None)
 
 
 def for_optimizer(spec: CompressionSpec, optimizer: Any | None) -> CompressionSpec:

@@ -15,10 +15,13 @@ rank.
     every step: each rank updates its local Adam moments from its own gradient g_r,
         m_r = b1 m_r + (1 - b1) g_r,  v_r = b2 v_r + (1 - b2) g_r^2,
         y_r = (m_r / bc1) / (sqrt(v_r / bc2) + eps)           (its Adam direction)
-    after the warm-up: x = y_r + residual;  sent = C(x);  residual = x - sent;  the mean over
-        ranks of the decoded `sent` is the update s, the same on every rank; this step applies
-        p -= lr s  (AdamW: p *= 1 - lr wd first). Top-k's C keeps, per tensor, the k elements of
-        largest max(0, x y_r) (agreement; spec select=x: of largest |x|) and sends x there.
+    after the warm-up: x = lr y_r + residual;  sent = C(x);  residual = x - sent;  the mean over
+        ranks of the decoded `sent` is the step s, the same on every rank; this step applies
+        p -= s  (AdamW: p *= 1 - lr wd first). The residual holds lr-scaled steps (spec owe=step,
+        the default), so a held-back update is applied at its own step's lr; owe=direction keeps
+        y_r unscaled and applies it at the lr of the step that sends it. Top-k's C keeps, per
+        tensor, the k elements of largest max(0, x m_r) (first-order gain, select=gain, the
+        default; select=agree: max(0, x y_r); select=x: |x|) and sends x there.
 
 The update is linear in what is sent, so error feedback is exact in sum, and every replica
 applies the same s. The directions differ from Adam on the mean gradient only in that each rank's
@@ -170,6 +173,7 @@ def attach(state: Any, optimizer: Any) -> CompressedAdamStep:
         raise ConfigError(f"compression {state.spec}: adam= needs the optimizer; pass "
                           "register_compression(model, spec, optimizer=opt)")
     step = CompressedAdamStep(state, torch_optimizer_of(optimizer))
+    state.lr_of = lambda: step.optimizer.param_groups[0]["lr"]
     if state.spec.clip is None:
         state.clip = getattr(optimizer, "clip", getattr(getattr(optimizer, "inner", None), "clip", None))
     return step

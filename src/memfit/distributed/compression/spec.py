@@ -11,7 +11,9 @@ A spec is a name, an optional main value after ":" and optional ",key=value" opt
     sign:adam=0                     1-bit Adam: each rank's local Adam direction sent 1-bit with
                                     error feedback, averaged into the update (onebit.py)
     topk:0.01,adam=5                the same with top-k 1%, after 5 int8 warm-up steps of plain Adam;
-                                    top-k keeps the elements where direction and residual agree most
+                                    top-k keeps the elements whose owed step buys the most loss
+                                    decrease to first order (select=gain), the residual holds
+                                    lr-scaled steps (owe=step)
     topk:0.01,adam=5,select=x       ... keeping the largest |direction + residual| instead
     sign:adam=5,var=batch           adam mode dividing by the batch's estimated second moment
     topk:0.01,adam=off              plain error feedback even under Adam(W) (see defaults.py)
@@ -29,10 +31,11 @@ NAMES = ("none", "topk", "int8", "sign", "bf16", "fp16", "powersgd")
 STRATEGIES_WITH_COMPRESSION = ("ddp", "zero1", "zero2")
 _FLAGS = {"stochastic", "batched"}
 _OPTIONS = {"ratio", "rank", "chunk", "momentum", "warmup", "ef", "values", "seed", "start", "adam", "warm", "clip",
-            "var", "select"}
+            "var", "select", "owe"}
 WARM_CODECS = ("int8", "fp32")
 VARIANCES = ("batch", "rank")
-SELECTIONS = ("agree", "x")
+SELECTIONS = ("agree", "gain", "x")
+OWED = ("step", "direction")
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,16 @@ class CompressionSpec:
     """adam mode: the second moment in each rank's Adam direction. "rank": the rank's own v, which
     counts its 1/N of the batch's noise N times; "batch": an estimate of the v Adam would see on the
     whole batch's mean gradient, from the rank's own moments (no bytes; onebit.batch_second_moment).
-    None = the measured better one: "batch" for top-k, "rank" for sign (docs/compression.md)."""
+    None = "batch", measured the better for both compressors with owe=step (docs/compression.md)."""
     select: str | None = None
     """adam mode, top-k: how the k elements are chosen from x = direction + residual. "agree": the
-    largest max(0, x y) with y the rank's current Adam direction (onebit.agreement); "x": the
-    largest |x| (DGC's top-k). None = "agree"."""
+    largest max(0, x y) with y the rank's current Adam direction (onebit.agreement); "gain": the
+    largest max(0, x m) with m the rank's first moment (x m: the first-order loss decrease that
+    sending x buys); "x": the largest |x| (DGC's top-k). None = "gain"."""
+    owe: str | None = None
+    """adam mode: the units of the residual. "step": the lr-scaled update lr_t y (parameter units),
+    so a direction held back is applied at the learning rate of the step that computed it;
+    "direction": y itself, applied at the lr of the step that sends it. None = "step"."""
     adam_off: bool = False
     """adam=off: plain error feedback whatever the optimizer (no adam mode chosen by default)."""
     clip: float | None = None
@@ -89,12 +97,17 @@ class CompressionSpec:
     @property
     def variance(self) -> str:
         """adam mode's second moment: `var`, or the compressor's default."""
-        return self.var or ("batch" if self.name == "topk" else "rank")
+        return self.var or "batch"
 
     @property
     def selection(self) -> str:
-        """adam-mode top-k's choice of elements: `select`, or "agree"."""
-        return self.select or "agree"
+        """adam-mode top-k's choice of elements: `select`, or "gain" (measured best)."""
+        return self.select or "gain"
+
+    @property
+    def owed(self) -> str:
+        """adam mode's residual units: `owe`, or "step"."""
+        return self.owe or "step"
 
     @property
     def error_feedback(self) -> bool:
@@ -105,7 +118,8 @@ class CompressionSpec:
         adam = ",adam=off" if self.adam_off else ""
         adam += (f",adam={self.adam}" + (",warm=fp32" if self.warm == "fp32" else "")
                 + (f",var={self.var}" if self.var else "")
-                + (f",select={self.select}" if self.select else "")) if self.adam is not None else ""
+                + (f",select={self.select}" if self.select else "")
+                + (f",owe={self.owe}" if self.owe else "")) if self.adam is not None else ""
         return self.name + main + (",batched" if self.batched and self.name == "powersgd" else "") + adam
 
 
@@ -142,7 +156,7 @@ def parse_compression(spec: str | CompressionSpec | None) -> CompressionSpec:
             fields[key] = True
         elif key in _OPTIONS and eq:
             kinds = {"ratio": float, "momentum": float, "values": str, "warm": str, "clip": float, "var": str,
-                     "select": str}
+                     "select": str, "owe": str}
             if key == "ef":
                 fields[key] = value in ("1", "true", "on", "yes")
             elif key == "adam" and value in ("off", "none", "no"):
@@ -181,13 +195,17 @@ def _validate(s: CompressionSpec, spec: str) -> CompressionSpec:
     if s.select is not None and s.select not in SELECTIONS:
         raise ConfigError(f"compression {spec!r}: select={s.select!r}; accepted: {', '.join(SELECTIONS)} "
                           "(adam-mode top-k ranks x = direction + residual by max(0, x y), or by |x|)")
+    if s.owe is not None and s.owe not in OWED:
+        raise ConfigError(f"compression {spec!r}: owe={s.owe!r}; accepted: {', '.join(OWED)} "
+                          "(adam mode's residual: lr-scaled steps, or unscaled directions)")
     if s.adam_off and s.name not in ("topk", "sign"):
         raise ConfigError(f"compression {spec!r}: adam=off applies to topk and sign (the compressors with an "
                           "adam mode); leave it out")
     if s.adam is not None:
         _validate_adam(s, spec)
-    elif s.var or s.select:
-        raise ConfigError(f"compression {spec!r}: {'var' if s.var else 'select'}= is adam mode's option; add "
+    elif s.var or s.select or s.owe:
+        opt = 'var' if s.var else 'select' if s.select else 'owe'
+        raise ConfigError(f"compression {spec!r}: {opt}= is adam mode's option; add "
                           f"adam=W (e.g. topk:0.01,adam=5,select=x) or leave it out")
     if s.select and s.name != "topk":
         raise ConfigError(f"compression {spec!r}: select= chooses top-k's elements; {s.name} sends every element, "

@@ -63,6 +63,8 @@ class CompressionState:
         """The model's parameters by position (DDP keys are tuples of positions)."""
         self.local_adam: LocalAdam | None = None
         self.clip = self.spec.clip
+        self.lr_of = None
+        """adam mode: the optimizer's current learning rate (set by onebit.attach), for owe=step."""
         """Local gradient clip norm (adam mode without clip=: the optimizer's, set by onebit.attach)."""
         if self.spec.name == "powersgd":
             self.powersgd = BatchedPowerSGD(self.spec.rank, self.spec.dense_steps, self.spec.seed)
@@ -147,11 +149,26 @@ class CompressionState:
         if not self.update_phase:  # warm-up: plain Adam on the exchanged gradient
             return self._warm(flat, world, sizes)
         # top-k ranks x = y + residual by x * y (onebit.agreement) unless select=x: plain |x|
-        agree = self.spec.name == "topk" and self.spec.selection == "agree"
-        weight = (lambda x: agreement(x, y)) if agree else None
-        out = self._gather(y, key, step, world, sizes, weight=weight)
+        weight = self._selection_weight(key, y)
+        lr = self._step_lr()  # owe=step: the residual holds lr-scaled steps, applied at their own lr
+        out = self._gather(y * lr if lr != 1.0 else y, key, step, world, sizes, weight=weight)
         out = out if self.average else out / world  # the update is the mean of the ranks' directions
-        return (out * WIRE_SCALE).to(flat.dtype)
+        return (out * (WIRE_SCALE / lr)).to(flat.dtype)
+
+    def _selection_weight(self, key, y: torch.Tensor):
+        """adam-mode top-k's ranking weight of x (None: |x|): agreement with the direction y
+        (select=agree) or with the momentum m (select=gain: x m estimates the loss decrease that
+        sending x buys, to first order)."""
+        if self.spec.name != "topk" or self.spec.selection == "x":
+            return None
+        toward = y if self.spec.selection == "agree" else self.local_adam.m[key]
+        return lambda x: agreement(x, toward)
+
+    def _step_lr(self) -> float:
+        if self.spec.owed != "step" or self.lr_of is None:
+            return 1.0
+        lr = float(self.lr_of())
+        return lr if lr > 0 else 1.0
 
     def _clipped(self, g: torch.Tensor) -> torch.Tensor:
         return g * min(1.0, self.clip / (float(g.norm()) + 1e-6))
