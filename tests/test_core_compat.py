@@ -39,3 +39,15 @@ def test_pipeline_stage_initialisation_passes_target_only_where_taken():
     compat.initialize_pipeline_stage(old, (x,), y)
     assert calls[0][0] == "new" and calls[0][3] is y and calls[0][2] == {}
     assert calls[1] == ("old", (x,), {})
+
+
+def test_pipeline_send_release_is_read_from_the_stage_class():
+    class Old:
+        pass
+
+    class New:
+        def release_fwd_send_outputs(self, fwd_chunk_id: int) -> None:
+            pass
+
+    assert not compat.pipeline_releases_sent_outputs(Old) and compat.pipeline_releases_sent_outputs(New)
+    compat.pipeline_releases_sent_outputs()  # the installed torch's answer, without error
