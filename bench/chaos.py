@@ -181,7 +181,8 @@ def main() -> None:
     p.add_argument("--only", action="append", help="strategy:offload (repeatable; default: every combination)")
     p.add_argument("--phase", choices=PHASES, help="kill in this phase only (default: drawn per trial)")
     p.add_argument("--resume", action="store_true", help="keep bench/results/chaos.json's trials (and, without "
-                   "--phase, skip their combinations)")
+                   "--phase or --more, skip their combinations)")
+    p.add_argument("--more", action="store_true", help="with --resume: add trials to every combination, done or not")
     args = p.parse_args()
     combos = [tuple(c.split(":")) for c in args.only] if args.only else COMBOS
     sys.path[:0] = [str(ROOT / "src"), str(HERE)]
@@ -191,7 +192,7 @@ def main() -> None:
     kept = earlier["trials"]
     commands = earlier.get("commands", [f"--trials {earlier.get('trials_per_combination')} --seed "
                                          f"{earlier.get('seed')}"] if kept else []) + [" ".join(sys.argv[1:])]
-    if args.phase is None:
+    if args.phase is None and not args.more:
         combos = [c for c in combos if not any((t["strategy"], t["offload"]) == c for t in kept)]
 
     def write(records: list[dict]) -> Path:  # after every trial: a stopped bench keeps what it did

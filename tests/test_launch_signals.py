@@ -35,6 +35,55 @@ def test_rank_environment_sets_one_thread_unless_given_and_removes_its_folder(mo
         assert os.environ["OMP_NUM_THREADS"] == "3"  # the user's choice stands
 
 
+def _starting_rank(delay: float) -> None:
+    """A rank that is still starting for `delay` seconds (no handler: a signal now would kill it),
+    then keeps signals and says it is ready; exits 100 + the signal it received (99: none)."""
+    from memfit.cli.launch_signals import mark_ready
+    from memfit.train import signals
+
+    time.sleep(delay)
+    signals.hold()
+    mark_ready()
+    end = time.monotonic() + 20
+    while not signals._held and time.monotonic() < end:
+        time.sleep(0.01)
+    sys.exit(100 + signals._held[0] if signals._held else 99)
+
+
+def test_the_launcher_sends_a_signal_to_a_rank_only_once_its_handler_is_in_place(tmp_path):
+    import multiprocessing
+
+    from memfit.cli.launch_signals import Forwarder
+
+    with Forwarder(str(tmp_path / "ready")) as forwarder:
+        ranks = [multiprocessing.get_context("spawn").Process(target=_starting_rank, args=(d,)) for d in (0.0, 1.5)]
+        for r in ranks:
+            r.start()
+        forwarder._handle(signal.SIGTERM, None)  # what SIGTERM to the launcher runs, while both still start
+        for r in ranks:
+            r.join(30)
+    assert [r.exitcode for r in ranks] == [100 + signal.SIGTERM] * 2  # kept by each, none killed
+    assert forwarder.received == signal.SIGTERM and not forwarder._owed
+
+
+def test_a_signal_before_the_training_loop_is_kept_and_stops_it_before_its_first_step():
+    from memfit.train import signals
+
+    before = {s: signal.getsignal(s) for s in signals.STOPPED}
+    try:
+        signals.hold()
+        os.kill(os.getpid(), signal.SIGTERM)  # while torch and the model are set up: kept, not fatal
+        said: list[str] = []
+        with signals.StopSignals(said.append) as stop:
+            assert stop.stopped == "terminated" and "stopping after this step" in said[0]
+        os.kill(os.getpid(), signal.SIGINT)  # after the loop (the run folder being finished): kept
+        assert signals._held == [signal.SIGINT]
+    finally:
+        signals._held.clear()
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 def _ranks(pid: int) -> list[int]:
     """The launcher's rank processes (multiprocessing spawn children, not its resource tracker)."""
     try:
