@@ -167,3 +167,23 @@ def test_one_process_compiler_cache_folder_is_temporary(monkeypatch):
     monkeypatch.setenv(CACHE_ENV, "/somewhere/chosen")
     with compiler_cache():
         assert os.environ[CACHE_ENV] == "/somewhere/chosen"
+
+
+def test_a_rank_that_raises_is_named_with_its_error_and_its_traceback_is_kept(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from memfit.cli.launch import _failed
+
+    error_file = tmp_path / "error.json"  # what torch-elastic's record() writes for a rank that raised
+    stack = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: Connection closed by peer\n'
+    error_file.write_text(json.dumps({"message": {"message": "RuntimeError: Connection closed by peer",
+                                                  "extraInfo": {"py_callstack": stack, "timestamp": "1"}}}))
+    run = tmp_path / "run"
+    run.mkdir()
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    line = _failed(ChildFailedError("memfit", {0: failure}), 0, str(run))
+    assert line.startswith("rank 0 exited with code 1 (RuntimeError: Connection closed by peer; traceback in ")
+    assert (run / "rank0-error.txt").read_text() == stack and "\n" not in line
+    killed = ProcessFailure(local_rank=1, pid=2, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    assert _failed(ChildFailedError("memfit", {1: killed}), 0, None) == \
+        "rank 1 was killed by SIGKILL and --max-restarts is 0"
