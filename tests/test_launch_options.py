@@ -62,6 +62,17 @@ def test_a_usage_error_is_printed_by_rank_zero_only(capsys, monkeypatch):
     assert capsys.readouterr().err.count("argument --batch") == 1
 
 
+def test_ctrl_c_while_memfit_starts_is_one_line_and_130(capsys, monkeypatch):
+    import memfit.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt  # what Ctrl-C in the seconds of importing torch raises
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["train"]) == 130
+    assert capsys.readouterr().err == "memfit: interrupted\n"
+
+
 def _env(tmp: Path) -> dict:
     env = {"PYTHONPATH": SRC, "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin", "TMPDIR": str(tmp)}
     return env  # OMP_NUM_THREADS left unset, as in a user's shell: the launcher sets it

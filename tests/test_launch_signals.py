@@ -118,9 +118,9 @@ def _wait_for_training(proc: subprocess.Popen, timeout: float = 240) -> None:
     raise AssertionError("no progress line")
 
 
-# Slow tier: in about 1 run of 4 (seen on torch 2.13 under load and 2.14.1 idle) rank 0 exits 1
-# instead of saving and returning 143, cause not yet found (issue 23); the default tier keeps the
-# one-process signal tests (test_reliability.py) and the killed-rank test below.
+# Slow tier: two real `--nproc 2` launches (well over 15 s each on 2 cores). The default tier holds the
+# mechanism: the launcher sends a signal to a rank only once its handler is in place, a rank keeps a
+# signal that comes before or after its training loop, and the one-process signal tests (test_reliability.py).
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, code, stopped", [

@@ -71,7 +71,11 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports torch: seconds, in which a Ctrl-C is one line too
+    except KeyboardInterrupt:
+        print("memfit: interrupted", file=sys.stderr)
+        return 130
     try:
         args = _parse(parser, argv)
     except SystemExit as exc:  # --help, --version, or an argparse error (already printed as one line)
