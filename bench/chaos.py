@@ -220,6 +220,13 @@ def _summary(result: dict) -> dict:
     return rows
 
 
+def _spread(xs: list[float]) -> str:
+    """'median M (min A, max B)' of a list of seconds."""
+    import statistics
+
+    return f"median {statistics.median(xs):.0f} (min {min(xs):.0f}, max {max(xs):.0f})" if xs else "-"
+
+
 def snippets(result: dict) -> dict[str, str]:
     from render import machine_line
 
@@ -232,10 +239,11 @@ def snippets(result: dict) -> dict[str, str]:
              f"({result['steps']} steps, a save every {result['save_every']}, 2 processes, `{result['model']}`); "
              + machine_line(result), "",
              f"{good} of {total} trials ended bitwise equal to the uninterrupted run; in {killed} a rank was killed "
-             "before the run ended (a timed kill can come after the last step). Load average "
+             "before the run ended (a timed kill can come after the last step). Load average of the last command "
              f"{result['run']['load_start'][0]} at the start and {result['run']['load_end'][0]} at the end "
              f"(other jobs shared the 2 cores); the killed runs took "
-             f"{sum(t.get('seconds', 0) for t in result['trials']) / 60:.0f} minutes in all.", "",
+             f"{sum(t.get('seconds', 0) for t in result['trials']) / 60:.0f} minutes in all, one killed run with its "
+             f"restart {_spread([t['seconds'] for t in result['trials'] if 'seconds' in t])} s.", "",
              "| strategy | optimizer offload | trials | bitwise | killed during (trials) | restarted from step | "
              "other outcomes |", "|---|---|---:|---:|---|---|---|"]
     for (strategy, offload), r in rows.items():
