@@ -181,7 +181,8 @@ def main() -> None:
     p.add_argument("--only", action="append", help="strategy:offload (repeatable; default: every combination)")
     p.add_argument("--phase", choices=PHASES, help="kill in this phase only (default: drawn per trial)")
     p.add_argument("--resume", action="store_true", help="keep bench/results/chaos.json's trials (and, without "
-                   "--phase, skip their combinations)")
+                   "--phase or --more, skip their combinations)")
+    p.add_argument("--more", action="store_true", help="with --resume: add trials to every combination, done or not")
     args = p.parse_args()
     combos = [tuple(c.split(":")) for c in args.only] if args.only else COMBOS
     sys.path[:0] = [str(ROOT / "src"), str(HERE)]
@@ -191,7 +192,7 @@ def main() -> None:
     kept = earlier["trials"]
     commands = earlier.get("commands", [f"--trials {earlier.get('trials_per_combination')} --seed "
                                          f"{earlier.get('seed')}"] if kept else []) + [" ".join(sys.argv[1:])]
-    if args.phase is None:
+    if args.phase is None and not args.more:
         combos = [c for c in combos if not any((t["strategy"], t["offload"]) == c for t in kept)]
 
     def write(records: list[dict]) -> Path:  # after every trial: a stopped bench keeps what it did
@@ -219,6 +220,13 @@ def _summary(result: dict) -> dict:
     return rows
 
 
+def _spread(xs: list[float]) -> str:
+    """'median M (min A, max B)' of a list of seconds."""
+    import statistics
+
+    return f"median {statistics.median(xs):.0f} (min {min(xs):.0f}, max {max(xs):.0f})" if xs else "-"
+
+
 def snippets(result: dict) -> dict[str, str]:
     from render import machine_line
 
@@ -231,10 +239,11 @@ def snippets(result: dict) -> dict[str, str]:
              f"({result['steps']} steps, a save every {result['save_every']}, 2 processes, `{result['model']}`); "
              + machine_line(result), "",
              f"{good} of {total} trials ended bitwise equal to the uninterrupted run; in {killed} a rank was killed "
-             "before the run ended (a timed kill can come after the last step). Load average "
+             "before the run ended (a timed kill can come after the last step). Load average of the last command "
              f"{result['run']['load_start'][0]} at the start and {result['run']['load_end'][0]} at the end "
              f"(other jobs shared the 2 cores); the killed runs took "
-             f"{sum(t.get('seconds', 0) for t in result['trials']) / 60:.0f} minutes in all.", "",
+             f"{sum(t.get('seconds', 0) for t in result['trials']) / 60:.0f} minutes in all, one killed run with its "
+             f"restart {_spread([t['seconds'] for t in result['trials'] if 'seconds' in t])} s.", "",
              "| strategy | optimizer offload | trials | bitwise | killed during (trials) | restarted from step | "
              "other outcomes |", "|---|---|---:|---:|---|---|---|"]
     for (strategy, offload), r in rows.items():

@@ -31,13 +31,20 @@ def test_kill_9_of_a_rank_during_a_save_with_disk_offload_resumes_bitwise(tmp_pa
     assert rec["killed"] and rec["outcome"] == "bitwise", rec
 
 
+# Slow tier: one trial for each of 8 layouts that cover every strategy, every optimizer offload and each
+# phase twice: 8 reference runs and 8 killed runs, a few minutes on 2 idle cores (CI runs the whole
+# slow tier within its hour; 10 trials of each of the 17 combinations would take hours). The
+# trials per combination in docs/reliability.md come from `bench/chaos.py` (its commands are listed there).
+COVER = [("ddp", "none", "collective"), ("ps", "none", "save"), ("zero1", "cpu", "step"), ("zero2", "disk", "time"),
+         ("zero3", "cpu", "save"), ("zero3", "disk", "collective"), ("pipeline", "disk", "step"),
+         ("tensor", "cpu", "time")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,offload", [c for c in (
-    [(s, "none") for s in ("ddp", "ps")]
-    + [(s, o) for s in ("zero1", "zero2", "zero3", "pipeline", "tensor") for o in ("none", "cpu", "disk")])])
-def test_chaos_ten_trials(tmp_path, strategy, offload):
+@pytest.mark.parametrize("strategy,offload,phase", COVER)
+def test_chaos_one_trial_per_layout(tmp_path, strategy, offload, phase):
     chaos = _chaos()
-    records = chaos.run([(strategy, offload)], 10, seed=sum(map(ord, strategy + offload)), work=tmp_path,
-                        log=lambda s: print(s, file=sys.stderr))
+    records = chaos.run([(strategy, offload)], 1, seed=sum(map(ord, strategy + offload)), work=tmp_path,
+                        log=lambda s: print(s, file=sys.stderr), phase=phase)
     bad = [r for r in records if r["outcome"] != "bitwise"]
-    assert not bad, bad
+    assert records and not bad, bad

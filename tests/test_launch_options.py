@@ -52,6 +52,27 @@ def test_a_config_error_is_printed_by_rank_zero_only(capsys, tmp_path, monkeypat
     assert capsys.readouterr().err.count("--tp applies") == 1
 
 
+def test_a_usage_error_is_printed_by_rank_zero_only(capsys, monkeypatch):
+    args = ["train", *FAST, "--batch", "0"]  # refused by argparse itself, before memfit's checks
+    monkeypatch.setenv("RANK", "1")
+    assert main(args) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(args) == 2
+    assert capsys.readouterr().err.count("argument --batch") == 1
+
+
+def test_ctrl_c_while_memfit_starts_is_one_line_and_130(capsys, monkeypatch):
+    import memfit.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt  # what Ctrl-C in the seconds of importing torch raises
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["train"]) == 130
+    assert capsys.readouterr().err == "memfit: interrupted\n"
+
+
 def _env(tmp: Path) -> dict:
     env = {"PYTHONPATH": SRC, "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin", "TMPDIR": str(tmp)}
     return env  # OMP_NUM_THREADS left unset, as in a user's shell: the launcher sets it

@@ -58,10 +58,26 @@ def _speaks(exc: MemfitError) -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Under torchrun every rank meets the same usage error: rank 0 alone prints it (as _speaks)."""
+    import contextlib
+    import io
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        return parser.parse_args(argv)
+    with contextlib.redirect_stderr(io.StringIO()):
+        return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        parser = build_parser()  # imports torch: seconds, in which a Ctrl-C is one line too
+    except KeyboardInterrupt:
+        print("memfit: interrupted", file=sys.stderr)
+        return 130
+    try:
+        args = _parse(parser, argv)
     except SystemExit as exc:  # --help, --version, or an argparse error (already printed as one line)
         return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "_run", None):

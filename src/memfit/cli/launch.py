@@ -41,10 +41,14 @@ def to_argv(command: str, given: dict[str, Any], drop: tuple[str, ...] = ("nproc
 
 
 def _worker(argv: list[str]) -> tuple[int, str]:
+    from memfit.train.signals import hold
+
+    hold()  # first of all: from here on SIGINT/SIGTERM are kept for the training loop, never fatal
     from memfit.cli import main
-    from memfit.cli.launch_signals import detach
+    from memfit.cli.launch_signals import detach, mark_ready
 
     detach()
+    mark_ready()
     if os.environ.get("RANK", "0") == "0":
         return main(argv), ""
     err = io.StringIO()
@@ -63,7 +67,7 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None =
     from memfit.cli.launch_env import rank_environment
     from memfit.cli.launch_signals import forwarding
 
-    with rank_environment(), forwarding() as signals:
+    with rank_environment() as folder, forwarding(os.path.join(folder, "ready")) as signals:
         results = _elastic(nproc, argv, max_restarts, out)
     if signals.received is not None and not results:
         return 128 + signals.received
@@ -113,12 +117,24 @@ def _quiet_elastic():
 
 
 def _failed(exc, max_restarts: int, out: str | None) -> str:
-    """One line for a rank that died (killed, crashed) with no restart left."""
+    """One line for a rank that died (killed, crashed) with no restart left. A rank that raised
+    names its error; its traceback (torch-elastic's error file, in the launch's temporary folder)
+    is kept as rank<N>-error.txt in the run folder."""
     import signal
 
     rank, failure = exc.get_first_failure()
     code = failure.exitcode
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    raised = (failure.error_file_data or {}).get("message") or {}
+    if code > 0 and isinstance(raised, dict) and raised.get("message"):
+        how += f" ({raised['message'].strip().splitlines()[-1][:200]}"
+        stack = (raised.get("extraInfo") or {}).get("py_callstack")
+        if out and stack and os.path.isdir(out):
+            path = os.path.join(out, f"rank{rank}-error.txt")
+            with contextlib.suppress(OSError), open(path, "w") as f:
+                f.write(stack)
+                how += f"; traceback in {path}"
+        how += ")"
     tries = f"after {max_restarts} restart(s)" if max_restarts else "and --max-restarts is 0"
     tail = f"; continue from the last checkpoint with memfit train --resume {out}" if out else ""
     return f"rank {rank} {how} {tries}{tail}"

@@ -5,7 +5,11 @@ and a 30-second timer that SIGKILLs ranks still saving. Instead the launcher kee
 SIGTERM for itself (LaunchConfig.signals_to_handle leaves them out) and forwards each one to the
 ranks, which stop after their step, save and return 130 / 143 (memfit.train.signals); the launcher
 then returns the ranks' code like any other end. A second signal is forwarded too: the ranks abort
-without saving. Each rank starts a session of its own when it starts (`detach`), as torchrun's
+without saving. A rank that is still starting (importing torch: seconds) has no handler yet, and a
+signal would kill it (or raise KeyboardInterrupt in an import): each rank leaves a file named for its
+pid in the launcher's ready folder (READY_ENV) once its handlers are in place (memfit.train.signals.
+hold), and a signal is sent to a rank only then; one owed to a rank still starting is sent when it
+is ready. Each rank starts a session of its own when it starts (`detach`), as torchrun's
 ranks do: a Ctrl-C typed in the terminal reaches the ranks once, through the launcher, not twice;
 and where the kernel schedules by session (autogroup), each rank gets its own share of a busy
 machine, as under torchrun, instead of all ranks sharing the launcher's (2-3x slower steps when
@@ -21,6 +25,8 @@ import threading
 from typing import Iterator
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
+READY_ENV = "MEMFIT_LAUNCH_READY"
+"""The folder where each rank leaves a file named for its pid once its signal handlers are in place."""
 ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
 """What torch-elastic may still handle itself (its default also names SIGTERM and SIGINT)."""
 
@@ -32,11 +38,19 @@ def _ranks() -> list[int]:
 
 class Forwarder:
     """Within the block, SIGINT/SIGTERM to this process are sent on to the ranks; `received`
-    holds the first one (None: no signal)."""
+    holds the first one (None: no signal). `folder`: where ranks say they are ready (None: all are)."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: str | None = None) -> None:
         self.received: int | None = None
+        self.folder = folder
         self._previous: dict[int, object] = {}
+        self._owed: dict[int, list[int]] = {}  # rank pid -> signals to send once it is ready
+        self._lock = threading.RLock()  # the handler (main thread, possibly nested) and the sender thread
+        self._done = threading.Event()
+        self._sender: threading.Thread | None = None
+
+    def ready(self, pid: int) -> bool:
+        return self.folder is None or os.path.exists(os.path.join(self.folder, str(pid)))
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is None:
@@ -46,11 +60,36 @@ class Forwarder:
             from memfit.train.signals import Interrupted
 
             raise Interrupted(signum)
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        with self._lock:
+            for pid in ranks:
+                self._owed.setdefault(pid, []).append(signum)
+        self._send()
+        if self._owed and self._sender is None:
+            self._sender = threading.Thread(target=self._send_when_ready, name="memfit-signals", daemon=True)
+            self._sender.start()
+
+    def _send(self) -> None:
+        """Send what is owed to each rank that is ready; forget ranks that are gone."""
+        with self._lock:
+            for pid in list(self._owed):
+                try:
+                    if self.ready(pid):
+                        for signum in self._owed.pop(pid):
+                            os.kill(pid, signum)
+                    else:
+                        os.kill(pid, 0)
+                except ProcessLookupError:
+                    self._owed.pop(pid, None)
+
+    def _send_when_ready(self) -> None:
+        while not self._done.wait(0.05):
+            self._send()
 
     def __enter__(self) -> "Forwarder":
+        if self.folder is not None:
+            os.makedirs(self.folder, exist_ok=True)
+            self._env = os.environ.get(READY_ENV)
+            os.environ[READY_ENV] = self.folder  # the ranks inherit it
         if threading.current_thread() is threading.main_thread():
             for signum in FORWARDED:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -60,6 +99,22 @@ class Forwarder:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        self._done.set()
+        if self._sender is not None:
+            self._sender.join(1.0)
+        if self.folder is not None:
+            if self._env is None:
+                os.environ.pop(READY_ENV, None)
+            else:
+                os.environ[READY_ENV] = self._env
+
+
+def mark_ready() -> None:
+    """In a rank, once its signal handlers are in place: the launcher may now send it signals."""
+    folder = os.environ.get(READY_ENV)
+    if folder:
+        with contextlib.suppress(OSError):
+            open(os.path.join(folder, str(os.getpid())), "w").close()
 
 
 def detach() -> None:
@@ -76,6 +131,6 @@ def detach() -> None:
 
 
 @contextlib.contextmanager
-def forwarding() -> Iterator[Forwarder]:
-    with Forwarder() as f:
+def forwarding(folder: str | None = None) -> Iterator[Forwarder]:
+    with Forwarder(folder) as f:
         yield f

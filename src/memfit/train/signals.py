@@ -3,6 +3,11 @@
 Batch schedulers and preemptible machines send SIGTERM some seconds before they kill, so it is
 handled exactly like Ctrl-C. Stopping between steps keeps the checkpoint consistent: a signal
 inside the optimizer step would leave some parameters updated and others not.
+
+A process started to train (a rank of `memfit train --nproc`) calls `hold()` first thing: from then
+on a signal is never fatal. One that comes before the loop's handler is installed (while torch and
+the model are set up) is kept and stops the loop before its first step; one that comes after the
+loop (while the run folder is finished) is kept and changes nothing.
 """
 from __future__ import annotations
 
@@ -14,6 +19,21 @@ STOPPED = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 """Why a run stopped, by the signal that stopped it (TrainResult.stopped)."""
 EXIT_CODES = {"interrupted": 128 + signal.SIGINT, "terminated": 128 + signal.SIGTERM}
 """The shell's exit codes for a process ended by SIGINT (130) and SIGTERM (143)."""
+
+
+_held: list[int] = []
+"""Signals that came while no StopSignals was installed, after `hold()` (oldest first)."""
+
+
+def _keep(signum: int, frame: object) -> None:
+    _held.append(signum)
+
+
+def hold() -> None:
+    """From now on SIGINT/SIGTERM to this process are kept for the training loop, never fatal."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOPPED:
+            signal.signal(signum, _keep)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -39,12 +59,18 @@ class StopSignals:
             raise Interrupted(signum)
         self.stopped = STOPPED[signal.Signals(signum)]
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-        self.log(f"\nmemfit train: {name}: stopping after this step and saving (a second signal aborts without saving)")
+        try:  # the handler runs wherever the main thread was, possibly inside a write to stderr
+            self.log(f"\nmemfit train: {name}: stopping after this step and saving (a second signal aborts "
+                     "without saving)")
+        except (RuntimeError, OSError, ValueError):  # "reentrant call", a closed or full pipe: stop all the same
+            pass
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
             for signum in STOPPED:
                 self.previous[signum] = signal.signal(signum, self._handle)
+            while _held:  # a signal kept by hold() before the loop began
+                self._handle(_held.pop(0), None)
         return self
 
     def __exit__(self, *exc: object) -> None:
