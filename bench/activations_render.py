@@ -8,7 +8,6 @@ OFFLOADED_TO_HOST = ("offload:cpu",)  # copies marked host-resident: tracker acc
 
 
 def render(result: dict) -> str:
-    from activations import TORCH_CKPT
     from render import machine_line
 
     cpu_only = result["machine"].get("device", "cpu") == "cpu"
@@ -33,6 +32,15 @@ def render(result: dict) -> str:
                    "accounting of what an accelerator would hold, not RAM saved; their peak RSS growth is the "
                    "physical total (the copies stay in the same RAM). To be confirmed on a GPU (issue 13). "
                    "`save_on_cpu` cannot mark its copies, so its tracker figures do not drop.\n")
+    _model_tables(result, cpu_only, out)
+    main = {r["contender"]: r for r in result["models"][0]["rows"]}
+    _compression(result, main, out)
+    _disk(result, main, out)
+    _reading(result, main, out)
+    return "\n".join(out)
+
+
+def _model_tables(result: dict, cpu_only: bool, out: list[str]) -> None:
     for m in result["models"]:
         rows = {r["contender"]: r for r in m["rows"]}
         base = rows["none"]
@@ -56,10 +64,12 @@ def render(result: dict) -> str:
                    f"{fmt_ratio(paired_ratio(t, c, 'none', 'cpu'))} |" if timed else "not timed | | |")
             )
         out.append("")
+
+
+def _compression(result: dict, main: dict, out: list[str]) -> None:
     g = result["grad_error"]
     tl = result["train_loss"]
     runs = tl["runs"]
-    main = {r["contender"]: r for r in result["models"][0]["rows"]}
     ratio = main["none"]["block_activations"] / main["none+compress:int8"]["block_activations"]
     out.append("### Compression\n")
     first = result["models"][0]["model"]
@@ -70,6 +80,9 @@ def render(result: dict) -> str:
     out.append(f"Default `memfit train` run ({tl['steps']} steps, same seed): final validation loss "
                f"{runs['none']['final_val_loss']:.4f} uncompressed, {runs['none+compress:int8']['final_val_loss']:.4f} "
                f"with int8 — {tl['rel_diff'] * 100:.2f}% apart.\n")
+
+
+def _disk(result: dict, main: dict, out: list[str]) -> None:
     d = result["raw_disk"]
     out.append("### Disk spill\n")
     out.append("| | write | read |")
@@ -84,6 +97,12 @@ def render(result: dict) -> str:
                        f"{o['spilled_bytes'] / o['write_seconds'] / 2**20:.0f} MiB/s | "
                        f"{o['read_bytes'] / o['read_seconds'] / 2**20:.0f} MiB/s |")
     out.append("")
+
+
+def _reading(result: dict, main: dict, out: list[str]) -> None:
+    from activations import TORCH_CKPT
+
+    first = result["models"][0]["model"]
     one_block = main["none"]["block_activations"] / result["models"][0]["blocks"]
     disk_row = main["full+offload:disk"]
     out.append(
@@ -110,4 +129,3 @@ def render(result: dict) -> str:
            f"{fmt_bytes(full['peak'])} with `full`; the blocks' activations are what ")
         + "the policies change and what grows with batch and sequence. Every round's times and orders are in the JSON."
     )
-    return "\n".join(out)

@@ -197,9 +197,7 @@ def run_case(case: dict, quick: bool, rounds: int) -> dict:
 
     def key_of(plan) -> str:
         acts = to_string(plan.actions)
-        if not plan.head_chunks:
-            return uniform_key.get(acts, f"plan:{acts}")
-        return f"plan:{acts}|head={plan.head_chunks}"
+        return f"plan:{acts}|head={plan.head_chunks}" if plan.head_chunks else uniform_key.get(acts, f"plan:{acts}")
 
     plan_key = {b: key_of(p) for b, p in plans.items()}
     setting = {p: (p, None) for p in UNIFORM} | {plan_key[b]: (plans[b].actions, plans[b].head_chunks) for b in budgets}
