@@ -65,10 +65,7 @@ def test_prepare_halfway_budget_within_it_and_losses_equal_the_plain_loop():
 
 @pytest.mark.slow
 def test_accumulation_each_step_within_the_budget_and_the_step_rows_kept():
-    m = tl.model()
-    _, full4 = tl.peaks(m, tl.batch(4))
-    _, full2 = tl.peaks(m, tl.batch(2))
-    budget = (full4 + full2) // 2  # 4 rows cannot fit even all recomputed; fewer can
+    budget = tl.accumulation_budget()
     acc = fresh_accelerator(gradient_accumulation_steps=2)
     m = tl.model()
     model, opt = acc.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-3))

@@ -56,10 +56,7 @@ def test_halfway_budget_within_it_and_losses_equal_the_plain_run():
 
 @pytest.mark.slow
 def test_accumulation_each_step_within_the_budget_and_the_step_rows_kept():
-    m = tl.model()
-    _, full4 = tl.peaks(m, tl.batch(4))
-    _, full2 = tl.peaks(m, tl.batch(2))
-    budget = (full4 + full2) // 2  # 4 rows cannot fit even all recomputed; fewer can
+    budget = tl.accumulation_budget()
     plain = Lit()
     fit(plain, accumulate=2)
     plan = plan_module(tl.model(), tl.batch(4), budget, allow="recompute,accumulate", accumulate_grad_batches=2)
