@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The test suite: set up .venv if needed, then pytest. Extra arguments go to pytest
-# (--runslow adds the slow tests, -m multiproc the multi-process ones).
-# MEMFIT_VENV / MEMFIT_TORCH test another torch in its own venv (scripts/setup.sh), e.g.
+# The test suite: set up .venv if needed, then pytest on 2 workers (pytest-xdist; each test runs on one
+# thread, so two workers use both cores of a 2-core machine). Extra arguments go to pytest
+# (--runslow adds the slow tests, -m multiproc the multi-process ones, -n 0 runs in one process).
+# MEMFIT_TEST_WORKERS sets the worker count; MEMFIT_VENV / MEMFIT_TORCH test another torch in its own
+# venv (scripts/setup.sh), e.g.
 #   MEMFIT_VENV=.venv-torch2.14 MEMFIT_TORCH=torch==2.14.1 ./scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec "${MEMFIT_VENV:-.venv}/bin/python" -m pytest "$@"
+# worksteal: a worker that runs out takes queued tests from the other (the slow ones are uneven)
+exec "${MEMFIT_VENV:-.venv}/bin/python" -m pytest -n "${MEMFIT_TEST_WORKERS:-2}" --dist worksteal "$@"

@@ -195,6 +195,15 @@ def gpt_cases(depths=DEPTHS, world: int = 2, precisions=PRECISIONS, checkpoints=
             for s, sch in strategies if s != "pipeline" or d >= world]
 
 
+def covering_cases(depth: int, world: int = 2) -> list[Case]:
+    """Each strategy with and without checkpointing at `depth`, the precisions taken in turn so that
+    each precision x checkpoint pair meets four strategies or more: half the grid of a deep model
+    (whose traces are the test's cost). bench/rank_estimate.py runs them all."""
+    strategies = [(s, sch) for s, sch in STRATEGIES if s != "pipeline" or depth >= world]
+    return [Case(gpt(depth), s, PRECISIONS[(i + j) % len(PRECISIONS)], c, sch)
+            for i, (s, sch) in enumerate(strategies) for j, c in enumerate(CHECKPOINTS)]
+
+
 def hf_cases(paths: dict[str, str], precisions=("32-true",), checkpoints=CHECKPOINTS) -> list[Case]:
     """Hugging Face families under each data-parallel strategy (pipeline and tensor cut memfit's GPT)."""
     return [Case(path, s, p, c) for path in paths.values() for p in precisions for c in checkpoints

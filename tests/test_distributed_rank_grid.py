@@ -72,7 +72,9 @@ def test_accumulation_raises_the_estimate_by_the_held_gradients(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("depth", grid.DEPTHS)
 def test_grid_gpt_each_rank_within_3_percent(depth):
-    _check(grid.gpt_cases([depth]), 2)
+    # up to the composed path's threshold (12 blocks) and one past it, every case; deeper models
+    # half of it (each strategy with and without checkpointing, the precisions in turn)
+    _check(grid.gpt_cases([depth]) if depth <= 13 else grid.covering_cases(depth), 2)
 
 
 @pytest.mark.multiproc
