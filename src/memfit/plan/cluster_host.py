@@ -43,7 +43,7 @@ CALIBRATE_ROWS = (1, 2, 4, 8)
 PROFILE_ROUNDS = 5
 MAX_CALIBRATE_PARAMS = 200_000_000
 """Models above this are not built for a calibration run (the FLOP model's CPU rate is used)."""
-_VERSION = 8
+_VERSION = 9
 _MEMO: dict[str, object] = {}
 
 
@@ -207,8 +207,8 @@ def _timed_steps(spec, seq: int, precision: str, optimizer: str) -> tuple[list[f
     """(median seconds of forward and backward at each of CALIBRATE_ROWS sequences, median seconds
     of the optimizer step): every round runs each size once, its forward and backward timed, then
     the step on the gradients it made (learning rate 0), timed apart. Timing the step inside the
-    steps it belongs to matters: alone, on gradients set by hand, it ran up to twice as long here,
-    and taken out of the fitted intercept that wiped out the fixed cost per block."""
+    steps it belongs to matters: alone, on gradients set by hand, it ran longer here, and taken
+    out of a fitted intercept that included it, it wiped out the fixed cost per block."""
     import statistics
     import time
 
