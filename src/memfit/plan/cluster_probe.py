@@ -103,8 +103,8 @@ def microbatch_s(times: dict[str, float], latency_s: float) -> dict[str, float]:
 
 
 def sharing_times(rank: int, world: int) -> dict[str, float]:
-    """Seconds of a small GPT's forward and backward on each rank alone ("alone@R", the others waiting) and on every
-    rank at once ("together")."""
+    """Seconds of a small GPT's forward and backward on each rank alone ("alone@R", the others
+    waiting) and on every rank at once ("together")."""
     import torch
 
     from memfit.models.spec import parse_model
