@@ -1,17 +1,19 @@
-"""Cluster planner: predicted step-time ranking against measured, for 6 layouts of one model on 2 gloo
+"""Cluster planner: predicted step-time ranking against measured, for 7 layouts of one model on 2 gloo
 processes (ddp, with and without every block recomputed; pipeline gpipe with 1 micro-batch, with and
-without every block recomputed, and 1f1b with 4; tensor tp 2), interleaved in shuffled rounds.
+without every block recomputed, and 1f1b with 4 and with 8; tensor tp 2), interleaved in shuffled rounds.
 
-    PYTHONPATH=src python bench/cluster_rank.py [--rounds 2] [--measured FILE --rounds 1]
+    PYTHONPATH=src python bench/cluster_rank.py [--rounds 5] [--measured FILE --rounds 1]
 
 Each contender is `memfit train --nproc 2 --strategy S` (a fresh process group per run); its
 figure is the median step time over the steps after the first. The prediction is what
 `memfit plan MODEL --gpus 2 --device cpu` predicts for the same layout: the planner's host model
-(memfit.plan.cluster_host: compute calibrated by memfit profile at one thread, gloo's loopback and
-DTensor's cost per sharded pair measured, the ranks sharing this machine's cores), measured after
-the rounds, under the same load (MEMFIT_NO_CACHE=1). The FLOP-model prediction (a GPU-style
-model: no fixed costs, no core sharing, the link at LINK_GBS) is kept beside it for comparison.
-The machine is shared and loaded: rounds are few (launches cost ~40 s each) and the load is
+(memfit.plan.cluster_host: compute calibrated by memfit profile at one thread, gloo's loopback,
+DTensor's cost per sharded pair and the pipeline schedules' per micro-batch measured, the ranks
+sharing this machine's cores, the share other work leaves them measured), measured after the
+rounds, under the same load (MEMFIT_NO_CACHE=1). The FLOP-model prediction (a GPU-style
+model: no fixed costs, no core sharing, the link at LINK_GBS) is kept beside it for comparison, and
+so is the host model less each of its later terms in turn (ABLATIONS: what each adds to the ranking).
+The machine is shared and loaded: rounds are few (launches cost 15-40 s each) and the load is
 recorded before and after. `--measured FILE` reuses a run's measured times (from its JSON) and
 adds `--rounds` more (0: none), so the rounds can be split over runs of under ten minutes.
 """
@@ -41,6 +43,7 @@ CONTENDERS = {
     "pipeline gpipe x1, every block recomputed": ["--strategy", "pipeline", "--microbatches", "1", "--schedule",
                                                   "gpipe", "--checkpoint", "full"],
     "pipeline 1f1b x4": ["--strategy", "pipeline", "--microbatches", "4", "--schedule", "1f1b"],
+    "pipeline 1f1b x8": ["--strategy", "pipeline", "--microbatches", "8", "--schedule", "1f1b"],
     "tensor tp2": ["--strategy", "tensor", "--tp", "2"],
 }
 
@@ -87,8 +90,14 @@ def _layout(name: str):
     return Layout("ddp", dp=2, rows=BATCH)
 
 
-def _predicted(device: str, flops: float | None, link: str | None) -> tuple[dict[str, dict], str]:
-    """Each contender's predicted step terms and the time basis, as `memfit plan --gpus 2` on `device`."""
+ABLATIONS = {"without the pipeline schedules' cost": {"pp_gpipe_s": 0.0, "pp_1f1b_s": 0.0},
+             "without the core share": {"core_share": 1.0}}
+"""The host model less one of its measured terms: what each adds to the ranking."""
+
+
+def _predicted(device: str, flops: float | None, link: str | None) -> tuple[dict[str, dict], str, dict]:
+    """Each contender's predicted step terms and the time basis, as `memfit plan --gpus 2` on `device`;
+    and, with a measured host, each ablation's predicted totals."""
     from dataclasses import replace
 
     from memfit.plan.cluster_fit import _basis, problem_of
@@ -96,14 +105,19 @@ def _predicted(device: str, flops: float | None, link: str | None) -> tuple[dict
     from memfit.plan.cluster_search import evaluate
 
     p = problem_of(MODEL, "1GiB", link, None, 2 * BATCH, SEQ, "32-true", "adamw", "recompute", device, flops)
-    out = {}
+    lays = {}
     for name in CONTENDERS:
-        lay = _layout(name)
         full = "recomputed" in name
-        lay = replace(lay, counts=[(0, 0, k) if full else (k, 0, 0) for k in stage_sizes(p.spec.config.layers, lay.pp)])
-        out[name] = evaluate(p, lay).time
+        lays[name] = replace(_layout(name), counts=[(0, 0, k) if full else (k, 0, 0)
+                                                    for k in stage_sizes(p.spec.config.layers, _layout(name).pp)])
+    out = {name: evaluate(p, lay).time for name, lay in lays.items()}
+    ablated = {}
+    if p.host is not None and p.host.measured:
+        for what, zeroed in ABLATIONS.items():
+            q = replace(p, host=replace(p.host, **zeroed))
+            ablated[what] = {name: evaluate(q, lay).time["total"] for name, lay in lays.items()}
     link_name = p.topo_of(2).intra.name
-    return out, _basis(p.flops, True, p.host) + f" ({link_name})"
+    return out, _basis(p.flops, True, p.host) + f" ({link_name})", ablated
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -120,7 +134,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--measured", help="a cluster_rank JSON whose measured times to reuse")
     ap.add_argument("--passes", type=int, default=3, help="host measurements (each predicts every contender)")
     args = ap.parse_args()
@@ -145,7 +159,7 @@ def main() -> None:
     passes = [_predicted("cpu", None, "measured") for _ in range(args.passes)]
     host = {n: {k: statistics.median(p[0][n][k] for p in passes) for k in passes[0][0][n]} for n in CONTENDERS}
     basis = passes[-1][1] + f" (the last of {args.passes} measurements; each term the median over them)"
-    flop_model, flop_basis = _predicted("cpu", _flops(), str(LINK_GBS))
+    flop_model, flop_basis, _ = _predicted("cpu", _flops(), str(LINK_GBS))
     for t in flop_model.values():  # the GPU-style model: no fixed costs, no core sharing
         t["total"] -= t.get("cores", 0.0)
     names = list(CONTENDERS)
@@ -159,7 +173,9 @@ def main() -> None:
                            "ratio": m / host[n]["total"]} for n, m in zip(names, measured)},
         "spearman": spearman([host[n]["total"] for n in names], measured),
         "spearman_per_pass": [spearman([p[0][n]["total"] for n in names], measured) for p in passes],
-        "spearman_flop_model": spearman([flop_model[n]["total"] for n in names], measured)})
+        "spearman_flop_model": spearman([flop_model[n]["total"] for n in names], measured),
+        "spearman_ablated": {what: spearman([statistics.median(p[2][what][n] for p in passes) for n in names], measured)
+                             for what in ABLATIONS}})
 
 
 def render(result: dict) -> str:
@@ -171,9 +187,9 @@ def render(result: dict) -> str:
         rows.append(f"| {n} | {t['total']:.3f} | {t.get('cores', 0):.3f} / {t['bubble']:.3f} / "
                     f"{t['comm_exposed']:.3f} | {c['median_s']:.3f} | {c['spread_s'][0]:.3f}-{c['spread_s'][1]:.3f} "
                     f"| {len(c['measured_s'])} | {c['ratio']:.2f} | {c['flop_model']['total']:.3f} |")
+    argv = " ".join(result.get("run", {}).get("argv", []))
     return (f"### Cluster planner: predicted against measured step-time ranking\n\n"
-            f"`PYTHONPATH=src python bench/cluster_rank.py --rounds 2`, continued by `--measured "
-            f"bench/results/cluster_rank.json --rounds 1` runs — {result['model']}, seq "
+            f"`PYTHONPATH=src python bench/cluster_rank.py {argv}` — {result['model']}, seq "
             f"{result['seq']}, --batch {result['batch_per_process']} per process (the same global batch in each "
             f"layout), interleaved shuffled rounds, at least {result['rounds']} a layout (runs: a layout added later "
             f"has fewer; each is a fresh 2-process launch on a loaded machine; load {result['load_before']} before, "
@@ -182,7 +198,8 @@ def render(result: dict) -> str:
             + f"\n\nSpearman rank correlation (predicted vs measured): **{result['spearman']:.2f}** with the host "
             f"model (each host measurement alone: "
             f"{', '.join(f'{x:.2f}' for x in result.get('spearman_per_pass', []))}); "
-            f"{result['spearman_flop_model']:.2f} with the FLOP model alone.\n")
+            f"{result['spearman_flop_model']:.2f} with the FLOP model alone"
+            + "".join(f"; {v:.2f} {what}" for what, v in result.get("spearman_ablated", {}).items()) + ".\n")
 
 
 def snippets(result: dict) -> dict[str, str]:

@@ -32,11 +32,15 @@ MAX_REFUSED = 3
 
 def _basis(flops: float, calibrated: bool, host=None) -> str:
     share = f"; ranks of {host.threads} thread(s) share {host.cores} CPU core(s)" if host is not None else ""
+    if host is not None and host.core_share < 1:
+        share += f", {host.core_share:.0%} of them theirs at once (measured: the rest is other work's)"
     if host is not None and host.measured:
         return (f"host, measured here: compute {flops / 1e9:.3g} GFLOP/s + {host.overhead_s * 1e3:.3g} ms per block "
-                f"and micro-batch, optimizer {host.step_s_per_elem * 1e9:.3g} ns per weight (timed as memfit profile "
-                f"does), DTensor {host.tp_pair_s * 1e3:.3g} ms per tensor-parallel "
-                f"pair and {host.tp_param_step_s * 1e3:.3g} ms per parameter in the step, gloo's loopback{share}")
+                f"and micro-batch, optimizer {host.step_s_per_elem * 1e9:.3g} ns per weight (forward and backward "
+                f"timed at 1-8 sequences, the step apart), DTensor {host.tp_pair_s * 1e3:.3g} ms per tensor-parallel "
+                f"pair and {host.tp_param_step_s * 1e3:.3g} ms per parameter in the step, pipeline schedule "
+                f"{host.pp_gpipe_s * 1e3:.3g} ms (GPipe) / {host.pp_1f1b_s * 1e3:.3g} ms (1F1B) per micro-batch and "
+                f"stage, gloo's loopback{share}")
     if calibrated:
         return (f"calibrated: {flops / 1e12:.3g} TFLOP/s per device and the link bandwidth given, measured on this "
                 f"machine{share}")
@@ -87,11 +91,12 @@ def _host(model, spec, seq, precision, optimizer, flops, cores, interconnect):
         return host, flops, interconnect  # the core sharing alone: nothing measured unless asked
     got = calibrate(model if isinstance(model, str) else spec.name, seq, precision, optimizer, host.threads) \
         if flops is None else None
-    if got is not None:  # measured here: the fixed costs (per block; DTensor's per TP pair) come with the rate
+    if got is not None:  # measured here: the fixed costs (blocks', DTensor's, the schedules') come with the rate
         flops = got[0]
         link = loopback()
-        host = host_of(host.cores, host.threads, got[1], link["tp_pair_s"], measured=True, step_s_per_elem=got[2],
-                       tp_param_step_s=link["tp_param_step_s"])
+        host = host_of(host.cores, host.threads, overhead_s=got[1], step_s_per_elem=got[2], measured=True,
+                       **{k: link[k] for k in ("tp_pair_s", "tp_param_step_s", "pp_gpipe_s", "pp_1f1b_s",
+                                               "core_share")})
     return host, flops, interconnect
 
 

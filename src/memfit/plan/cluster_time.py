@@ -25,8 +25,10 @@ by the ring formulas memfit.distributed.comm counts with, over the group's link
 Optimizer offload adds the gradients' trip to the host and the weights' back at HOST_BW.
 
 On this machine's CPU (`host`, memfit.plan.cluster_host): a fixed cost per block and micro-batch
-beside the FLOPs, and the ranks share its cores: the step is no shorter than every rank's busy time
-times its threads over the cores; the difference is the "cores" term (zero with a core per thread).
+beside the FLOPs, the pipeline schedule's per micro-batch and stage (a longer slot: the bubble's
+too), and the ranks share its cores: the step is no shorter than every rank's busy time
+times its threads over the cores they get (its cores times the measured share other work leaves);
+the difference is the "cores" term (zero with an idle core per thread).
 The optimizer step's fixed cost, measured apart, is counted once per step, for the weights a rank
 updates (the fullest stage's; ZeRO's shard).
 With no core to spare, no communication overlaps (gloo computes on the cores the ranks use).
@@ -109,8 +111,11 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
     numel = unit.block_numel * max(sizes) + unit.rest_numel
     t, e, s = _dp_sync(lay, topo, numel, mb * 2 / 3)
     comm, exposed, sent = comm + t, exposed + e, sent + s
+    # the pipeline schedule's own cost per micro-batch and stage is in every slot, the bubble's too;
+    # measured as wall time with the ranks sharing the cores, so it stays out of their busy time
+    schedule = host.microbatch_s(lay.schedule) if host and lay.strategy == "pipeline" and lay.pp > 1 else 0.0
     if lay.strategy == "pipeline":
-        compute, bubble = lay.accum * mb, (lay.pp - 1) * mb
+        compute, bubble = lay.accum * (mb + schedule), (lay.pp - 1) * (mb + schedule)
     else:
         compute, bubble = lay.accum * mb, 0.0
     opt = host.step_s_per_elem * numel / (lay.dp if lay.zero else 1) if host else 0.0  # once per step
@@ -127,7 +132,8 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
     if host is not None:  # every rank's busy seconds over the cores they share
         busy = (lay.dp * lay.accum * sum(per_stage) if lay.strategy == "pipeline" else lay.gpus * lay.accum * mb) \
             + lay.gpus * opt
-        cores = max(busy * host.threads / host.cores - compute - bubble, 0.0)
+        waits = (lay.accum + lay.pp - 1) * schedule
+        cores = max(busy * host.threads / (host.cores * host.core_share) - (compute + bubble - waits), 0.0)
     total = compute + bubble + exposed + offload + cores
     return {"compute": compute - lay.accum * recompute, "recompute": lay.accum * recompute, "comm": comm,
             "comm_exposed": exposed, "bubble": bubble, "offload": offload, "cores": cores, "total": total,
