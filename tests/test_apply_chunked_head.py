@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from memfit.apply.chunked_head import (MIN_CHUNK, chunked_cross_entropy, reference_cross_entropy, spans,
                                       summed_loss_divisor)
+from memfit.apply.gemm_blocking import cpu_rows_exact
 from memfit.apply.head_swap import chunk_head, head_chunks
 from memfit.core.errors import ConfigError
 from memfit.models.gpt import GPT, GPTConfig
@@ -198,7 +199,21 @@ def test_gpt2_small_head_at_seq_1024_is_bit_identical():
     want = _grads(ref, [x, w])
     got_loss = chunked_cross_entropy(x, w, y, chunks=8)
     assert torch.equal(got_loss, ref)
-    assert all(torch.equal(a, c) for a, c in zip(want, _grads(got_loss, [x, w])))
+    got = _grads(got_loss, [x, w])
+    assert torch.equal(want[1], got[1])  # the weight gradient: vocabulary slices over every token
+    if cpu_rows_exact(1024 // 8, 50257, 768):
+        assert torch.equal(want[0], got[0])
+    else:  # this BLAS sums a 128-row block's dot products in another order than the whole product's:
+        # two sums of the same 50257 products differ by at most 2 gamma_K sum |g w| (Higham, 3.1)
+        u, k = 2.0**-24, 50257
+        with torch.no_grad():  # the logits' gradient, the GEMM's left factor
+            g = torch.softmax(x @ w.t(), dim=1)
+            keep = y != -100
+            g[keep, y[keep]] -= 1
+            g[~keep] = 0
+            g /= keep.sum()
+            bound = 2 * k * u / (1 - k * u) * (g.abs() @ w.abs())
+        assert ((want[0] - got[0]).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("divisor", [None, 347])

@@ -41,11 +41,11 @@ def spec_for(kind, tmp_path):
     return hf_config(tmp_path, kind)
 
 
-# A covering grid rather than all 21 pairs (each pair traces the whole step twice per policy, 22 times):
-# every precision on at least one family, every family in fp32 and in at least three 16-bit modes.
-COVER = [("gpt", "32-true"), ("hf-gpt2", "32-true"), ("hf-llama", "32-true"), ("hf-gpt2", "bf16-mixed"),
-         ("hf-llama", "16-mixed"), ("gpt", "bf16-true"), ("hf-gpt2", "16-true"), ("hf-llama", "bf16-master"),
-         ("gpt", "16-master"), ("hf-llama", "bf16-true"), ("gpt", "bf16-mixed")]
+# A covering grid rather than all 21 pairs (each pair traces the whole step twice per policy, 22
+# times, about two minutes on a core of the CI machine): every precision once, every family in fp32
+# or a mixed mode and in a 16-bit-weights mode (bench/estimate_families.py measures more families).
+COVER = [("gpt", "32-true"), ("hf-gpt2", "bf16-mixed"), ("hf-llama", "16-mixed"), ("gpt", "bf16-true"),
+         ("hf-gpt2", "16-true"), ("hf-llama", "bf16-master"), ("gpt", "16-master")]
 assert {p for _, p in COVER} == set(PRECISIONS)
 GRID = [pytest.param(k, p, marks=[] if (k, p) == ("gpt", "32-true") else [pytest.mark.slow]) for k, p in COVER]
 

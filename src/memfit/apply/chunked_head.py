@@ -13,7 +13,10 @@ gradients, bit for bit (tests/test_apply_chunked_head.py checks with torch.equal
   product's rows), the weight gradient over reduction blocks of tokens (below) or over vocabulary
   columns (dW[v0:v1] sums over *all* tokens, as the unchunked GEMM does).
   MKL may take another kernel for blocks under 12 rows or columns, with another summation order: every
-  chunk here has at least MIN_CHUNK rows/columns (or is the whole).
+  chunk here has at least MIN_CHUNK rows/columns (or is the whole). MKL's AVX-512 sgemm does so for
+  row blocks under 256 rows of a wide product too (gemm_blocking.cpu_rows_exact measures it): there the
+  gradient wrt the hidden states differs from the unchunked head's by summation order (within
+  2 gamma_K of its dot products), the loss and the weight gradient stay bitwise.
 * The weight gradient's vocabulary slice needs the softmax of every token on those columns. The
   forward keeps per token the row max m and the log-sum-exp term l (2 floats per token): the kernel
   computes log_softmax as (x - m) - l, so at the argmax it returns exactly -l, and any column's value

@@ -62,3 +62,22 @@ def k_ranges(start: int, stop: int, block: int) -> list[tuple[int, int]]:
         raise ValueError(f"start {start} is not a multiple of the block {block}")
     edges = list(range(start, stop, block)) + [stop]
     return list(zip(edges, edges[1:]))
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_exact(rows: int, k: int, n: int, threads: int) -> bool:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    gen = torch.Generator().manual_seed(0)
+    with unset_fake_temporarily(), torch.autocast("cpu", enabled=False), torch.no_grad():
+        a, b = torch.randn(4 * rows, k, generator=gen), torch.randn(k, n, generator=gen)
+        whole = a @ b
+        return all(torch.equal(a[r:r + rows] @ b, whole[r:r + rows]) for r in range(0, 4 * rows, rows))
+
+
+def cpu_rows_exact(rows: int, k: int, n: int) -> bool:
+    """Whether this CPU's fp32 GEMM computes a block of `rows` rows of an (M, k) @ (k, n) product as
+    the whole product computes them (measured once per shape and thread count). MKL's AVX2 sgemm does
+    from a dozen rows on; its AVX-512 sgemm sends blocks under 256 rows of a wide product (n 768, k
+    1000 and more) to kernels with another summation order."""
+    return _rows_exact(rows, k, n, torch.get_num_threads())
