@@ -53,7 +53,7 @@ GRID = [pytest.param(m, c, p, marks=([pytest.mark.slow] if (m, c, p) in SLOW els
 @pytest.mark.parametrize("name,policy,precision", GRID)
 def test_trace_matches_real_step(name, policy, precision):
     """The fake trace against the real step: equal to the tracker's measurement, within 3% (fp32)
-    or 5% (bf16) of the allocator's.
+    or 5% (bf16; 10% on AVX-512) of the allocator's.
 
     The fake trace and the real run hold the same storages, so against the tracker they agree to
     the byte. The allocator also sees memory that never becomes a tensor: the 5 KiB RNG state that
@@ -67,7 +67,10 @@ def test_trace_matches_real_step(name, policy, precision):
     check_sums(real)
     assert pred.peak == real.peak  # same storages, fake or real
     assert pred.breakdown() == real.breakdown()
-    tol = 0.03 if precision == "32-true" else 0.05
+    # oneDNN's bf16 workspace depends on its kernels: ~4% of this tiny peak on AVX2, 8.6% seen on an
+    # AVX-512 Xeon (gpt, full checkpointing), whose bf16 GEMMs take larger scratch blocks
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    tol = 0.03 if precision == "32-true" else (0.10 if avx512 else 0.05)
     assert real.peak <= real.allocator_peak <= (1 + tol) * real.peak
     # Steady state: AdamW's two moments per parameter exist at the peak (params include buffers).
     assert pred.optimizer > 1.9 * pred.params
