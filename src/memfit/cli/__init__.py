@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SILENT_EXIT_DELAY_S = 3.0
+"""How long a rank that stays silent about a shared error waits before exiting (rank 0 prints it)."""
+
+
 def _speaks(exc: MemfitError) -> bool:
     """Under torchrun every rank meets the same config error: rank 0 alone prints it. Other errors
     may be one rank's own: every rank prints those."""
@@ -66,8 +70,20 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
     if os.environ.get("RANK", "0") == "0":
         return parser.parse_args(argv)
-    with contextlib.redirect_stderr(io.StringIO()):
-        return parser.parse_args(argv)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return parser.parse_args(argv)
+    except SystemExit:
+        _let_rank_0_speak()
+        raise
+
+
+def _let_rank_0_speak() -> None:
+    """A silent rank that exits first makes torchrun stop the others, rank 0 perhaps before it has
+    printed the error they share: such a rank waits a moment before it exits."""
+    import time
+
+    time.sleep(SILENT_EXIT_DELAY_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except MemfitError as exc:
         if _speaks(exc):
             print(f"memfit {args.command}: error: {exc}", file=sys.stderr)
+        else:
+            _let_rank_0_speak()
         return 2
     except KeyboardInterrupt as exc:  # a second Ctrl-C or SIGTERM: aborted without saving
         print("memfit: interrupted", file=sys.stderr)
