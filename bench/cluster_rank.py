@@ -7,7 +7,7 @@ without every block recomputed, and 1f1b with 4 and with 8; tensor tp 2), interl
 Each contender is `memfit train --nproc 2 --strategy S` (a fresh process group per run); its
 figure is the median step time over the steps after the first. The prediction is what
 `memfit plan MODEL --gpus 2 --device cpu` predicts for the same layout: the planner's host model
-(memfit.plan.cluster_host: compute calibrated by memfit profile at one thread, gloo's loopback,
+(memfit.plan.cluster_host: compute calibrated at one thread, gloo's loopback,
 DTensor's cost per sharded pair and the pipeline schedules' per micro-batch measured, the ranks
 sharing this machine's cores, the share other work leaves them measured), measured after the
 rounds, under the same load (MEMFIT_NO_CACHE=1). The FLOP-model prediction (a GPU-style
@@ -107,9 +107,9 @@ def _predicted(device: str, flops: float | None, link: str | None) -> tuple[dict
     p = problem_of(MODEL, "1GiB", link, None, 2 * BATCH, SEQ, "32-true", "adamw", "recompute", device, flops)
     lays = {}
     for name in CONTENDERS:
-        full = "recomputed" in name
-        lays[name] = replace(_layout(name), counts=[(0, 0, k) if full else (k, 0, 0)
-                                                    for k in stage_sizes(p.spec.config.layers, _layout(name).pp)])
+        lay, full = _layout(name), "recomputed" in name
+        sizes = stage_sizes(p.spec.config.layers, lay.pp)
+        lays[name] = replace(lay, counts=[(0, 0, k) if full else (k, 0, 0) for k in sizes])
     out = {name: evaluate(p, lay).time for name, lay in lays.items()}
     ablated = {}
     if p.host is not None and p.host.measured:
