@@ -84,6 +84,26 @@ def test_a_signal_before_the_training_loop_is_kept_and_stops_it_before_its_first
             signal.signal(s, h)
 
 
+def test_a_signal_inside_a_write_to_stderr_is_said_between_steps():
+    """The handler runs wherever the main thread was: inside a print to stderr its own print raises
+    "reentrant call" (seen in CI: the line was lost). The loop's next check says it."""
+    from memfit.train import signals
+
+    said: list[str] = []
+
+    def log(msg: str) -> None:
+        if not said:
+            said.append("")  # the first call is the one inside a write
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+        said.append(msg)
+
+    stop = signals.StopSignals(log)
+    stop._handle(signal.SIGINT, None)
+    assert stop.stopped == "interrupted" and said == [""]
+    assert stop.check() == "interrupted" and "Ctrl-C: stopping after this step and saving" in said[1]
+    assert stop.check() == "interrupted" and len(said) == 2  # said once
+
+
 def _ranks(pid: int) -> list[int]:
     """The launcher's rank processes (multiprocessing spawn children, not its resource tracker)."""
     try:

@@ -91,7 +91,7 @@ def train(
         if not run.history["val"]["step"] or run.history["val"]["step"][-1] != run.step:
             _evaluate(run, clock)
 
-        while (stopped := _why_stop(run, clock, signals.stopped, stop_at)) is None:
+        while (stopped := _why_stop(run, clock, signals.check(), stop_at)) is None:
             out = train_step(run, clock, log)
             horizon = clock.refit(run.step, run.horizon)
             if run.ctx is not None and clock.auto_horizon:  # each rank timed its own steps: one length for all

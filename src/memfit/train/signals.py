@@ -53,17 +53,32 @@ class StopSignals:
         self.log = log
         self.stopped: str | None = None
         self.previous: dict[int, object] = {}
+        self._unsaid: str | None = None  # the handler's line when it could not be written then
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.stopped is not None:
             raise Interrupted(signum)
         self.stopped = STOPPED[signal.Signals(signum)]
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        self._unsaid = (f"\nmemfit train: {name}: stopping after this step and saving (a second signal aborts "
+                        "without saving)")
+        self._say()
+
+    def _say(self) -> None:
         try:  # the handler runs wherever the main thread was, possibly inside a write to stderr
-            self.log(f"\nmemfit train: {name}: stopping after this step and saving (a second signal aborts "
-                     "without saving)")
-        except (RuntimeError, OSError, ValueError):  # "reentrant call", a closed or full pipe: stop all the same
+            if self._unsaid is not None:
+                self.log(self._unsaid)
+                self._unsaid = None
+        except RuntimeError:  # "reentrant call" (inside a print): said by check() between steps
             pass
+        except (OSError, ValueError):  # a closed or full pipe: stop all the same, unsaid
+            self._unsaid = None
+
+    def check(self) -> str | None:
+        """Between steps: why to stop ("interrupted" / "terminated"; None: go on), after writing the
+        handler's line if the signal came while the main thread was writing."""
+        self._say()
+        return self.stopped
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
