@@ -8,5 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-# worksteal: a worker that runs out takes queued tests from the other (the slow ones are uneven)
-exec "${MEMFIT_VENV:-.venv}/bin/python" -m pytest -n "${MEMFIT_TEST_WORKERS:-2}" --dist worksteal "$@"
+# --dist load --maxschedchunk 1: each worker takes the next test in order as it finishes one (xdist
+# otherwise hands each a quarter of the list up front); tests/conftest.py puts the slow ones first
+# under --runslow, so both workers end on short tests together
+exec "${MEMFIT_VENV:-.venv}/bin/python" -m pytest -n "${MEMFIT_TEST_WORKERS:-2}" --dist load --maxschedchunk 1 "$@"

@@ -20,6 +20,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    if config.getoption("--runslow"):
+        # The slow tests (one to four minutes each) first, the default tier's short ones after: the
+        # workers (scripts/test.sh: --dist load hands out tests in this order) then end on short tests
+        # together, rather than one worker running a four-minute grid while the other waits. A stable
+        # sort: every worker collects the same order, as xdist requires.
+        items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 @pytest.fixture(autouse=True)
