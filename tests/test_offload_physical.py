@@ -91,10 +91,19 @@ def test_offloaded_activations_leave_their_storage(policy, tmp_path, monkeypatch
 
 def test_disk_offload_puts_the_bytes_in_files_and_out_of_ram(tmp_path, monkeypatch):
     """After forward, the saved activations are in spill files (their size at least the saved
-    bytes), and the CPU allocator holds less than the plain run at the same moment (measured drops
-    run from 40% to all of the saved bytes, with the thread count and timing of the background
-    writes; a quarter is asserted)."""
+    bytes), and the CPU allocator holds less than the plain run at the same moment, once every
+    background write has finished."""
+    from memfit.apply import saved_copies
+
     packed, _ = record_store(monkeypatch)
+    copies = []  # every DiskCopy: its write future says when its bytes are in the file
+    init = saved_copies.DiskCopy.__init__
+
+    def spy_init(self, *a, **k):
+        init(self, *a, **k)
+        copies.append(self)
+
+    monkeypatch.setattr(saved_copies.DiskCopy, "__init__", spy_init)
 
     def live_after_forward(policy):
         model, x = model_and_batch()
@@ -104,8 +113,11 @@ def test_disk_offload_puts_the_bytes_in_files_and_out_of_ram(tmp_path, monkeypat
             _, loss, n = model(x, x)
             if policy != "none":
                 deadline = time.monotonic() + 30
-                # a background write holds its tensor until the bytes are in the file
-                while not all(ref.expired() for ref, _, _ in packed) and time.monotonic() < deadline:
+                # A background write holds its tensor (the original, or a dense copy of a strided one,
+                # which the originals' expiry does not show) until the bytes are in the file: under
+                # load the queued copies were half the saved bytes at the measurement.
+                while time.monotonic() < deadline and not (
+                        all(c.write_future.done() for c in copies) and all(ref.expired() for ref, _, _ in packed)):
                     gc.collect()
                     time.sleep(0.01)
                 on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
@@ -169,7 +181,10 @@ def test_disk_optimizer_state_is_in_files_not_in_ram(tmp_path):
     assert files >= 8 * n  # exp_avg and exp_avg_sq, fp32
     assert in_ram == 0
     assert len(pooled) <= 4 and all(b <= 8 * 8192 for b in pooled), pooled  # a chunk: masters, states, grads
-    assert plain - disk >= 8 * n - 8192 * 2, (plain, disk, n)  # beyond the pool, a staging buffer or two at most
+    # Beyond the pool, one staging buffer at most (a chunk's packed bytes, as the pool's): under load
+    # one of 11-27 KB was seen still alive at the measurement, which the 8 x chunk_bytes bound covers
+    # (the state kept in RAM, the mutation this catches, is 8 x n = 219 KiB here).
+    assert plain - disk >= 8 * n - 8 * 8192, (plain, disk, n)
 
 
 def test_cpu_optimizer_offload_moves_state_and_releases_grads():
