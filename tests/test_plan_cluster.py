@@ -112,3 +112,17 @@ def test_fit_with_gpus_returns_the_cluster_plan():
     cp = memfit.fit(TINY, budget="8MiB", gpus=2, interconnect="ib", batch=4, seq=32, device="cpu", verify=False)
     assert cp.gpus == 2 and cp.peak <= cp.budget and cp.interconnect.startswith("ib")
     assert cp.ranked[0]["feasible"] and cp.ranked[0]["step_s"] <= min(r["step_s"] for r in cp.ranked if r["feasible"])
+
+
+def test_the_70b_question_is_answered_and_its_rank_trace_is_within_the_budget():
+    """`memfit plan llama-2-70b --budget 80GiB --gpus auto --precision bf16-master` (docs/cluster.md):
+    ZeRO-3 with the optimizer offloaded. Inside a block's backward the reduced gradient slices of the
+    later blocks go to the host with the optimizer, so the rank's trace holds none of them (it once
+    counted 62 GiB of them on the device, and every layout was refused)."""
+    import memfit
+
+    cp = memfit.fit("llama-2-70b", budget="80GiB", gpus="auto", precision="bf16-master")
+    lay = cp.layout
+    assert cp.gpus >= 2 and lay["offload_optimizer"] and lay["strategy"].startswith("zero")
+    assert cp.traced_peak is not None and cp.traced_peak <= cp.budget
+    assert abs(cp.traced_peak - cp.peak) <= 0.05 * cp.budget  # the composed figure and the trace agree

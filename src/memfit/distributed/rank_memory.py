@@ -182,7 +182,8 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
         # process holds (block i's gradients so far, the rest's: head, final norm) is not reduced yet
         later = r.get("blocks_n", 0) - 1 - block if block is not None and block >= 0 else -1
         if not done and m["grads"] and later >= 0 and m["grads"] >= later * r["in_flight"]:
-            out["grads"] = later * (r["in_flight"] // r["world"])
+            # (r["grads"] 0: optimizer offload, the slices go to the host as they are reduced)
+            out["grads"] = min(r["grads"], later * (r["in_flight"] // r["world"]))
             out["in_flight"] = m["grads"] - later * r["in_flight"]
             if later:  # the flat buffer of the last reduce-scatter is kept for the next bucket
                 out["in_flight"] += r["in_flight"]
