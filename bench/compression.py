@@ -55,7 +55,7 @@ COMPRESSORS = {
     # ones with targets also under memfit's ZeRO-2
     "adamw": ["none", "topk:0.01,adam=off", "topk:0.01,adam=5", "topk:0.01,adam=5,select=x", "topk:0.01,adam=5,var=rank",
               "sign:adam=off", "sign:adam=5",
-              "sign:adam=5,var=batch", "sign:adam=5,clip=inf", "int8", "powersgd:4",
+              "sign:adam=5,var=rank", "sign:adam=5,clip=inf", "int8", "powersgd:4",
               "zero2 topk:0.01,adam=5", "zero2 sign:adam=5", "zero2 int8"],
     # DGC's and EF-SignSGD's setting: momentum SGD, with the momentum moved before compression
     # (momentum=, plain SGD) against error feedback alone under momentum SGD

@@ -41,9 +41,10 @@ def _run(cases: list, world: int, done: list[dict], command: str) -> list[dict]:
 
 def _save(rows: list[dict], command: str) -> Path:
     old = json.loads(RESULT.read_text()) if RESULT.exists() else {}
-    commands = [c for c in old.get("commands", []) if c != command] + [command]
     mine = {(r["case"], r["world"]) for r in rows}
     kept = [r for r in old.get("rows", []) if (r["case"], r["world"]) not in mine] if "seq" in old else []
+    # the earlier commands stand beside this one only while rows of theirs are kept
+    commands = ([c for c in old.get("commands", []) if c != command] if kept else []) + [command]
     for r in rows:
         if r["model"].endswith(".json"):
             r["model"] = Path(r["model"]).parent.name
