@@ -195,11 +195,17 @@ def gpt_cases(depths=DEPTHS, world: int = 2, precisions=PRECISIONS, checkpoints=
             for s, sch in strategies if s != "pipeline" or d >= world]
 
 
-def covering_cases(depth: int, world: int = 2) -> list[Case]:
+def covering_cases(depth: int, world: int = 2, each_once: bool = False) -> list[Case]:
     """Each strategy with and without checkpointing at `depth`, the precisions taken in turn so that
     each precision x checkpoint pair meets four strategies or more: half the grid of a deep model
-    (whose traces are the test's cost). bench/rank_estimate.py runs them all."""
+    (whose traces are the test's cost). `each_once`: each strategy once, the checkpoint and the
+    precision alternating, so each checkpoint and each precision still meets four strategies or more
+    (a quarter of the grid; 24 and 48 blocks take opposite quarters). bench/rank_estimate.py runs them all."""
     strategies = [(s, sch) for s, sch in STRATEGIES if s != "pipeline" or depth >= world]
+    if each_once:  # 24 and 48 blocks take opposite halves
+        o = depth // 24 % 2
+        return [Case(gpt(depth), s, PRECISIONS[(i // 2 + o) % 2], CHECKPOINTS[(i + o) % 2], sch)
+                for i, (s, sch) in enumerate(strategies)]
     return [Case(gpt(depth), s, PRECISIONS[(i + j) % len(PRECISIONS)], c, sch)
             for i, (s, sch) in enumerate(strategies) for j, c in enumerate(CHECKPOINTS)]
 
