@@ -202,7 +202,7 @@ def covering_cases(depth: int, world: int = 2, each_once: bool = False) -> list[
     precision alternating, so each checkpoint and each precision still meets four strategies or more
     (a quarter of the grid; 24 and 48 blocks take opposite quarters). bench/rank_estimate.py runs them all."""
     strategies = [(s, sch) for s, sch in STRATEGIES if s != "pipeline" or depth >= world]
-    if each_once:  # 24 and 48 blocks take opposite halves
+    if each_once:  # 24 and 48 blocks take complementary quarters: together, the covering half
         o = depth // 24 % 2
         return [Case(gpt(depth), s, PRECISIONS[(i // 2 + o) % 2], CHECKPOINTS[(i + o) % 2], sch)
                 for i, (s, sch) in enumerate(strategies)]
