@@ -67,16 +67,27 @@ def test_offload_is_bit_identical_with_clipping_and_accumulation(name, precision
             if precision == "bf16-master":
                 assert all(p.dtype == torch.bfloat16 for p in model.parameters())
                 assert all(m.dtype == torch.float32 for m in opt.streamed.masters)
+                # The model's weights are the fp32 masters rounded to bf16, wherever the masters
+                # live: each update copies them back, and that copy is one rounding, so bit for bit.
+                masters = opt.state_dict()["streamed"]["masters"]
+                for p, m in zip(model.parameters(), masters):
+                    assert torch.equal(p.detach(), m.to(torch.bfloat16)), (name, offload)
         results[offload] = params(model)
     start = params(tiny_gpt())
     assert any(not torch.equal(a, b) for a, b in zip(results["none"], start))  # it trained
     for a, b in zip(results["cpu"], results["disk"]):
         assert torch.equal(a, b), (name, precision)
+    moved = max((a - s).abs().max() for a, s in zip(results["none"], start))
     for a, b in zip(results["none"], results["cpu"]):
         if precision == "32-true":
             assert torch.equal(a, b), (name, precision)
-        else:  # a few bf16 roundings of the gradients apart; Lion's sign may flip where m ~ 0
-            assert (a - b).abs().max() <= 3 * 10 * LR.get(name, 1e-3), name  # 3 steps of up to 10 lr (RMSprop)
+        else:
+            # The runs differ only in how the micro-batch gradients are summed (bf16 on the device,
+            # fp32 on the host): one rounding of each gradient. Where a gradient is near 0 that can
+            # flip the sign of an adaptive update (Adam, Lion, RMSprop take about lr per step
+            # whatever the gradient's size), so a weight may move the other way: the two runs then
+            # differ by up to what the three steps moved it, never more (seen: at most 0.53 of it).
+            assert (a - b).abs().max() <= moved, (name, float((a - b).abs().max()), float(moved))
 
 
 def test_disk_offload_gives_state_made_in_init_to_its_first_step(monkeypatch, tmp_path):
