@@ -17,7 +17,16 @@ from memfit.core import compat
 from memfit.cli import main
 from memfit.distributed.spawn import run_world
 
-TOLERANCE = 0.03
+# Each strategy's worst error over the 354 cases of bench/results/rank_estimate.json (every depth,
+# two and four ranks, the Hugging Face families), rounded up to the next half percent. The tracked
+# figures are byte counts (the same on every run), and a rank's estimate is the one-device trace
+# plus model states counted from the strategies' own flat layout to the byte: its error is the
+# one-device trace's (strategy none: 0.25% at worst) plus what a strategy's own buffers add (ddp's
+# gradient buckets under bf16-master and full checkpointing: 1.23%; tensor parallel: 1.14%). A bug
+# worth one block's weights (1.1% to 2.3% of a rank at hidden 32, e.g. ZeRO-3 gathering one block
+# ahead instead of two) fails it; the old flat 3% passed that.
+TOLERANCE = {"none": 0.005, "ps": 0.005, "zero1": 0.005, "zero2": 0.01, "zero3": 0.005, "pipeline": 0.005,
+             "ddp": 0.015, "tensor": 0.015}
 
 
 # torch 2.15's pipeline schedules hold sends differently (core/compat.py); the stage trace follows
@@ -25,20 +34,22 @@ TOLERANCE = 0.03
 PIPELINE_TOLERANCE_215 = 0.05 if compat.pipeline_releases_sent_outputs() else None
 
 
-def _bad(r: dict, tolerance: float) -> bool:
+def _bad(r: dict, tolerance: float | None) -> bool:
+    if tolerance is None:
+        tolerance = TOLERANCE[r["strategy"]]
     if PIPELINE_TOLERANCE_215 is not None and r["strategy"] == "pipeline":
         tolerance = PIPELINE_TOLERANCE_215
     return max(abs(e) for e in r["error"]) > tolerance
 
 
-def _check(cases: list, world: int, tolerance: float = TOLERANCE) -> None:
+def _check(cases: list, world: int, tolerance: float | None = None) -> None:
     measured = run_world(grid.tracked, world, (cases,), timeout_s=1200)
     bad = [(r["case"], r["error"]) for r in grid.errors(cases, world, measured) if _bad(r, tolerance)]
     assert not bad, bad
 
 
 @pytest.mark.multiproc
-def test_covering_subset_each_rank_within_3_percent(tmp_path):
+def test_covering_subset_each_rank_within_its_strategy_tolerance(tmp_path):
     llama = grid.hf_configs(tmp_path)["llama-tied"]
     cases = [grid.Case(grid.gpt(12), "zero3"), grid.Case(grid.gpt(13), "zero3", "bf16-master", "full"),
              grid.Case(llama, "ddp", checkpoint="full"), grid.Case(llama, "zero2", checkpoint="full"),
@@ -71,7 +82,7 @@ def test_accumulation_raises_the_estimate_by_the_held_gradients(capsys):
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("depth", [d for d in grid.DEPTHS if d != 13])
-def test_grid_gpt_each_rank_within_3_percent(depth):
+def test_grid_gpt_each_rank_within_its_strategy_tolerance(depth):
     # Every case at 1 and 2 blocks and at the composed path's threshold (12 blocks); at 11 (the full
     # trace's deepest) half of it: each strategy with and without checkpointing, the precisions in
     # turn; at 24 and 48 each strategy once, checkpoint and precision alternating. 13 blocks run in
