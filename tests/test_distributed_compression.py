@@ -15,7 +15,7 @@ from memfit.distributed.compression.powersgd import square_side
 from memfit.distributed.compression.quant8 import decode_int8, encode_int8
 from memfit.distributed.compression.registry import make_codec
 from memfit.distributed.compression.sign import decode_sign, encode_sign, pack_bits, unpack_bits
-from memfit.distributed.compression.topk import decode_topk, encode_topk, encode_topk_per_segment, k_for, ratio_at
+from memfit.distributed.compression.topk import decode_topk, encode_topk_per_segment, k_for, ratio_at
 
 FAST = settings(max_examples=40, deadline=None)
 floats = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=32)
@@ -26,7 +26,7 @@ vectors = st.lists(floats, min_size=1, max_size=300).map(lambda v: torch.tensor(
 @given(vectors, st.floats(min_value=1e-3, max_value=1.0))
 def test_topk_keeps_the_k_largest_exactly(x, ratio):
     k = k_for(x.numel(), ratio)
-    y = decode_topk(encode_topk(x, k, torch.float32), x.numel())
+    y = decode_topk(encode_topk_per_segment(x, ratio, None, torch.float32), x.numel())
     kept = y != 0
     assert int(kept.sum()) <= k  # fewer only where a kept value is itself 0
     assert torch.equal(y[kept], x[kept])
@@ -37,7 +37,7 @@ def test_topk_keeps_the_k_largest_exactly(x, ratio):
 @FAST
 @given(vectors)
 def test_topk_bf16_values_are_bf16_rounded(x):
-    parts = encode_topk(x, k_for(x.numel(), 0.5))
+    parts = encode_topk_per_segment(x, 0.5, None, torch.bfloat16)
     assert parts[0].dtype == torch.bfloat16 and parts[1].dtype == torch.int32
     y = decode_topk(parts, x.numel())
     idx = parts[1].long()

@@ -68,7 +68,9 @@ def _first_grads(opt, model, rows) -> dict:
     with opt.micro_batch(True):
         _, loss, _ = model(m[rows, :-1].contiguous(), m[rows, 1:].contiguous())
         opt.backward(loss / m[:, 1:].numel())
-    grads = opt.full_grads()
+    # as one process would hold them: full tensors, fused matrices in their original row order (the
+    # conversion full_model_state applies to the weights)
+    grads = {name: opt._full(name, p.grad) for name, p in model.named_parameters() if p.grad is not None}
     opt.zero_grad()
     return grads
 

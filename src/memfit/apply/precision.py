@@ -39,10 +39,6 @@ class PrecisionMode:
     """fp16 modes: gradients would underflow without scaling the loss up (and overflow detection)."""
 
     @property
-    def grad_dtype(self) -> torch.dtype:
-        return self.param_dtype
-
-    @property
     def state_dtype(self) -> torch.dtype:
         """dtype of the optimizer's moment buffers: the master's when there is one, else the parameter's."""
         return self.master_dtype or self.param_dtype

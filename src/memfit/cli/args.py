@@ -26,11 +26,6 @@ def integer(low: int = 1, high: int = MAX_COUNT) -> Callable[[str], int]:
     return parse
 
 
-def positive_int(name: str) -> Callable[[str], int]:
-    """An integer >= 1 (kept for subcommands that name the option in the message themselves)."""
-    return integer(1)
-
-
 def number(low: float = -math.inf, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
     """An argparse type for a finite number in [low, high] (or (low, high] with `low_open`)."""
 

@@ -72,18 +72,6 @@ def all_reduce(t: torch.Tensor, group=None, async_op: bool = False):
     return dist.all_reduce(t, group=group, async_op=async_op)
 
 
-def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
-    n = _n(group)
-    TRAFFIC.add("reduce_scatter", _nbytes(full) * (n - 1) / n)
-    return dist.reduce_scatter_single(out, full, group=group, async_op=async_op)
-
-
-def all_gather(full: torch.Tensor, part: torch.Tensor, group=None, async_op: bool = False):
-    n = _n(group)
-    TRAFFIC.add("all_gather", _nbytes(full) * (n - 1) / n)
-    return dist.all_gather_single(full, part, group=group, async_op=async_op)
-
-
 def _gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 

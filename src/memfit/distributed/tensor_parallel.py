@@ -177,10 +177,6 @@ class TensorParallelOptimizer(ModelParallelOptimizer):
         collective: every rank calls it."""
         return {name: self._full(name, t) for name, t in self.model.state_dict().items()}
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """The gradients as one process would hold them (a collective, like full_model_state)."""
-        return {name: self._full(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None}
-
     def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 

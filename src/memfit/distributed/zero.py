@@ -283,17 +283,6 @@ class ZeroEngine:
         return [i]
 
     # ------------------------------------------------------------------ state
-    def full_params(self) -> list[torch.Tensor]:
-        """Every parameter's full value (stage 3 gathers the buckets it releases afterwards)."""
-        out = []
-        for b in self.layout.buckets:
-            if self.stage == 3:
-                self.gather(b.index)
-            out += [p.detach().clone() for p in b.params]
-            if self.stage == 3:
-                self._release(b.index)
-        return out
-
     def close(self) -> None:
         for h in self._hooks:
             h.remove()

@@ -12,7 +12,7 @@ import contextlib
 import json
 import math
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -329,7 +329,3 @@ def build_hf(config_path: Path | None) -> nn.Module:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"cannot build a model from Hugging Face config {config_path}: {message}") from None
-
-
-def gpt_config_fields() -> list[str]:
-    return [f.name for f in fields(GPTConfig)]

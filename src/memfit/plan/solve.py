@@ -180,21 +180,3 @@ def _threshold_fast(shape, c0: int, i: int, k: int, n: int, g: int, budget: int,
     return budget - c0 - worst, delta
 
 
-def _threshold(f, bw, c0: int, i: int, n: int, g: int, budget: int, head_net: int) -> tuple[int, int]:
-    """The largest F (bytes saved before block i) for which this decision fits, and how much it adds.
-
-    Forward: c0 + F + (nets of its earlier blocks) + peak <= budget for each block. Backward: through
-    the identity (a decision's forward nets + backward nets = its blocks' gradients, g each) its
-    backward starts from c0 + F + delta + head nets + g per later block."""
-    limit = budget - c0
-    run = 0
-    worst = -(1 << 62)
-    for s in f:
-        worst = max(worst, run + s.peak_bytes)
-        run += s.net_bytes
-    delta = run
-    base = delta + head_net + (n - i - len(f)) * g
-    for b in reversed(bw):
-        worst = max(worst, base + b.peak_bytes)
-        base += b.net_bytes
-    return limit - worst, delta

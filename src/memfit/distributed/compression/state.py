@@ -180,9 +180,6 @@ class CompressionState:
             return (out / world if self.average else out).to(flat.dtype)
         return self._gather(flat, None, 0, world, sizes, self.warm_codec, feedback=False)
 
-    def params_at(self, key: tuple) -> list:
-        return [self.params[i] for i in key]
-
     def _gather(self, flat: torch.Tensor, key, step: int, world: int, sizes, codec=None,
                 feedback: bool = True, weight=None) -> torch.Tensor:
         """feedback=False: a codec without error feedback (adam mode's warm-up). weight: top-k ranks

@@ -32,12 +32,6 @@ def ratio_at(step: int, ratio: float, warmup: int) -> float:
     return WARMUP_START * (ratio / WARMUP_START) ** (step / warmup)
 
 
-def encode_topk(x: torch.Tensor, k: int, value_dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
-    """[values, int32 indices] of the k largest |x| (ties broken by torch.topk)."""
-    idx = torch.topk(x.abs(), k, sorted=False).indices
-    return [x[idx].to(value_dtype), idx.to(torch.int32)]
-
-
 def encode_topk_per_segment(x: torch.Tensor, ratio: float, sizes, value_dtype: torch.dtype,
                             weight: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Top-k within each segment (one per tensor: DGC's layer-wise selection), k = ceil(ratio n).
