@@ -67,7 +67,7 @@ MUTATIONS = [
              "`torch_powersgd_bytes`: P and Q counted at twice the rank", "the old [1.2, 60] range"),
     Mutation("run-all-stops-at-first-failure", "benchmarks", "bench/run_all.sh",
              '    failed+=("$name")\n', '    failed+=("$name"); break\n',
-             ("tests/test_bench_manifest.py",),
+             ("tests/test_bench_manifest.py::test_run_all_runs_every_cpu_bench_skips_gpu_and_fails_only_for_a_failed_bench",),
              "`bench/run_all.sh`: stop at the first failing bench"),
     Mutation("spill-truncated-read-silent", "activation offload", "src/memfit/apply/disk_spill.py",
              'raise SpillError(f"spill file {path!r} is truncated")', "break",

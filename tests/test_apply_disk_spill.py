@@ -3,12 +3,13 @@ for its own write (memfit.apply.disk_spill, memfit.apply.saved_copies.DiskCopy).
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 import torch
 
-from memfit.apply import disk_spill
+from memfit.apply import disk_spill, saved_copies
 from memfit.apply.offload import ActivationStore, SpillError
 
 
@@ -33,10 +34,12 @@ def test_a_read_waits_for_its_write_to_finish(tmp_path, monkeypatch):
     """Backward can unpack a spilled tensor while its write is still running on a spill thread (a
     slow disk, the last block's tensors): the read waits for that write and gets every byte."""
     events = []
-    real_write, real_read = disk_spill.DiskSpill.write, disk_spill.DiskSpill.read
+    unpacking = threading.Event()
+    real_write, real_read, real_get = disk_spill.DiskSpill.write, disk_spill.DiskSpill.read, saved_copies.DiskCopy.get
 
     def slow_write(self, path, t, ready):
-        time.sleep(0.2)  # a slow disk: the unpack below comes first
+        unpacking.wait(10)  # the write is still running when backward asks for the tensor ...
+        time.sleep(0.1)     # ... and takes a while longer: a read that did not wait finds no file
         real_write(self, path, t, ready)
         events.append("written")
 
@@ -44,14 +47,17 @@ def test_a_read_waits_for_its_write_to_finish(tmp_path, monkeypatch):
         events.append("read")
         return real_read(self, path, meta, buf)
 
+    def get(self):
+        unpacking.set()
+        return real_get(self)
+
     monkeypatch.setattr(disk_spill.DiskSpill, "write", slow_write)
     monkeypatch.setattr(disk_spill.DiskSpill, "read", logged_read)
+    monkeypatch.setattr(saved_copies.DiskCopy, "get", get)
     store = ActivationStore(spill_dir=tmp_path)
     try:
         t = torch.randn(64, 32).exp()  # a computed tensor (not a leaf): it is offloaded
-        packed = store.pack(t, 0, "disk", None)
-        assert events == []  # the write is still sleeping
-        out = store.unpack(packed)
+        out = store.unpack(store.pack(t, 0, "disk", None))
         assert events == ["written", "read"]
         assert torch.equal(out, t)
     finally:
