@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.rotate:
         chosen = rotation(args.rotate)
     full = chosen is MUTATIONS
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still removes its copy
     rows = []
     with tempfile.TemporaryDirectory(prefix="memfit-mutate-") as tmp:
         tree = Path(tmp)
