@@ -54,9 +54,15 @@ def known_gemm(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "addmm_", known_addmm_)
     monkeypatch.setattr(gemm_blocking, "cpu_k_block", lambda: BLOCK)
     calls = {"fused": 0, "vocab": 0}
-    real_sum, real_grad = ch._sum_weight_grad, ch._grad_weight
-    monkeypatch.setattr(ch, "_sum_weight_grad", lambda *a: (calls.__setitem__("fused", calls["fused"] + 1), real_sum(*a))[1])
-    monkeypatch.setattr(ch, "_grad_weight", lambda *a: (calls.__setitem__("vocab", calls["vocab"] + 1), real_grad(*a))[1])
+
+    def counted(key, real):
+        def call(*a):
+            calls[key] += 1
+            return real(*a)
+        return call
+
+    monkeypatch.setattr(ch, "_sum_weight_grad", counted("fused", ch._sum_weight_grad))  # the forward's dW sum
+    monkeypatch.setattr(ch, "_grad_weight", counted("vocab", ch._grad_weight))  # backward's vocabulary pass
     return calls
 
 
