@@ -13,8 +13,6 @@ exit status is 1 if any mutation survived, went stale or could not be run. --rot
 no JSON (the JSON always holds the whole list); render() and snippets() put the table in
 docs/BENCHMARKS.md and docs/testing.md.
 """
-from __future__ import annotations
-
 import argparse
 import datetime as _dt
 import json
@@ -30,8 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from common import save  # noqa: E402  (imported first: the run's wall time and load start here)
 
 
+# No `from __future__ import annotations` in this file: bench/render.py loads it without registering it
+# as a module, and a dataclass with string annotations looks its module up.
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -198,9 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("caught", "survived", "stale", "error")}
     print(json.dumps(counts))
     if full:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from common import save
-
         print(f"wrote {save('mutations', {'mutations': rows, 'counts': counts}).relative_to(ROOT)}")
     return 0 if counts["caught"] == len(rows) else 1
 
@@ -208,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 def table(result: dict) -> str:
     lines = ["| # | area | mutation | caught by | result | passed it before |", "| --- | --- | --- | --- | --- | --- |"]
     for i, r in enumerate(result["mutations"], 1):
-        tests = ", ".join(t for t in r["tests"] if t != "-k")
+        args = r["tests"]
+        k = args.index("-k") if "-k" in args else len(args)
+        tests = ", ".join(args[:k]) + (f" (`-k '{' '.join(args[k + 1:])}'`)" if k < len(args) else "")
         lines.append(f"| {i} | {r['area']} | `{r['name']}`: {r['what']} (`{r['file']}`) | {tests} | "
                      f"{r['status']} ({r['summary']}) | {r.get('before') or '—'} |")
     return "\n".join(lines)
@@ -221,7 +222,8 @@ def summary_line(result: dict) -> str:
 
 
 def render(result: dict) -> str:
-    from render import machine_line, run_line
+    from common import run_line
+    from render import machine_line
 
     return "\n".join(["## mutations: realistic bugs the tests must catch", "",
                       "`.venv/bin/python bench/mutations.py` (docs/testing.md explains the runner)", "",
