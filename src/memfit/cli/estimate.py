@@ -33,7 +33,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
-    p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world)")
+    p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world); "
+                   "--batch stays per process, so each TP group runs tp x batch rows")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="--strategy tensor: Megatron-LM's sequence parallelism (norms, dropouts and saved inputs "
+                   "sharded over tp); estimated only, memfit train does not run it")
     p.add_argument("--accum", type=integer(1), default=1, metavar="K",
                    help="micro-batches per optimizer step (default 1): the gradients of the earlier ones are held "
                    "through the later ones (ZeRO-2/3: each rank's reduced slices)")
@@ -72,6 +76,8 @@ def _estimate(args: argparse.Namespace):
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
                   schedule=args.schedule, tp=args.tp, accum=args.accum)
+    if args.sequence_parallel:
+        common["sequence_parallel"] = True
     if is_factory(model):  # any nn.Module: a factory and its example batch
         if not args.input:
             raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")

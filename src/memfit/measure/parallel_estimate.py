@@ -2,6 +2,7 @@
 
     pipeline_ranks(spec, batch=2, seq=64, world=2, microbatches=4, schedule="1f1b")
     tensor_ranks(spec, batch=2, seq=64, world=2, tp=2)
+    tensor_ranks(spec, batch=2, seq=64, world=2, tp=2, sequence_parallel=True)   # estimated only
 
 Pipeline (global batch world x batch, split into M micro-batches of b rows): each rank's stage
 (embeddings on the first, final norm and head on the last; a tied matrix on both) is traced for a
@@ -15,6 +16,20 @@ built with its local shapes (the column-parallel projections' outputs and the ro
 inputs divided by tp, heads divided by tp; embeddings, norms, row-parallel biases whole). Its
 weights, gradients, optimizer state, activations (partly sharded: attention and MLP interiors)
 and temporaries are the rank's. All ranks are equal.
+
+Rows: `--batch` is per process as for every strategy (the global batch is world x batch), so a TP
+group of tp ranks runs tp x batch rows and every rank of it computes all of them: at a fixed TP-group
+micro-batch b each block saves (R + S / tp) for its replicated part R (norm inputs, the inputs of
+the column-parallel projections) and its sharded part S (q, k, v, attention output, MLP interior),
+Korthikanti et al. 2022's sbh(10 + 24/t) (8 + 24/t without dropout). Each row says its `rows`.
+
+Sequence parallelism (Megatron-LM's; memfit's runtime does not run it, so this is an estimate
+only): norms, dropouts and the residual stream on s/tp tokens, and the column-parallel projections
+keeping their sequence-sharded inputs (all-gathered again in backward), so every tensor a block
+saves is sharded: each block saves 1/tp of what the unsharded block saves on the same rows
+(Korthikanti's sbh(34/t)). The rank's activations are the TP trace's with each block's saved
+bytes replaced by that; the peak drops by the difference (at the peak every block's saved tensors
+are held). Embeddings, the final norm and the head stay as the TP trace has them.
 """
 from __future__ import annotations
 
@@ -61,11 +76,29 @@ def local_tp_gpt(spec, seq: int, tp: int) -> nn.Module:
 
 
 def tensor_ranks(spec, batch: int, seq: int, world: int, tp: int | None = None, precision: str = "32-true",
-                 optimizer: str = "adamw", checkpoint: str = "none") -> list[dict]:
+                 optimizer: str = "adamw", checkpoint: str = "none", sequence_parallel: bool = False) -> list[dict]:
     cfg, tp = spec.config, tp or world
     check_tensor(cfg.heads, cfg.kv_heads or cfg.heads, world, tp)
-    t = trace_step(lambda: local_tp_gpt(spec, seq, tp), batch * tp, seq, precision, optimizer, checkpoint)
+    rows = batch * tp  # the TP group's rows: every rank of it computes all of them
+    t = trace_step(lambda: local_tp_gpt(spec, seq, tp), rows, seq, precision, optimizer, checkpoint)
+    cats = {c: getattr(t, c) for c in ("params", "grads", "optimizer", "activations", "temporaries")}
+    if sequence_parallel and tp > 1:
+        cats["activations"] -= _sequence_parallel_saving(spec, t, rows, seq, tp, precision, optimizer, checkpoint)
     row = {"strategy": "tensor", "world": world, "gathered": 0, "in_flight": 0, "tp": tp, "dp": world // tp,
-           **{c: getattr(t, c) for c in ("params", "grads", "optimizer", "activations", "temporaries")},
-           "total": t.peak}
+           "rows": rows, "sequence_parallel": bool(sequence_parallel), **cats, "total": sum(cats.values())}
     return [{"rank": r, **row} for r in range(world)]
+
+
+def block_saved(module_activations: dict[str, int], layers: int) -> list[int]:
+    """Bytes each repeated block saves for backward, from a trace's per-module figures."""
+    return [module_activations.get(f"blocks.{i}", 0) for i in range(layers)]
+
+
+def _sequence_parallel_saving(spec, tp_trace, rows: int, seq: int, tp: int, precision: str, optimizer: str,
+                              checkpoint: str) -> int:
+    """Bytes sequence parallelism takes off the TP trace's activations (see the module docstring)."""
+    whole = trace_step(spec, rows, seq, precision, optimizer, checkpoint)
+    layers = spec.config.layers
+    local = block_saved(tp_trace.module_activations, layers)
+    full = block_saved(whole.module_activations, layers)
+    return sum(max(0, lo - fu // tp) for lo, fu in zip(local, full))
