@@ -21,6 +21,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "temporaries by tracing the real model under FakeTensorMode.",
     )
     add_model(p)
+    p.add_argument("--torchtitan", metavar="JOB.toml",
+                   help="estimate a torchtitan job as its train-config TOML sets it up (model flavor, local batch, "
+                   "seq_len, mixed precision, parallel degrees, activation checkpointing) on --world ranks; "
+                   "the other shape and strategy options come from the file")
     p.add_argument("--params", type=str, help="parameter count (e.g. 7B) for a model-states-only estimate")
     add(p, "batch", default=1)
     add(p, "seq", default=None, shown="the model's, at most 4096")
@@ -68,6 +72,8 @@ def _estimate(args: argparse.Namespace):
     from memfit.models.spec import parse_model
 
     model = model_of(args, required=False)
+    if args.torchtitan:
+        return _torchtitan(args, model)
     if model is None and args.params is None:
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
@@ -101,10 +107,26 @@ def _estimate(args: argparse.Namespace):
     return estimate(spec, params=params, batch=args.batch, seq=args.seq, lora=args.lora, **common)
 
 
+def _torchtitan(args: argparse.Namespace, model: str | None):
+    from memfit.integrations.torchtitan import estimate_job
+
+    if model is not None or args.params is not None:
+        raise ConfigError("--torchtitan reads the model from the job file; drop the model / --params")
+    if args.strategy or args.tp or args.zero or args.lora or args.input:
+        raise ConfigError("--torchtitan takes the strategy and its degrees from the job file; drop --strategy, "
+                          "--tp, --zero, --lora and --input")
+    kw = {"device_memory": parse_bytes(args.device_memory)} if args.device_memory else {}
+    if getattr(args, "device", None) is not None:  # a GPU target, where estimate takes one
+        kw["device"] = args.device
+    return estimate_job(args.torchtitan, args.world, **kw)
+
+
 def run(args: argparse.Namespace) -> int:
     from memfit.measure.estimate import CATEGORIES
 
     est = _estimate(args)
+    if args.torchtitan and not args.json:
+        print(est.note + "\n")
     if args.json:
         text = json.dumps(est.to_json(), indent=1)
         # a list of rank ids on one line (world 1024 stays a few lines)
