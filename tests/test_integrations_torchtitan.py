@@ -1,0 +1,148 @@
+"""torchtitan jobs: the train-config TOML read as torchtitan sets the job up, its op-list selective
+checkpointing carried onto memfit's block (same gradients, the bytes it keeps), and the CLI."""
+import json
+
+import pytest
+import torch
+
+import memfit
+from memfit.cli import main
+from memfit.integrations.torchtitan import checkpoint_policy, estimate_job, ffn_width, read_job, spec_string
+
+DEBUG = """
+[model]
+name = "llama3"
+flavor = "debugmodel"
+[training]
+local_batch_size = 2
+seq_len = 64
+[parallelism]
+data_parallel_shard_degree = -1
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+"""
+
+
+def write(tmp_path, text, name="job.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_flavors_get_torchtitans_ffn_widths():
+    # torchtitan's rule: int(2/3 x 4 dim) x multiplier, rounded up to multiple_of (Llama 3.1's published widths)
+    assert ffn_width(4096, 1.3, 1024) == 14336
+    assert ffn_width(8192, 1.3, 4096) == 28672
+    assert ffn_width(16384, 1.2, 4096) == 53248
+    assert ffn_width(256, None, 256) == 768
+
+
+def test_both_config_layouts_give_the_same_job(tmp_path):
+    old = """
+[model]
+name = "llama3"
+flavor = "8B"
+[training]
+batch_size = 2
+seq_len = 8192
+data_parallel_shard_degree = -1
+data_parallel_replicate_degree = 2
+tensor_parallel_degree = 1
+[experimental]
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+[activation_checkpoint]
+mode = 'selective'
+selective_ac_option = 'op'
+"""
+    new = old.replace("batch_size", "local_batch_size").replace(
+        "data_parallel_shard_degree = -1\ndata_parallel_replicate_degree = 2\ntensor_parallel_degree = 1\n", "")
+    new += "[parallelism]\ndata_parallel_shard_degree = -1\ndata_parallel_replicate_degree = 2\n"
+    a, b = read_job(write(tmp_path, old, "old.toml"), 16), read_job(write(tmp_path, new, "new.toml"), 16)
+    for job in (a, b):
+        assert (job.batch, job.seq, job.shard, job.replicate, job.tp) == (2, 8192, 8, 2, 1)
+        assert (job.param_dtype, job.reduce_dtype, job.optimizer) == ("bfloat16", "float32", "adamw")
+    assert "ffn=14336" in spec_string(a) and "kv_heads=8" in spec_string(a) and "vocab=128256" in spec_string(a)
+
+
+def test_checkpoint_options_map_to_memfit_policies(tmp_path):
+    job = read_job(write(tmp_path, DEBUG), 2)
+    assert checkpoint_policy(job, 8) == "selective:torchtitan"
+    job.ac_option = "2"  # torchtitan counts blocks from 1 and recomputes the multiples of N
+    assert checkpoint_policy(job, 4) == "keep,recompute,keep,recompute"
+    job.ac_mode = "full"
+    assert checkpoint_policy(job, 4) == "full"
+
+
+def test_estimate_is_memfits_estimate_of_the_mapped_run(tmp_path):
+    est = estimate_job(write(tmp_path, DEBUG), 2)
+    ref = memfit.estimate(spec_string(read_job(write(tmp_path, DEBUG), 2)), batch=2, seq=64, precision="bf16-master",
+                          strategy="zero3", world=2, checkpoint="selective:torchtitan")
+    assert est.per_device == ref.per_device and est.strategy == "zero3"
+    assert "shard 2" in est.note and "bf16-master" in est.note
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bad = [", "not valid TOML"),
+    (DEBUG.replace('"debugmodel"', '"9B"'), "flavor"),
+    (DEBUG.replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 4"), "give --world 4"),
+    (DEBUG.replace("[parallelism]\n", "[parallelism]\npipeline_parallel_degree = 2\n"), "not PP or CP"),
+    (DEBUG.replace('"op"', '"sometimes"'), "selective_ac_option"),
+    (DEBUG.replace("seq_len = 64", "seq_len = 0"), "seq_len"),
+])
+def test_bad_jobs_end_in_one_line(tmp_path, capsys, text, message):
+    assert main(["estimate", "--torchtitan", write(tmp_path, text), "--world", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_cli_prints_the_job_and_the_ranks(tmp_path, capsys):
+    path = write(tmp_path, DEBUG)
+    assert main(["estimate", "--torchtitan", path, "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3 debugmodel, local batch 2 x seq 64, shard 2" in out and "zero3 on 2 ranks" in out
+    assert main(["estimate", "--torchtitan", path, "--world", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["strategy"] == "zero3" and data["world"] == 2 and data["checkpoint"] == "selective:torchtitan"
+    assert main(["estimate", "gpt2", "--torchtitan", path]) == 2
+
+
+def _tiny(dropout=0.1):
+    from memfit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(layers=2, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=64, seq=16, dropout=dropout,
+                         arch="llama"))
+
+
+def _grads(policy):
+    model = _tiny()
+    memfit.checkpoint(model, policy)
+    torch.manual_seed(1)
+    x = torch.randint(0, 64, (2, 16))
+    _, loss, _ = model(x, x)
+    loss.backward()
+    return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def test_torchtitan_op_list_gives_the_plain_gradients():
+    loss, grads = _grads("none")
+    loss2, grads2 = _grads("selective:torchtitan")
+    assert loss == loss2 and all(torch.equal(grads[k], grads2[k]) for k in grads)
+
+
+def test_torchtitan_op_list_keeps_its_bytes_and_less_than_none():
+    from memfit.measure.trace import measure_step, trace_step
+    from memfit.models.spec import parse_model
+
+    h, kv, ffn, heads, tokens = 64, 32, 160, 4, 2 * 64
+    spec = parse_model(f"llama:layers=2,hidden={h},heads={heads},kv_heads=2,ffn={ffn},vocab=128,seq=64")
+    traced = trace_step(spec, 2, 64, "32-true", "sgd", "selective:torchtitan")
+    measured = measure_step(spec, 2, 64, "32-true", "sgd", "selective:torchtitan", allocator=False)
+    assert traced.peak == measured.peak
+    # per token, fp32: the block input, the fused qkv output, the attention output and its logsumexp (one
+    # per head), the SwiGLU product (w1's width) and the MLP's output projection
+    assert traced.module_activations["blocks.0"] == tokens * 4 * (h + (h + 2 * kv) + h + heads + ffn + h)
+    plain = measure_step(spec, 2, 64, "32-true", "sgd", "none", allocator=False)
+    assert measured.peak < plain.peak
