@@ -34,7 +34,8 @@ SELECTIVE_OPS = ("torchtitan",)
 """Op lists a selective block may follow instead of memfit's (memfit.apply.selective): `selective:torchtitan`."""
 
 ACCEPTED = (
-    "accepted: none, full, every:K, sqrt, selective, selective:torchtitan (each optionally +offload:cpu|disk, +compress:CODEC), "
+    "accepted: none, full, every:K, sqrt, selective, selective:torchtitan "
+    "(each optionally +offload:cpu|disk, +compress:CODEC), "
     "or a comma list of per-block items MODE[+offload:cpu|disk][+compress:CODEC][+seg=N][*COUNT] "
     f"with MODE in {'/'.join(MODES)} and CODEC in {'/'.join(COMPRESSIONS)}, "
     "or a JSON list of such items / {\"mode\": ..., \"offload\": ..., \"compress\": ..., \"segment\": ...} "
