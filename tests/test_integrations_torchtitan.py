@@ -87,7 +87,8 @@ def test_estimate_is_memfits_estimate_of_the_mapped_run(tmp_path):
     ("bad = [", "not valid TOML"),
     (DEBUG.replace('"debugmodel"', '"9B"'), "flavor"),
     (DEBUG.replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 4"), "give --world 4"),
-    (DEBUG.replace("[parallelism]\n", "[parallelism]\npipeline_parallel_degree = 2\n"), "not PP or CP"),
+    (DEBUG.replace("[parallelism]\n", "[parallelism]\npipeline_parallel_degree = 2\n"), "not PP"),
+    (DEBUG.replace("[parallelism]\n", "[parallelism]\ncontext_parallel_degree = 2\n").replace("64", "66"), "2 x 2 chunks"),
     (DEBUG.replace('"op"', '"sometimes"'), "selective_ac_option"),
     (DEBUG.replace("seq_len = 64", "seq_len = 0"), "seq_len"),
 ])
@@ -95,6 +96,12 @@ def test_bad_jobs_end_in_one_line(tmp_path, capsys, text, message):
     assert main(["estimate", "--torchtitan", write(tmp_path, text), "--world", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_context_parallel_runs_each_ranks_share_of_the_sequence(tmp_path):
+    text = DEBUG.replace("[parallelism]\n", "[parallelism]\ncontext_parallel_degree = 2\n")
+    est = estimate_job(write(tmp_path, text), 4)  # FSDP over shard 2 x cp 2: the weights on 4 ranks
+    assert (est.strategy, est.world, est.seq) == ("zero3", 4, 32) and "32 tokens of each sequence" in est.note
 
 
 def test_cli_prints_the_job_and_the_ranks(tmp_path, capsys):

@@ -22,8 +22,11 @@ the model states; replicas add no memory), with bf16 compute weights and fp32 sh
 gradients and Adam state: memfit's bf16-master, the same 16 bytes per parameter. Without FSDP torchtitan
 trains in fp32 under bf16 autocast (bf16-mixed). Tensor parallelism alone is memfit's tensor strategy
 with sequence parallelism (torchtitan shards the norms over the sequence); `local_batch_size` is the
-TP group's rows. Pipeline and context parallelism, FSDP with tensor parallelism, float8 linears and
-torch.compile are not modelled: the first three are refused, the last two named in the estimate's note.
+TP group's rows. Pipeline parallelism, FSDP or CP with tensor parallelism, float8 linears and
+torch.compile are not modelled: the first two are refused, the last two named in the estimate's note.
+Context parallelism (with FSDP over shard x cp, torchtitan's weight sharding then) is each rank's
+seq/cp tokens of every sequence: torch's ring attention keeps the local queries' outputs and
+log-sum-exps, the ring's key/value chunks in flight are not counted.
 """
 from __future__ import annotations
 
@@ -184,14 +187,20 @@ def checkpoint_policy(job: TorchtitanJob, layers: int) -> str:
 
 def layout(job: TorchtitanJob, path: str) -> dict[str, Any]:
     """memfit.estimate's strategy arguments for the job's degrees."""
-    if job.pp > 1 or job.cp > 1:
-        raise ConfigError(f"--torchtitan {path}: pipeline_parallel_degree {job.pp} / context_parallel_degree "
-                          f"{job.cp}: memfit estimates torchtitan's FSDP, HSDP, DDP and TP jobs, not PP or CP")
-    if job.tp > 1 and job.shard > 1:
-        raise ConfigError(f"--torchtitan {path}: FSDP {job.shard} with TP {job.tp} is not estimated; memfit "
-                          "estimates FSDP (or HSDP) alone or TP alone")
-    fsdp = job.shard > 1
+    if job.pp > 1:
+        raise ConfigError(f"--torchtitan {path}: pipeline_parallel_degree {job.pp}: memfit estimates torchtitan's "
+                          "FSDP, HSDP, DDP, CP and TP jobs, not PP")
+    if job.tp > 1 and (job.shard > 1 or job.cp > 1):
+        raise ConfigError(f"--torchtitan {path}: TP {job.tp} with FSDP {job.shard} / CP {job.cp} is not estimated; "
+                          "memfit estimates FSDP (or HSDP, with CP) or TP alone")
+    fsdp = job.shard * job.cp > 1  # torchtitan shards the weights over the shard and CP dimensions together
     precision = "32-true" if job.param_dtype == "float32" else ("bf16-master" if fsdp else "bf16-mixed")
+    if job.cp > 1:
+        if job.seq % (2 * job.cp):  # torchtitan's load-balanced causal split: 2 x cp chunks per sequence
+            raise ConfigError(f"--torchtitan {path}: seq_len {job.seq} does not split into 2 x {job.cp} chunks "
+                              "for context parallelism; use a multiple of 2 x context_parallel_degree")
+        return dict(strategy="zero3", world=job.shard * job.cp, batch=job.batch, seq=job.seq // job.cp,
+                    precision=precision)
     if job.tp > 1:
         if job.batch % job.tp:
             raise ConfigError(f"--torchtitan {path}: local_batch_size {job.batch} does not split over TP {job.tp} "
@@ -212,7 +221,8 @@ def describe(job: TorchtitanJob, lay: dict) -> str:
     ac = job.ac_mode + (f" ({job.ac_option})" if job.ac_mode == "selective" else "")
     text = (f"torchtitan job {job.path}: llama3 {job.flavor}, local batch {job.batch} x seq {job.seq}, "
             f"{degrees}, params {job.param_dtype} / reduce {job.reduce_dtype}, AC {ac}; memfit: "
-            f"{lay.get('strategy', 'one device')} on {lay.get('world', 1)} ranks, {lay['precision']}")
+            f"{lay.get('strategy', 'one device')} on {lay.get('world', 1)} ranks, {lay['precision']}"
+            + (f", {lay.get('seq', job.seq)} tokens of each sequence per rank" if job.cp > 1 else ""))
     skipped = [name for name, on in (("float8 linears", job.float8), ("torch.compile", job.compile)) if on]
     if skipped:
         text += f"; not modelled: {' and '.join(skipped)} (they change the step's memory)"
@@ -228,8 +238,8 @@ def estimate_job(path: str, world: int = 1, **kw: Any):
     job = read_job(path, world)
     spec = parse_model(spec_string(job))
     lay = layout(job, path)
-    est = estimate(spec, seq=job.seq, optimizer=job.optimizer, checkpoint=checkpoint_policy(job, spec.config.layers),
-                   **lay, **kw)
+    lay.setdefault("seq", job.seq)
+    est = estimate(spec, optimizer=job.optimizer, checkpoint=checkpoint_policy(job, spec.config.layers), **lay, **kw)
     est.model = f"torchtitan llama3 {job.flavor}"
     est.note = describe(job, lay)
     return est
