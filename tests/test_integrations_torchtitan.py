@@ -79,7 +79,11 @@ def test_estimate_is_memfits_estimate_of_the_mapped_run(tmp_path):
     est = estimate_job(write(tmp_path, DEBUG), 2)
     ref = memfit.estimate(spec_string(read_job(write(tmp_path, DEBUG), 2)), batch=2, seq=64, precision="bf16-master",
                           strategy="zero3", world=2, checkpoint="selective:torchtitan")
-    assert est.per_device == ref.per_device and est.strategy == "zero3"
+    # FSDP2 keeps the fp32 shard and no bf16 one: params are the fp32 shard, optimizer Adam's two states
+    bf16, (row,) = ref.ranks[0]["params"], est.ranks
+    assert row["params"] == 2 * bf16 and row["optimizer"] == ref.ranks[0]["optimizer"] - 2 * bf16
+    assert est.total == ref.total - bf16 and est.strategy == "zero3"
+    assert row["activations"] == ref.ranks[0]["activations"] and row["temporaries"] == ref.ranks[0]["temporaries"]
     assert "shard 2" in est.note and "bf16-master" in est.note
 
 

@@ -18,8 +18,10 @@ What is read (torchtitan's job config; both its 2024 layout and its later one):
   counts them, blocks N-1, 2N-1, ... from 0).
 
 How memfit runs it: FSDP (shard degree > 1) is ZeRO-3 over the shard group (each rank holds 1/shard of
-the model states; replicas add no memory), with bf16 compute weights and fp32 sharded master weights,
-gradients and Adam state: memfit's bf16-master, the same 16 bytes per parameter. Without FSDP torchtitan
+the model states; replicas add no memory), with bf16 compute weights gathered per block and fp32
+sharded weights, gradients and Adam state: memfit's bf16-master, whose bf16 shard FSDP2 does not
+keep (the fp32 shard is cast into the all-gather buffer), so the figures drop it: params are the fp32
+shard, optimizer the Adam state. Without FSDP torchtitan
 trains in fp32 under bf16 autocast (bf16-mixed). Tensor parallelism alone is memfit's tensor strategy
 with sequence parallelism (torchtitan shards the norms over the sequence); `local_batch_size` is the
 TP group's rows. Pipeline parallelism, FSDP or CP with tensor parallelism, float8 linears and
@@ -240,6 +242,23 @@ def estimate_job(path: str, world: int = 1, **kw: Any):
     lay = layout(job, path)
     lay.setdefault("seq", job.seq)
     est = estimate(spec, optimizer=job.optimizer, checkpoint=checkpoint_policy(job, spec.config.layers), **lay, **kw)
+    if lay.get("strategy") == "zero3" and lay["precision"] == "bf16-master":
+        _fsdp2_states(est)
     est.model = f"torchtitan llama3 {job.flavor}"
     est.note = describe(job, lay)
     return est
+
+
+def _fsdp2_states(est: Any) -> None:
+    """FSDP2's mixed precision keeps the fp32 shard only (cast into the all-gather buffer per use);
+    memfit's bf16-master keeps a bf16 shard beside its fp32 master. Each rank's params become the
+    fp32 master (out of optimizer), and the bf16 shard goes: the total drops by it at every moment."""
+    from memfit.measure.rank_estimate import per_device
+
+    for row in est.ranks:
+        bf16 = row["params"]
+        row["params"] += bf16  # the fp32 shard: twice the bf16 one's bytes
+        row["optimizer"] -= 2 * bf16
+        row["total"] -= bf16
+    est.ranks.sort(key=lambda r: (-r["total"], r["rank_ids"][0]))
+    est.per_device = per_device(est.ranks[0])
