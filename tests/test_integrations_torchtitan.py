@@ -63,7 +63,19 @@ selective_ac_option = 'op'
     for job in (a, b):
         assert (job.batch, job.seq, job.shard, job.replicate, job.tp) == (2, 8192, 8, 2, 1)
         assert (job.param_dtype, job.reduce_dtype, job.optimizer) == ("bfloat16", "float32", "adamw")
-    assert "ffn=14336" in spec_string(a) and "kv_heads=8" in spec_string(a) and "vocab=128256" in spec_string(a)
+    assert spec_string(a) == "llama-3.1-8b"
+
+
+def test_flavors_are_the_published_shapes():
+    # memfit's table entries of the torchtitan flavors have torchtitan's shapes (its ModelArgs and FFN rule)
+    from memfit.integrations.torchtitan import FLAVORS, TABLE
+    from memfit.models.spec import parse_model
+
+    for flavor, name in TABLE.items():
+        dim, layers, heads, kv, mult, multiple, vocab = FLAVORS[flavor]
+        cfg = parse_model(name).config
+        assert (cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab) == (dim, layers, heads, kv, vocab)
+        assert cfg.ffn == ffn_width(dim, mult, multiple) and cfg.rope_theta == 500000.0
 
 
 def test_checkpoint_options_map_to_memfit_policies(tmp_path):

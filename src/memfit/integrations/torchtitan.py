@@ -171,7 +171,14 @@ def read_job(path: str, world: int = 1) -> TorchtitanJob:
                          **_degrees(path, cfg, world))
 
 
+TABLE = {"8B": "llama-3.1-8b", "70B": "llama-3.1-70b", "405B": "llama-3.1-405b"}
+"""Flavors with an entry in memfit's table of published shapes (memfit.models.spec.ARCHITECTURES)."""
+
+
 def spec_string(job: TorchtitanJob) -> str:
+    """The memfit model of the job's flavor: its table name, else a llama: spec of torchtitan's shape."""
+    if job.flavor in TABLE:
+        return TABLE[job.flavor]
     dim, layers, heads, kv, mult, multiple, vocab = FLAVORS[job.flavor]
     return (f"llama:layers={layers},hidden={dim},heads={heads},kv_heads={kv},ffn={ffn_width(dim, mult, multiple)},"
             f"vocab={vocab},seq={job.seq},rope_theta=500000")
