@@ -93,9 +93,20 @@ def _load(path: str) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--torchtitan {path}: no such file; give torchtitan's train-config TOML") from None
-    except tomllib.TOMLDecodeError as exc:
+    except OSError as exc:
+        raise ConfigError(f"--torchtitan {path}: cannot read it ({exc.strerror or exc}); give torchtitan's "
+                          "train-config TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--torchtitan {path} is not valid TOML ({exc}); give torchtitan's train-config "
                           "file (e.g. torchtitan/models/llama3/train_configs/llama3_8b.toml)") from None
+
+
+def _table(path: str, cfg: dict, name: str) -> dict:
+    """The TOML table [name] (empty when absent)."""
+    table = cfg.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"--torchtitan {path}: {name} must be a table ([{name}]), got {table!r}")
+    return table
 
 
 def _int(path: str, key: str, value: Any, low: int) -> int:
@@ -105,7 +116,7 @@ def _int(path: str, key: str, value: Any, low: int) -> int:
 
 
 def _degrees(path: str, cfg: dict, world: int) -> dict[str, int]:
-    par, train, exp = cfg.get("parallelism", {}), cfg.get("training", {}), cfg.get("experimental", {})
+    par, train, exp = (_table(path, cfg, k) for k in ("parallelism", "training", "experimental"))
 
     def get(key: str, low: int = 1) -> int:
         value = par.get(key, train.get(key, exp.get(key, 1)))
@@ -131,7 +142,7 @@ def _degrees(path: str, cfg: dict, world: int) -> dict[str, int]:
 
 
 def _checkpoint(path: str, cfg: dict) -> tuple[str, str]:
-    ac = cfg.get("activation_checkpoint", {})
+    ac = _table(path, cfg, "activation_checkpoint")
     mode = str(ac.get("mode", "selective"))
     option = str(ac.get("selective_ac_option", "2"))
     if mode not in ("none", "full", "selective"):
@@ -146,7 +157,7 @@ def _checkpoint(path: str, cfg: dict) -> tuple[str, str]:
 def read_job(path: str, world: int = 1) -> TorchtitanJob:
     """The job's settings (see the module docstring); ConfigError for anything memfit cannot read."""
     cfg = _load(path)
-    model, train = cfg.get("model", {}), cfg.get("training", {})
+    model, train = _table(path, cfg, "model"), _table(path, cfg, "training")
     name, flavor = model.get("name", "llama3"), str(model.get("flavor", ""))
     if name not in MODELS or flavor not in FLAVORS:
         raise ConfigError(f"--torchtitan {path}: model {name!r} flavor {flavor!r} is not one memfit maps; "
@@ -158,14 +169,15 @@ def read_job(path: str, world: int = 1) -> TorchtitanJob:
     for key, value in zip(("mixed_precision_param", "mixed_precision_reduce"), dtypes):
         if value not in DTYPES:
             raise ConfigError(f"--torchtitan {path}: {key} = {value!r}; accepted: {', '.join(DTYPES)}")
-    opt = str(cfg.get("optimizer", {}).get("name", "AdamW")).lower()
+    opt = str(_table(path, cfg, "optimizer").get("name", "AdamW")).lower()
     if opt not in _OPTIMIZERS:
         raise ConfigError(f"--torchtitan {path}: optimizer {opt!r} is not one memfit maps; accepted: AdamW, Adam")
     mode, option = _checkpoint(path, cfg)
     converters = model.get("converters", [])
-    float8 = bool(cfg.get("float8", {}).get("enable_float8_linear", False)) or any("float8" in str(c)
-                                                                                   for c in converters)
-    compiled = bool(train.get("compile", False)) or bool(cfg.get("compile", {}).get("enable", False))
+    converters = converters if isinstance(converters, list) else [converters]
+    float8 = bool(_table(path, cfg, "float8").get("enable_float8_linear", False)) or any("float8" in str(c)
+                                                                                         for c in converters)
+    compiled = bool(train.get("compile", False)) or bool(_table(path, cfg, "compile").get("enable", False))
     return TorchtitanJob(path, flavor, batch, seq, dtypes[0], dtypes[1], _OPTIMIZERS[opt],
                          ac_mode=mode, ac_option=option, float8=float8, compile=compiled,
                          **_degrees(path, cfg, world))
