@@ -120,6 +120,19 @@ def test_context_parallel_runs_each_ranks_share_of_the_sequence(tmp_path):
     assert (est.strategy, est.world, est.seq) == ("zero3", 4, 32) and "32 tokens of each sequence" in est.note
 
 
+def test_tensor_parallel_jobs_shard_the_vocabulary_and_with_fsdp_the_states(tmp_path):
+    text = DEBUG.replace("[parallelism]\n", "[parallelism]\ntensor_parallel_degree = 2\n")
+    tp_only = estimate_job(write(tmp_path, text.replace("= -1", "= 1"), "tp.toml"), 2)
+    (row,) = tp_only.ranks
+    assert (tp_only.strategy, row["tp"], row["rows"], row["sequence_parallel"], row["vocab_parallel"]) == \
+        ("tensor", 2, 2, True, True)
+    both = estimate_job(write(tmp_path, text, "both.toml"), 4)  # FSDP 2 x TP 2
+    (fsdp,) = both.ranks
+    # FSDP2 over the TP rank's model: its states sharded over 2 ranks, the gathered weights added
+    assert fsdp["fsdp"] == 2 and 0 < fsdp["gathered"] and both.total < tp_only.total
+    assert fsdp["activations"] == pytest.approx(row["activations"], rel=0.05)
+
+
 def test_cli_prints_the_job_and_the_ranks(tmp_path, capsys):
     path = write(tmp_path, DEBUG)
     assert main(["estimate", "--torchtitan", path, "--world", "2"]) == 0

@@ -56,3 +56,20 @@ def test_sequence_parallel_needs_tensor(capsys):
     assert main(["estimate", SPEC, "--strategy", "zero2", "--world", "2", "--sequence-parallel"]) == 2
     err = capsys.readouterr().err
     assert "--strategy tensor" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sequence_parallel_never_takes_more_than_the_blocks_hold():
+    # full checkpointing: the peak is in backward, where few blocks' inputs are still held
+    spec = parse_model(SPEC)
+    plain = tensor_ranks(spec, 2, 32, 2, 2, checkpoint="full")[0]
+    sp = tensor_ranks(spec, 2, 32, 2, 2, checkpoint="full", sequence_parallel=True)[0]
+    assert 0 <= sp["activations"] <= plain["activations"] and sp["total"] <= plain["total"]
+
+
+def test_vocab_parallel_splits_the_embedding_head_and_logits():
+    spec = parse_model("gpt:layers=1,hidden=32,heads=4,vocab=512,seq=32")
+    plain = tensor_ranks(spec, 2, 32, 2, 2)[0]
+    vp = tensor_ranks(spec, 2, 32, 2, 2, vocab_parallel=True)[0]
+    # the tied 512 x 32 matrix halves (fp32): params drop by 256 x 32 x 4 bytes
+    assert plain["params"] - vp["params"] == 256 * 32 * 4
+    assert vp["total"] < plain["total"] and vp["vocab_parallel"] is True

@@ -42,6 +42,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="--strategy tensor: Megatron-LM's sequence parallelism (norms, dropouts and saved inputs "
                    "sharded over tp); estimated only, memfit train does not run it")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="--strategy tensor: the embedding and the head (and the loss over the logits) split over tp "
+                   "by vocabulary, as Megatron-LM and torchtitan do; estimated only, memfit train does not run it")
     p.add_argument("--accum", type=integer(1), default=1, metavar="K",
                    help="micro-batches per optimizer step (default 1): the gradients of the earlier ones are held "
                    "through the later ones (ZeRO-2/3: each rank's reduced slices)")
@@ -82,8 +85,9 @@ def _estimate(args: argparse.Namespace):
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
                   schedule=args.schedule, tp=args.tp, accum=args.accum)
-    if args.sequence_parallel:
-        common["sequence_parallel"] = True
+    for flag in ("sequence_parallel", "vocab_parallel"):
+        if getattr(args, flag):
+            common[flag] = True
     if is_factory(model):  # any nn.Module: a factory and its example batch
         if not args.input:
             raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")

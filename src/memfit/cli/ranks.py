@@ -42,6 +42,9 @@ def print_per_rank(args: Any, est: Any) -> int:
         if r.get("sequence_parallel"):
             print("  sequence parallel (Megatron-LM's): every block's saved tensors sharded over tp; estimated only, "
                   "memfit train does not run it")
+        if r.get("vocab_parallel"):
+            print("  vocabulary parallel: embedding, head and logits split over tp; estimated only, memfit train does "
+                  "not run it")
     else:
         print("  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO's flat gradient bucket for a "
               "reduce-scatter")

@@ -21,11 +21,13 @@ How memfit runs it: FSDP (shard degree > 1) is ZeRO-3 over the shard group (each
 the model states; replicas add no memory), with bf16 compute weights gathered per block and fp32
 sharded weights, gradients and Adam state: memfit's bf16-master, whose bf16 shard FSDP2 does not
 keep (the fp32 shard is cast into the all-gather buffer), so the figures drop it: params are the fp32
-shard, optimizer the Adam state. Without FSDP torchtitan
-trains in fp32 under bf16 autocast (bf16-mixed). Tensor parallelism alone is memfit's tensor strategy
-with sequence parallelism (torchtitan shards the norms over the sequence); `local_batch_size` is the
-TP group's rows. Pipeline parallelism, FSDP or CP with tensor parallelism, float8 linears and
-torch.compile are not modelled: the first two are refused, the last two named in the estimate's note.
+shard, optimizer the Adam state. Without FSDP torchtitan trains in fp32 under bf16 autocast
+(bf16-mixed). Tensor parallelism is memfit's tensor strategy with sequence and vocabulary parallelism
+(torchtitan shards the norms over the sequence, and the embedding, head and loss over the
+vocabulary); `local_batch_size` is the TP group's rows; with FSDP as well, the TP rank's model states
+sharded by FSDP (an approximation, see _fsdp_over_tp). Pipeline parallelism, CP with tensor
+parallelism, float8 linears and torch.compile are not modelled: the first two are refused, the last
+two named in the estimate's note.
 Context parallelism (with FSDP over shard x cp, torchtitan's weight sharding then) is each rank's
 seq/cp tokens of every sequence: torch's ring attention keeps the local queries' outputs and
 log-sum-exps, the ring's key/value chunks in flight are not counted.
@@ -211,9 +213,9 @@ def layout(job: TorchtitanJob, path: str) -> dict[str, Any]:
     if job.pp > 1:
         raise ConfigError(f"--torchtitan {path}: pipeline_parallel_degree {job.pp}: memfit estimates torchtitan's "
                           "FSDP, HSDP, DDP, CP and TP jobs, not PP")
-    if job.tp > 1 and (job.shard > 1 or job.cp > 1):
-        raise ConfigError(f"--torchtitan {path}: TP {job.tp} with FSDP {job.shard} / CP {job.cp} is not estimated; "
-                          "memfit estimates FSDP (or HSDP, with CP) or TP alone")
+    if job.tp > 1 and job.cp > 1:
+        raise ConfigError(f"--torchtitan {path}: TP {job.tp} with CP {job.cp} is not estimated; memfit estimates "
+                          "FSDP (or HSDP) with CP or with TP")
     fsdp = job.shard * job.cp > 1  # torchtitan shards the weights over the shard and CP dimensions together
     precision = "32-true" if job.param_dtype == "float32" else ("bf16-master" if fsdp else "bf16-mixed")
     if job.cp > 1:
@@ -226,8 +228,8 @@ def layout(job: TorchtitanJob, path: str) -> dict[str, Any]:
         if job.batch % job.tp:
             raise ConfigError(f"--torchtitan {path}: local_batch_size {job.batch} does not split over TP {job.tp} "
                               "as memfit's per-process --batch; use a multiple of the TP degree")
-        return dict(strategy="tensor", world=job.tp * job.replicate, tp=job.tp, batch=job.batch // job.tp,
-                    sequence_parallel=True, precision=precision)
+        return dict(strategy="tensor", world=job.world, tp=job.tp, batch=job.batch // job.tp,
+                    sequence_parallel=True, vocab_parallel=True, precision=precision)
     if fsdp:
         return dict(strategy="zero3", world=job.shard, batch=job.batch, precision=precision)
     if job.replicate > 1:
@@ -263,6 +265,8 @@ def estimate_job(path: str, world: int = 1, **kw: Any):
     est = estimate(spec, optimizer=job.optimizer, checkpoint=checkpoint_policy(job, spec.config.layers), **lay, **kw)
     if lay.get("strategy") == "zero3" and lay["precision"] == "bf16-master":
         _fsdp2_states(est)
+    if lay.get("strategy") == "tensor" and job.shard > 1:
+        _fsdp_over_tp(est, spec, job)
     est.model = f"torchtitan llama3 {job.flavor}"
     est.note = describe(job, lay)
     return est
@@ -279,5 +283,33 @@ def _fsdp2_states(est: Any) -> None:
         row["params"] += bf16  # the fp32 shard: twice the bf16 one's bytes
         row["optimizer"] -= 2 * bf16
         row["total"] -= bf16
+    est.ranks.sort(key=lambda r: (-r["total"], r["rank_ids"][0]))
+    est.per_device = per_device(est.ranks[0])
+
+
+def _fsdp_over_tp(est: Any, spec: Any, job: TorchtitanJob) -> None:
+    """FSDP over the shard group of each TP rank's model (torchtitan's 2-D layout), from the TP rank's
+    figures: its weights, gradients and Adam state divided by the shard degree as FSDP2 keeps them (fp32
+    shards: params twice the bf16 bytes), plus the bf16 weights FSDP gathers (the embedding, final norm
+    and head, and two blocks: the running one and the prefetched one). An approximation: the TP
+    rank's peak moment is kept as traced with whole model states."""
+    import torch
+
+    from memfit.measure.parallel_estimate import local_tp_gpt
+    from memfit.measure.rank_estimate import per_device
+
+    with torch.device("meta"):
+        local = local_tp_gpt(spec, job.seq, job.tp, vocab_parallel=True)
+    block = 2 * sum(p.numel() for p in local.blocks[0].parameters())  # bf16 bytes of one TP-local block
+    whole = 2 * sum(p.numel() for p in local.parameters())
+    for row in est.ranks:
+        bf16, n = row["params"], job.shard
+        row["optimizer"] = (row["optimizer"] - 2 * bf16) // n  # Adam's state; the fp32 master becomes params
+        row["params"] = 2 * bf16 // n
+        row["grads"] = 2 * row["grads"] // n
+        row["gathered"] = whole - spec.config.layers * block + 2 * block
+        row["total"] = sum(row[c] for c in ("params", "gathered", "grads", "in_flight", "optimizer", "activations",
+                                            "temporaries"))
+        row["fsdp"] = n
     est.ranks.sort(key=lambda r: (-r["total"], r["rank_ids"][0]))
     est.per_device = per_device(est.ranks[0])
