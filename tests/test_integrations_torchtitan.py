@@ -192,3 +192,17 @@ def test_torchtitan_op_list_keeps_its_bytes_and_less_than_none():
     assert traced.module_activations["blocks.0"] == tokens * 4 * (h + (h + 2 * kv) + h + heads + ffn + h)
     plain = measure_step(spec, 2, 64, "32-true", "sgd", "none", allocator=False)
     assert measured.peak < plain.peak
+
+
+def test_the_op_list_policy_parses_in_every_form():
+    from memfit.apply.policy import BlockAction, resolve_policy, to_json, to_string
+    from memfit.core.errors import ConfigError
+
+    tt = BlockAction("selective", ops="torchtitan")
+    assert resolve_policy("selective:torchtitan", 2) == [tt, tt]
+    assert resolve_policy("keep,selective:torchtitan*2", 3) == [BlockAction("keep"), tt, tt]
+    assert resolve_policy(to_json([tt, BlockAction("keep")]), 2) == [tt, BlockAction("keep")]
+    assert to_string([tt, tt]) == "selective:torchtitan*2"
+    for bad in ("recompute:torchtitan", "selective:megatron"):
+        with pytest.raises(ConfigError, match="selective:torchtitan"):
+            resolve_policy(bad, 2)
