@@ -105,7 +105,7 @@ class _Region:
     def __init__(self, blocks: nn.ModuleList, idx: list[int], action: BlockAction, store: ActivationStore | None) -> None:
         self.idx, self.action, self.store = idx, action, store
         self.origs = {i: _orig_forward(blocks[i]) for i in idx}
-        self.context_fn = selective.context_fn() if action.mode == "selective" else _tc.noop_context_fn
+        self.context_fn = selective.context_for(action.ops) if action.mode == "selective" else _tc.noop_context_fn
         self._open: tuple | None = None  # (generator, hooks context, calls) while a forward is inside
 
     def __call__(self, i: int, args: tuple, kwargs: dict) -> Any:

@@ -2,7 +2,8 @@
 
 A policy is what the planner emits and what `memfit.checkpoint` carries out. It can be written as
 
-- a name for the whole model: ``none``, ``full``, ``every:K``, ``sqrt``, ``selective``
+- a name for the whole model: ``none``, ``full``, ``every:K``, ``sqrt``, ``selective`` (or
+  ``selective:torchtitan``: torchtitan's op list, memfit.apply.selective)
   (optionally with modifiers: ``full+offload:disk``, ``selective+compress:int8``);
 - a compact per-block list: ``keep*4,selective*4,recompute+offload:disk*4`` (``*N`` repeats an item;
   a single item applies to every block);
@@ -29,9 +30,12 @@ MODES = ("keep", "selective", "recompute")
 OFFLOADS = ("cpu", "disk")
 COMPRESSIONS = ("int8", "int8-channel", "fp8", "bf16", "fp16")
 NAMED = ("none", "full", "every:K", "sqrt", "selective")
+SELECTIVE_OPS = ("torchtitan",)
+"""Op lists a selective block may follow instead of memfit's (memfit.apply.selective): `selective:torchtitan`."""
 
 ACCEPTED = (
-    "accepted: none, full, every:K, sqrt, selective (each optionally +offload:cpu|disk, +compress:CODEC), "
+    "accepted: none, full, every:K, sqrt, selective, selective:torchtitan "
+    "(each optionally +offload:cpu|disk, +compress:CODEC), "
     "or a comma list of per-block items MODE[+offload:cpu|disk][+compress:CODEC][+seg=N][*COUNT] "
     f"with MODE in {'/'.join(MODES)} and CODEC in {'/'.join(COMPRESSIONS)}, "
     "or a JSON list of such items / {\"mode\": ..., \"offload\": ..., \"compress\": ..., \"segment\": ...} "
@@ -52,6 +56,8 @@ class BlockAction:
     """None or a codec from COMPRESSIONS: how the kept tensors are stored (lossy except none)."""
     segment: int | None = None
     """Recompute only: consecutive blocks with the same id are recomputed as one segment."""
+    ops: str | None = None
+    """Selective only: whose op list decides what is kept (None: memfit's; one of SELECTIVE_OPS)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,6 +68,9 @@ class BlockAction:
             raise ConfigError(f"unknown compression {self.compress!r}; accepted: {', '.join(COMPRESSIONS)}")
         if self.segment is not None and self.mode != "recompute":
             raise ConfigError(f"seg= is only meaningful for recompute blocks, got mode {self.mode!r}")
+        if self.ops is not None and (self.mode != "selective" or self.ops not in SELECTIVE_OPS):
+            raise ConfigError(f"op list {self.ops!r} for a {self.mode} block; accepted: "
+                              + ", ".join(f"selective:{o}" for o in SELECTIVE_OPS))
 
     @property
     def is_plain(self) -> bool:
@@ -69,7 +78,7 @@ class BlockAction:
         return self.mode == "keep" and self.offload is None and self.compress is None
 
     def __str__(self) -> str:
-        parts = [self.mode]
+        parts = [self.mode + (f":{self.ops}" if self.ops else "")]
         if self.offload:
             parts.append(f"offload:{self.offload}")
         if self.compress:
@@ -116,7 +125,7 @@ def _parse_item(item: Any) -> list[BlockAction]:
     if isinstance(item, BlockAction):
         return [item]
     if isinstance(item, dict):
-        unknown = set(item) - {"mode", "offload", "compress", "segment", "repeat"}
+        unknown = set(item) - {"mode", "offload", "compress", "segment", "ops", "repeat"}
         if unknown:
             raise ConfigError(f"unknown keys {sorted(unknown)} in block action {item}; {ACCEPTED}")
         fields = {k: v for k, v in item.items() if k != "repeat"}
@@ -135,9 +144,10 @@ def _parse_item(item: Any) -> list[BlockAction]:
         mode, mods = "keep", [mode, *mods]
     if mode == "full":  # accepted in lists as an alias: a fully recomputed block
         mode = "recompute"
+    mode, _, ops = mode.partition(":")
     if mode not in MODES:
         raise ConfigError(f"unknown block mode {mode!r} in {item!r}; {ACCEPTED}")
-    return [_apply_modifiers(BlockAction(mode), mods, item)] * count
+    return [_apply_modifiers(BlockAction(mode, ops=ops or None), mods, item)] * count
 
 
 def _named(text: str, n_blocks: int) -> list[BlockAction] | None:
@@ -149,6 +159,8 @@ def _named(text: str, n_blocks: int) -> list[BlockAction] | None:
         base = [BlockAction("recompute")] * n_blocks
     elif name == "selective":
         base = [BlockAction("selective")] * n_blocks
+    elif name.startswith("selective:"):
+        base = [BlockAction("selective", ops=name[len("selective:"):])] * n_blocks
     elif name == "sqrt":
         # Chen et al. (2016): about sqrt(L) segments, each recomputed as a whole in backward.
         n_seg = max(1, round(math.sqrt(n_blocks)))

@@ -71,3 +71,36 @@ def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
 def context_fn(policy: Callable[..., CheckpointPolicy] = policy_fn) -> Callable[[], tuple[Any, Any]]:
     """The `context_fn` argument for torch's non-reentrant checkpoint."""
     return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+# ---------------------------------------------------------------------------- torchtitan's op list
+# torchtitan's `selective_ac_option = "op"` (torchtitan/models/llama3/parallelize.py, `_save_list`):
+# save the outputs of aten.mm (except every second one, counted per block, forward and recompute
+# apart), of the flash / memory-efficient attention kernels, and of reduce_scatter; recompute the
+# rest. Its Llama block runs seven matmuls, wq wk wv wo w1 w3 w2, and keeps wq, wv, w1 and w2. memfit's
+# block fuses them into four (qkv, attention output, [gate; up], MLP output), so the same bytes are
+# kept by position: the fused qkv output (holding k too: kv_heads x head_dim more per token than
+# torchtitan), the attention kernel's outputs, the MLP's activation output in place of w1's output
+# (the same width), and the MLP's output projection; the attention output and [gate; up] are recomputed.
+_TORCHTITAN_KEEP_MM = (1, 4)  # memfit's fused block: qkv and the MLP's output projection
+_ACTIVATIONS = {aten.silu.default, aten.gelu.default}
+
+
+def torchtitan_context_fn() -> tuple[Any, Any]:
+    """A fresh pair of selective-checkpoint contexts per block call (the matmul count restarts)."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in MATMUL_OPS:
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] in _TORCHTITAN_KEEP_MM
+        else:
+            keep = getattr(op, "overloadpacket", op) in ATTENTION_OPS or op in _ACTIVATIONS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def context_for(ops: str | None) -> Callable[[], tuple[Any, Any]]:
+    """The context_fn of a selective block following `ops` (memfit.apply.policy.SELECTIVE_OPS; None: memfit's)."""
+    return torchtitan_context_fn if ops == "torchtitan" else context_fn()

@@ -21,6 +21,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "temporaries by tracing the real model under FakeTensorMode.",
     )
     add_model(p)
+    p.add_argument("--torchtitan", metavar="JOB.toml",
+                   help="estimate a torchtitan job as its train-config TOML sets it up (model flavor, local batch, "
+                   "seq_len, mixed precision, parallel degrees, activation checkpointing) on --world ranks; "
+                   "the other shape and strategy options come from the file")
     p.add_argument("--params", type=str, help="parameter count (e.g. 7B) for a model-states-only estimate")
     add(p, "batch", default=1)
     add(p, "seq", default=None, shown="the model's, at most 4096")
@@ -33,7 +37,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
-    p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world)")
+    p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world); "
+                   "--batch stays per process, so each TP group runs tp x batch rows")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="--strategy tensor: Megatron-LM's sequence parallelism (norms, dropouts and saved inputs "
+                   "sharded over tp); estimated only, memfit train does not run it")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="--strategy tensor: the embedding and the head (and the loss over the logits) split over tp "
+                   "by vocabulary, as Megatron-LM and torchtitan do; estimated only, memfit train does not run it")
     p.add_argument("--accum", type=integer(1), default=1, metavar="K",
                    help="micro-batches per optimizer step (default 1): the gradients of the earlier ones are held "
                    "through the later ones (ZeRO-2/3: each rank's reduced slices)")
@@ -64,6 +75,8 @@ def _estimate(args: argparse.Namespace):
     from memfit.models.spec import parse_model
 
     model = model_of(args, required=False)
+    if args.torchtitan:
+        return _torchtitan(args, model)
     if model is None and args.params is None:
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
@@ -72,6 +85,9 @@ def _estimate(args: argparse.Namespace):
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
                   schedule=args.schedule, tp=args.tp, accum=args.accum)
+    for flag in ("sequence_parallel", "vocab_parallel"):
+        if getattr(args, flag):
+            common[flag] = True
     if is_factory(model):  # any nn.Module: a factory and its example batch
         if not args.input:
             raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")
@@ -95,10 +111,26 @@ def _estimate(args: argparse.Namespace):
     return estimate(spec, params=params, batch=args.batch, seq=args.seq, lora=args.lora, **common)
 
 
+def _torchtitan(args: argparse.Namespace, model: str | None):
+    from memfit.integrations.torchtitan import estimate_job
+
+    if model is not None or args.params is not None:
+        raise ConfigError("--torchtitan reads the model from the job file; drop the model / --params")
+    if args.strategy or args.tp or args.zero or args.lora or args.input:
+        raise ConfigError("--torchtitan takes the strategy and its degrees from the job file; drop --strategy, "
+                          "--tp, --zero, --lora and --input")
+    kw = {"device_memory": parse_bytes(args.device_memory)} if args.device_memory else {}
+    if getattr(args, "device", None) is not None:  # a GPU target, where estimate takes one
+        kw["device"] = args.device
+    return estimate_job(args.torchtitan, args.world, **kw)
+
+
 def run(args: argparse.Namespace) -> int:
     from memfit.measure.estimate import CATEGORIES
 
     est = _estimate(args)
+    if args.torchtitan and not args.json:
+        print(est.note + "\n")
     if args.json:
         text = json.dumps(est.to_json(), indent=1)
         # a list of rank ids on one line (world 1024 stays a few lines)

@@ -22,8 +22,9 @@ def _ids(ids: list[int]) -> str:
 def print_per_rank(args: Any, est: Any) -> int:
     """The table of est.ranks (memfit.measure.rank_estimate), one row per distinct rank."""
     rows = est.ranks
+    per = "process" if est.strategy == "tensor" else "rank"  # a TP rank computes its group's rows
     print(f"{est.model}: --strategy {est.strategy} on {est.world} ranks, batch {est.batch} x seq {est.seq} per "
-          f"rank, {est.precision}, {est.optimizer}, checkpoint {est.checkpoint}")
+          f"{per}, {est.precision}, {est.optimizer}, checkpoint {est.checkpoint}")
     print("  " + f"{'ranks':<8}" + "".join(f"{c:>13}" for c in COLUMNS))
     for r in rows:
         label = "each" if len(rows) == 1 else _ids(r["rank_ids"])
@@ -33,8 +34,17 @@ def print_per_rank(args: Any, est: Any) -> int:
         print("  " + "; ".join(f"ranks {_ids(r['rank_ids'])}: {r['blocks']} blocks, {r['microbatches_in_flight']} "
                                f"micro-batches of {r['microbatch_rows']} rows in flight" for r in rows))
     elif est.strategy == "tensor":
-        print(f"  tp {rows[0]['tp']} x dp {rows[0]['dp']}: weights, gradients and optimizer state of the attention and "
+        r = rows[0]
+        print(f"  tp {r['tp']} x dp {r['dp']}: weights, gradients and optimizer state of the attention and "
               "MLP projections sharded over tp")
+        print(f"  each rank computes its TP group's {r['rows']} rows (tp {r['tp']} x --batch {est.batch}; global batch "
+              f"{est.world * est.batch}): for a TP-group micro-batch of b rows give --batch b/{r['tp']}")
+        if r.get("sequence_parallel"):
+            print("  sequence parallel (Megatron-LM's): every block's saved tensors sharded over tp; estimated only, "
+                  "memfit train does not run it")
+        if r.get("vocab_parallel"):
+            print("  vocabulary parallel: embedding, head and logits split over tp; estimated only, memfit train does "
+                  "not run it")
     else:
         print("  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO's flat gradient bucket for a "
               "reduce-scatter")

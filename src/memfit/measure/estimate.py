@@ -109,6 +109,8 @@ def estimate(
     schedule: str = "1f1b",
     tp: int | None = None,
     accum: int = 1,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = False,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -123,6 +125,9 @@ def estimate(
     per_device is the largest rank's figure and `ranks` lists each distinct rank. `zero=Z` with
     `world=N` is `strategy="zeroZ"`. `accum` micro-batches per optimizer step: a later micro-batch
     runs beside the gradients of the earlier ones (ZeRO-2/3: the rank's reduced slices).
+    `sequence_parallel`, `vocab_parallel` (strategy "tensor"): Megatron-LM's sequence parallelism and
+    vocabulary-parallel embedding and head, estimated only (memfit.measure.parallel_estimate; memfit's
+    runtime does not run them).
     """
     from memfit.measure.moe import routing as moe_routing
     from memfit.measure.rank_estimate import strategy_of
@@ -140,7 +145,10 @@ def estimate(
                             offload_optimizer=offload_optimizer, device_memory=device_memory, loss_fn=loss_fn,
                             lora=lora, worst=routing == "worst")
             return with_ranks(one, _spec_of(model, lora), strategy, world, microbatches=microbatches, schedule=schedule,
-                              tp=tp, accum=accum)
+                              tp=tp, accum=accum, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+        if sequence_parallel or vocab_parallel:
+            raise ConfigError("sequence_parallel and vocab_parallel need strategy 'tensor' on a model name or "
+                              "gpt:/llama: spec")
         if strategy in ("pipeline", "tensor"):
             raise ConfigError(f"strategy {strategy} cuts memfit's GPT: give a gpt:/llama: spec or a known name "
                               "(without LoRA adapters)")

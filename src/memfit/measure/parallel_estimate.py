@@ -2,6 +2,7 @@
 
     pipeline_ranks(spec, batch=2, seq=64, world=2, microbatches=4, schedule="1f1b")
     tensor_ranks(spec, batch=2, seq=64, world=2, tp=2)
+    tensor_ranks(spec, batch=2, seq=64, world=2, tp=2, sequence_parallel=True, vocab_parallel=True)  # estimated only
 
 Pipeline (global batch world x batch, split into M micro-batches of b rows): each rank's stage
 (embeddings on the first, final norm and head on the last; a tied matrix on both) is traced for a
@@ -15,6 +16,24 @@ built with its local shapes (the column-parallel projections' outputs and the ro
 inputs divided by tp, heads divided by tp; embeddings, norms, row-parallel biases whole). Its
 weights, gradients, optimizer state, activations (partly sharded: attention and MLP interiors)
 and temporaries are the rank's. All ranks are equal.
+
+Rows: `--batch` is per process as for every strategy (the global batch is world x batch), so a TP
+group of tp ranks runs tp x batch rows and every rank of it computes all of them: at a fixed TP-group
+micro-batch b each block saves (R + S / tp) for its replicated part R (norm inputs, the inputs of
+the column-parallel projections) and its sharded part S (q, k, v, attention output, MLP interior),
+Korthikanti et al. 2022's sbh(10 + 24/t) (8 + 24/t without dropout). Each row says its `rows`.
+
+Sequence parallelism (Megatron-LM's; memfit's runtime does not run it, so this is an estimate
+only): norms, dropouts and the residual stream on s/tp tokens, and the column-parallel projections
+keeping their sequence-sharded inputs (all-gathered again in backward), so every tensor a block
+saves is sharded: each block saves 1/tp of what the unsharded block saves on the same rows
+(Korthikanti's sbh(34/t)). Each traced moment loses the share of that saving its held block
+activations stand for (all of it at the end of forward, none at the optimizer step), and the
+highest moment is the rank's peak. Embeddings, the final norm and the head stay as the TP trace has them.
+
+Vocabulary parallelism (estimate only; torchtitan's and Megatron-LM's layout, not memfit's runtime):
+the embedding's rows and the head's output columns divided by tp, so each rank holds and computes
+its slice of the logits and of the loss over them.
 """
 from __future__ import annotations
 
@@ -25,6 +44,8 @@ from memfit.distributed.stages import stage_blocks
 from memfit.distributed.tensor_parallel import check_tensor
 from memfit.measure.pipeline_trace import trace_stage
 from memfit.measure.trace import trace_step
+
+CATS = ("params", "grads", "optimizer", "activations", "temporaries")
 
 
 def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | None = None,
@@ -45,9 +66,17 @@ def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | N
     return out
 
 
-def local_tp_gpt(spec, seq: int, tp: int) -> nn.Module:
-    """memfit's GPT with the shapes one TP rank holds and computes with (see the module docstring)."""
+def local_tp_gpt(spec, seq: int, tp: int, vocab_parallel: bool = False) -> nn.Module:
+    """memfit's GPT with the shapes one TP rank holds and computes with (see the module docstring);
+    `vocab_parallel`: the embedding's rows and the head's outputs split too (estimate only)."""
     gpt = spec.build(seq)
+    if vocab_parallel and tp > 1:
+        vocab = -(-gpt.tok.num_embeddings // tp)
+        gpt.tok = nn.Embedding(vocab, gpt.tok.embedding_dim)
+        tied = gpt.head.weight is not None and gpt.cfg.tied_embeddings
+        gpt.head = nn.Linear(gpt.head.in_features, vocab, bias=False)
+        if tied:
+            gpt.head.weight = gpt.tok.weight
     for block in gpt.blocks:
         a, mlp = block.attn, block.mlp
         bias = a.qkv.bias is not None
@@ -61,11 +90,43 @@ def local_tp_gpt(spec, seq: int, tp: int) -> nn.Module:
 
 
 def tensor_ranks(spec, batch: int, seq: int, world: int, tp: int | None = None, precision: str = "32-true",
-                 optimizer: str = "adamw", checkpoint: str = "none") -> list[dict]:
+                 optimizer: str = "adamw", checkpoint: str = "none", sequence_parallel: bool = False,
+                 vocab_parallel: bool = False) -> list[dict]:
     cfg, tp = spec.config, tp or world
     check_tensor(cfg.heads, cfg.kv_heads or cfg.heads, world, tp)
-    t = trace_step(lambda: local_tp_gpt(spec, seq, tp), batch * tp, seq, precision, optimizer, checkpoint)
+    rows = batch * tp  # the TP group's rows: every rank of it computes all of them
+    t = trace_step(lambda: local_tp_gpt(spec, seq, tp, vocab_parallel), rows, seq, precision, optimizer, checkpoint)
+    cats = {c: getattr(t, c) for c in CATS}
+    if sequence_parallel and tp > 1:
+        cats = _sequence_parallel_peak(spec, t, rows, seq, tp, precision, optimizer, checkpoint)
     row = {"strategy": "tensor", "world": world, "gathered": 0, "in_flight": 0, "tp": tp, "dp": world // tp,
-           **{c: getattr(t, c) for c in ("params", "grads", "optimizer", "activations", "temporaries")},
-           "total": t.peak}
+           "rows": rows, "sequence_parallel": bool(sequence_parallel), "vocab_parallel": bool(vocab_parallel), **cats,
+           "total": sum(cats.values())}
     return [{"rank": r, **row} for r in range(world)]
+
+
+def block_saved(module_activations: dict[str, int], layers: int) -> list[int]:
+    """Bytes each repeated block saves for backward, from a trace's per-module figures."""
+    return [module_activations.get(f"blocks.{i}", 0) for i in range(layers)]
+
+
+def _sequence_parallel_peak(spec, tp_trace, rows: int, seq: int, tp: int, precision: str, optimizer: str,
+                            checkpoint: str) -> dict[str, int]:
+    """The TP trace's categories at its highest moment once sequence parallelism shards what the blocks
+    save (see the module docstring). Each traced moment (the step's peak and every module's) holds a
+    share of the blocks' saved bytes, read from its activations beyond what the embeddings and head save
+    (between 0 and all of them); that share of the saving comes off it, and the highest moment wins."""
+    whole = trace_step(spec, rows, seq, precision, optimizer, checkpoint)
+    layers = spec.config.layers
+    local = block_saved(tp_trace.module_activations, layers)
+    full = block_saved(whole.module_activations, layers)
+    saving, held = sum(max(0, lo - fu // tp) for lo, fu in zip(local, full)), sum(local)
+    outside = max(tp_trace.module_activations.values(), default=0) - held  # embeddings' and head's saved bytes
+    best = None
+    for cats in [{c: getattr(tp_trace, c) for c in CATS}, *tp_trace.module_categories.values()]:
+        share = min(1.0, max(0.0, (cats["activations"] - outside) / held)) if held else 0.0
+        moment = {c: cats[c] for c in CATS}
+        moment["activations"] -= round(share * saving)
+        if best is None or sum(moment.values()) > sum(best.values()):
+            best = moment
+    return best

@@ -34,12 +34,17 @@ def strategy_of(strategy: str | None, zero: int, world: int) -> str | None:
 
 
 def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: int | None = None,
-              schedule: str = "1f1b", tp: int | None = None, accum: int = 1) -> list[dict]:
+              schedule: str = "1f1b", tp: int | None = None, accum: int = 1,
+              sequence_parallel: bool = False, vocab_parallel: bool = False) -> list[dict]:
     """Every rank's row (see the module docstring); `one` is the one-device Estimate of the per-rank
     micro-batch (model states unsharded); `accum` micro-batches per step (the gradients of the earlier
-    ones are held through the later ones)."""
+    ones are held through the later ones); `sequence_parallel`, `vocab_parallel`: tensor only (estimated,
+    not run)."""
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
 
+    if (sequence_parallel or vocab_parallel) and strategy != "tensor":
+        raise ConfigError(f"sequence and vocabulary parallelism shard more of tensor parallelism's layout; they "
+                          f"need --strategy tensor, not {strategy}")
     if strategy in MODEL_PARALLEL:
         from memfit.measure.parallel_estimate import pipeline_ranks, tensor_ranks
 
@@ -53,7 +58,8 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
             raise ConfigError("--accum with --strategy tensor is not estimated; estimate one micro-batch "
                               "(--accum 1) or use pipeline or a data-parallel strategy")
         else:
-            rows = tensor_ranks(spec, one.batch, one.seq, world, tp, **common)
+            rows = tensor_ranks(spec, one.batch, one.seq, world, tp, sequence_parallel=sequence_parallel,
+                                vocab_parallel=vocab_parallel, **common)
     else:
         states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer)
         rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1),

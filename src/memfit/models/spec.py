@@ -39,6 +39,13 @@ ARCHITECTURES: dict[str, GPTConfig] = {
                             rope_theta=500000.0, **_LLAMA),
     "llama-3-70b": GPTConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192,
                              rope_theta=500000.0, **_LLAMA),
+    # Llama 3.1 (128k context): torchtitan's llama3 flavors 8B, 70B and 405B
+    "llama-3.1-8b": GPTConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=131072,
+                              rope_theta=500000.0, **_LLAMA),
+    "llama-3.1-70b": GPTConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=131072,
+                               rope_theta=500000.0, **_LLAMA),
+    "llama-3.1-405b": GPTConfig(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256,
+                                seq=131072, rope_theta=500000.0, **_LLAMA),
     "llama-3.2-1b": GPTConfig(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=131072,
                               rope_theta=500000.0, **{**_LLAMA, "tied_embeddings": True}),
     "llama-3.2-3b": GPTConfig(layers=28, hidden=3072, heads=24, kv_heads=8, ffn=8192, vocab=128256, seq=131072,
