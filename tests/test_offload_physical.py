@@ -137,6 +137,35 @@ def test_disk_offload_puts_the_bytes_in_files_and_out_of_ram(tmp_path, monkeypat
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # read back once, then deleted
 
 
+def test_a_spill_write_releases_its_tensor_before_its_future_is_done(tmp_path, monkeypatch):
+    """The cause of the measurement above failing on a loaded machine: a thread pool's work item
+    keeps its arguments until its thread runs again after setting the future, so a tensor handed
+    to the write stayed alive after the write was done. Here that thread waits 0.3 s after every
+    item (as a descheduled one does); the tensor must already be gone when the future is done."""
+    from concurrent.futures import thread
+
+    from memfit.apply.offload import OffloadStats
+    from memfit.apply.disk_spill import DiskSpill
+
+    run = thread._WorkItem.run
+
+    def slow_run(self):
+        run(self)
+        time.sleep(0.3)  # the worker thread, descheduled after the future is set
+
+    monkeypatch.setattr(thread._WorkItem, "run", slow_run)
+    spill = DiskSpill(tmp_path, OffloadStats(), threads=1)
+    try:
+        t = torch.randn(4096)
+        ref = StorageWeakRef(t.untyped_storage())
+        future = spill.pool.submit(spill.write, spill.new_path(), [t], None)
+        del t
+        future.result(timeout=30)
+        assert ref.expired()
+    finally:
+        spill.close()
+
+
 def tiny_gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=16))
