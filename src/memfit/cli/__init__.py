@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
+    args._own_process = argv is None  # the `memfit` command: this process ends when the command does
     try:
         code = int(args._run(args) or 0)
     except MemfitError as exc:

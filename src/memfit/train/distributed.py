@@ -120,6 +120,15 @@ def agree_stop(reason: str | None) -> str | None:
     return next((r for r, f in zip(STOP_REASONS, flags) if f), None)
 
 
+def agree_flag(flag: bool) -> bool:
+    """True on every rank when it is True on any (one small all-reduce)."""
+    import torch.distributed as dist
+
+    from memfit.distributed.comm import control_sum
+
+    return bool(control_sum([float(flag)], op=dist.ReduceOp.MAX)[0])
+
+
 def agree_horizon(horizon: int | None) -> int | None:
     """A time-limited run's schedule length, the same on every rank (each rank times its own steps,
     and the learning rate follows the length): the shortest any rank fitted."""

@@ -107,10 +107,13 @@ def train(
                 _save(run, base_seconds + clock.elapsed(), last=False)
 
         bar.close()
-        if run.history["val"]["step"][-1] != run.step:
+        signals.check()  # says a second signal that came during the last step
+        hurry = signals.hurry if ctx is None else dist_train.agree_flag(signals.hurry)  # evaluation: collectives
+        if run.history["val"]["step"][-1] != run.step and not hurry:
             _evaluate(run, clock)
         metrics = _save(run, base_seconds + clock.elapsed(), last=True)
-    if ctx is None or ctx.main:
+        hurry = hurry or signals.hurry  # one that came during the save: no plot either (rank 0 alone plots)
+    if (ctx is None or ctx.main) and not hurry:
         _plot(metrics, run.run_dir, log)
     return TrainResult(run_dir=run.run_dir, metrics=metrics, step=run.step, stopped=stopped)
 
