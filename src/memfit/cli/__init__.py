@@ -87,6 +87,10 @@ def _let_rank_0_speak() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a process of its own: under torchrun, it dies with torchrun's agent
+        from memfit.distributed.lifeline import bind_to_launcher
+
+        bind_to_launcher()
     try:
         parser = build_parser()  # imports torch: seconds, in which a Ctrl-C is one line too
     except KeyboardInterrupt:

@@ -119,15 +119,9 @@ def mark_ready() -> None:
 
 def detach() -> None:
     """In a rank: a session of its own (torchrun's start_new_session; Ctrl-C comes through the
-    launcher only), and SIGTERM from Linux when the launcher dies, so a rank never trains on with
-    nobody waiting for it."""
+    launcher only). Dying with the launcher is memfit.distributed.lifeline's."""
     with contextlib.suppress(OSError):
         os.setsid()
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @contextlib.contextmanager

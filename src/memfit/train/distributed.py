@@ -284,6 +284,25 @@ def prune_sharded(run_dir: Path, step: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def remove_torn(run_dir: Path, step: int, ctx: DistContext | None) -> list[str]:
+    """Resume: the sharded folders other than the one checkpoint.pt names (step `step`, complete),
+    removed by rank 0 once every rank has read its slices: a save a kill tore (no .metadata) or
+    one never named (killed before checkpoint.pt was replaced). Returns their names."""
+    if ctx is not None:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank is still choosing among the folders
+        if not ctx.main:
+            return []
+    import shutil
+
+    keep = complete_folder(run_dir, step)
+    gone = sorted(f.name for f in run_dir.glob(f"{SHARDED}-*") if f != keep)
+    for name in gone:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    return gone
+
+
 def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
     """Resume: ZeRO reads weights and optimizer slices from the checkpoint's sharded-<step> folder
     (any world size); ddp and ps load checkpoint.pt's model and optimizer state on every rank."""
