@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from memfit.core.errors import MemfitError
-from memfit.train import distributed as dist_train, report, state as state_mod
+from memfit.train import distributed as dist_train, full_disk, report, state as state_mod
 from memfit.train.config import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, RESUMABLE, TrainConfig
 from memfit.train.data import absolute
 from memfit.train.resume import check_checkpoint, check_steps, resume_config
@@ -156,6 +156,7 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
     lr = lr_at(run.step, cfg.lr, cfg.warmup, run.horizon, cfg.min_lr_ratio)
     for group in run.opt.param_groups:
         group["lr"] = lr
+    before = full_disk.Before.take(run)  # put back if a full spill folder fails the step
     micro = [tuple(t.to(device, non_blocking=True) for t in run.sampler.next()) for _ in range(cfg.accum)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -166,7 +167,7 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
         dist_train.TRAFFIC.reset()
     one_step = (lambda: StepOutput(*dist_train.accumulate_step(run.opt, micro, loss_sum))) if run.ctx \
         else (lambda: accumulate_step(run.model, run.opt, micro))
-    with memory_errors(lambda: f"at step {run.step + 1}"):
+    with memory_errors(lambda: f"at step {run.step + 1}"), _spill_full(run, before):
         if tracker is not None:
             try:
                 out = one_step()
@@ -189,6 +190,26 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
     if tracker is None:  # the tracked step runs slower; keep it out of the speed estimate
         clock.step_seconds.append(seconds)
     return out
+
+
+@contextlib.contextmanager
+def _spill_full(run: Run, before: "full_disk.Before"):
+    """A spill folder that fills up during the step: save the previous step's state when the step
+    changed nothing yet (one process), then stop with one line (memfit.train.full_disk)."""
+    try:
+        yield
+    except (OSError, MemfitError) as exc:
+        if not full_disk.is_full(exc):
+            raise
+        if run.ctx is None and full_disk.untouched(run, before):
+            full_disk.put_back(run, before)
+            _save(run, run.history["seconds"], last=True)  # a save that fails too says so itself (SaveError)
+            kept = f"step {run.step} is saved in {run.run_dir}"
+        elif run.saver.saved_step is not None:
+            kept = f"the last checkpoint is step {run.saver.saved_step} in {run.run_dir}"
+        else:
+            kept = "no checkpoint was saved yet"
+        raise full_disk.SpillFull(full_disk.message(exc, run.cfg.spill_dir, run.step, kept, run.run_dir)) from None
 
 
 def _evaluate(run: Run, clock: Clock) -> None:
