@@ -182,14 +182,31 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
             torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     if not math.isfinite(out.loss):
-        raise MemfitError(f"loss became {out.loss} at step {run.step + 1}; the last good state is the previous "
-                          "checkpoint. Try a lower --lr, a smaller --clip or --precision 32-true")
+        raise MemfitError(_not_finite(run, out.loss))
     run.step += 1
     report.record_step(run.history, step=run.step, loss=out.loss, lr=lr, tokens=out.ntokens, seconds=seconds,
                        memory=live_memory(device), grad_norm=getattr(out.result, "grad_norm", None))
     if tracker is None:  # the tracked step runs slower; keep it out of the speed estimate
         clock.step_seconds.append(seconds)
     return out
+
+
+FP16 = ("16-mixed", "16-true", "16-master")
+
+
+def _not_finite(run: Run, loss: float) -> str:
+    """Why the run stopped on a loss that is not finite: what is kept (the truth: there may be no
+    checkpoint yet) and what to change."""
+    saved, out = run.saver.saved_step, run.run_dir
+    kept = ("no checkpoint was saved yet, nothing to resume" if saved is None else
+            f"the last checkpoint is step {saved} in {out} (memfit train --resume {out} continues from it)")
+    precision = run.info.get("precision")
+    if precision in FP16:  # fp16 ends at 65504: an overflow is the usual cause
+        change = (f"float16 overflows above 65504: train with --precision bf{precision} (the same memory, with "
+                  "float32's range) or 32-true, or a lower --lr")
+    else:
+        change = "try a lower --lr, a smaller --clip or --precision 32-true"
+    return f"loss became {loss} at step {run.step + 1}; {kept}; {change}"
 
 
 @contextlib.contextmanager
