@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import json
 
-import pytest
 import torch
 
 from memfit.cli import main

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _let_rank_0_speak()
         return 2
-    except KeyboardInterrupt as exc:  # a second Ctrl-C or SIGTERM: aborted without saving
+    except KeyboardInterrupt as exc:  # Ctrl-C before training began, or the launcher before its ranks started
         print("memfit: interrupted", file=sys.stderr)
         return 128 + getattr(exc, "signum", 2)
     if argv is None and args.command in _PRINT_ONLY:

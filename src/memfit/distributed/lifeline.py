@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 LAUNCHER_ENV = "MEMFIT_LAUNCHER_PID"
 """The pid of the `--nproc` launcher, set in its ranks' environment."""
@@ -53,7 +54,7 @@ def _die(parent: int) -> None:
 
 def _watch(parent: int) -> None:
     while True:
-        threading.Event().wait(POLL_S)
+        time.sleep(POLL_S)
         if os.getppid() != parent:
             _die(parent)
 
