@@ -94,6 +94,7 @@ def test_disk_offload_puts_the_bytes_in_files_and_out_of_ram(tmp_path, monkeypat
     bytes), and the CPU allocator holds less than the plain run at the same moment, once every
     background write has finished."""
     from memfit.apply import saved_copies
+    from memfit.apply.disk_spill import DiskSpill
 
     packed, _ = record_store(monkeypatch)
     copies = []  # every DiskCopy: its write future says when its bytes are in the file
@@ -104,6 +105,21 @@ def test_disk_offload_puts_the_bytes_in_files_and_out_of_ram(tmp_path, monkeypat
         copies.append(self)
 
     monkeypatch.setattr(saved_copies.DiskCopy, "__init__", spy_init)
+    # The profile sees only this thread's allocator events (torch reports the profiling thread's;
+    # its profile_all_threads records no memory events): a tensor freed on a spill thread stays
+    # live in the replay. Whatever a write was given dies last on the spill thread when the write
+    # ends after this thread let go of it, which on a loaded machine is most writes: the run then
+    # looked as if it held the saved bytes. So this thread keeps what each write got and lets go of
+    # it once every write is done (each write has dropped its own reference by then): a byte still
+    # held by anything else (the graph, a buffer) stays live and fails the check.
+    given = []
+    write = DiskSpill.write
+
+    def spy_write(self, path, box, ready):
+        given.append(box[0])
+        write(self, path, box, ready)
+
+    monkeypatch.setattr(DiskSpill, "write", spy_write)
 
     def live_after_forward(policy):
         model, x = model_and_batch()
@@ -116,10 +132,11 @@ def test_disk_offload_puts_the_bytes_in_files_and_out_of_ram(tmp_path, monkeypat
                 # A background write holds its tensor (the original, or a dense copy of a strided one,
                 # which the originals' expiry does not show) until the bytes are in the file: under
                 # load the queued copies were half the saved bytes at the measurement.
-                while time.monotonic() < deadline and not (
-                        all(c.write_future.done() for c in copies) and all(ref.expired() for ref, _, _ in packed)):
-                    gc.collect()
+                while time.monotonic() < deadline and not all(c.write_future.done() for c in copies):
                     time.sleep(0.01)
+                given.clear()  # freed here, on the profiled thread
+                gc.collect()
+                assert all(ref.expired() for ref, _, _ in packed)
                 on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
             else:
                 on_disk = 0
@@ -135,6 +152,35 @@ def test_disk_offload_puts_the_bytes_in_files_and_out_of_ram(tmp_path, monkeypat
     assert on_disk >= 0.9 * saved
     assert plain - spilled >= 0.25 * saved, (plain, spilled, saved)
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # read back once, then deleted
+
+
+def test_a_spill_write_releases_its_tensor_before_its_future_is_done(tmp_path, monkeypatch):
+    """A thread pool's work item keeps its arguments until its thread runs again after setting the
+    future, so a tensor handed to a spill write stayed in RAM after the write was done, as long
+    as the thread waited to be scheduled. Here that thread waits 0.3 s after every item (as a
+    descheduled one does); the tensor must already be gone when the future is done."""
+    from concurrent.futures import thread
+
+    from memfit.apply.offload import OffloadStats
+    from memfit.apply.disk_spill import DiskSpill
+
+    run = thread._WorkItem.run
+
+    def slow_run(self):
+        run(self)
+        time.sleep(0.3)  # the worker thread, descheduled after the future is set
+
+    monkeypatch.setattr(thread._WorkItem, "run", slow_run)
+    spill = DiskSpill(tmp_path, OffloadStats(), threads=1)
+    try:
+        t = torch.randn(4096)
+        ref = StorageWeakRef(t.untyped_storage())
+        future = spill.pool.submit(spill.write, spill.new_path(), [t], None)
+        del t
+        future.result(timeout=30)
+        assert ref.expired()
+    finally:
+        spill.close()
 
 
 def tiny_gpt() -> GPT:

@@ -164,7 +164,7 @@ def test_sigterm_saves_cleans_up_and_exits_143(tmp_path):
     assert main(["train", "--resume", str(run), "--steps", str(ckpt["step"] + 1), "--quiet"]) == 0
 
 
-def test_second_signal_aborts_without_saving(tmp_path, monkeypatch, capsys):
+def test_second_signal_saves_without_the_final_evaluation(tmp_path, monkeypatch, capsys):
     from memfit.train import report
 
     real = report.record_step
@@ -176,8 +176,37 @@ def test_second_signal_aborts_without_saving(tmp_path, monkeypatch, capsys):
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(report, "record_step", record_then_two_signals)
-    assert main(["train", *FAST, "--steps", "5", "--save-every", "0", "--out", str(tmp_path / "r")]) == 143
-    assert not (tmp_path / "r" / "checkpoint.pt").exists()
+    run = tmp_path / "r"
+    assert main(["train", *FAST, "--steps", "5", "--save-every", "0", "--eval-every", "0", "--out", str(run)]) == 143
+    err = capsys.readouterr().err
+    assert "second SIGTERM: saving now" in err and "Traceback" not in err
+    assert f"memfit: interrupted by SIGTERM: step 2 is saved in {run}" in err
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == 2 and ckpt["history"]["val"]["step"] == [0]  # saved, the final evaluation skipped
+    assert not (run / "plot.png").exists()
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0  # and it goes on from there
+
+
+_DOUBLE_SIGTERM_TRIES = 3
+
+
+@pytest.mark.slow
+def test_double_sigterm_to_the_command_exits_143_with_the_line_never_aborts(tmp_path):
+    """The second SIGTERM lands wherever the process is (a step, the save, the plot, the exit):
+    each try exits 143 with the interrupted line, never SIGABRT or killed by the signal."""
+    for i in range(_DOUBLE_SIGTERM_TRIES):
+        run = tmp_path / f"r{i}"
+        proc = _memfit("train", *FAST, "--steps", "100000", "--save-every", "1", "--out", str(run))
+        _wait_for_step(run, 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05 + 0.3 * i)  # the second during the last step, the save or the way out
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143, (proc.returncode, err[-2000:])
+        assert "memfit: interrupted by SIGTERM: step" in err and "Traceback" not in err and "terminate" not in err
+        step = torch.load(run / "checkpoint.pt", weights_only=True)["step"]
+        assert f"step {step} is saved" in err
 
 
 # ---------------------------------------------------------------- kill -9

@@ -207,3 +207,25 @@ def test_diverged_loss_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     assert main(["train", *FAST, "--steps", "3", "--out", str(tmp_path / "nan")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("memfit train: error: loss became nan at step 1") and "--lr" in err
+    assert "no checkpoint was saved yet" in err  # the truth: there is no previous checkpoint
+
+
+def test_fp16_overflow_names_the_last_checkpoint_and_bf16(tmp_path, monkeypatch, capsys):
+    real = loop.accumulate_step
+
+    def overflow_at_3(model, opt, micro):
+        out = real(model, opt, micro)
+        return out._replace(loss=float("inf")) if overflow_at_3.calls == 2 else out
+
+    def counted(model, opt, micro):
+        out = overflow_at_3(model, opt, micro)
+        overflow_at_3.calls += 1
+        return out
+
+    overflow_at_3.calls = 0
+    monkeypatch.setattr(loop, "accumulate_step", counted)
+    run = tmp_path / "fp16"
+    assert main(["train", *FAST, "--steps", "5", "--save-every", "2", "--precision", "16-mixed", "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("memfit train: error: loss became inf at step 3"), err
+    assert f"the last checkpoint is step 2 in {run}" in err and "--precision bf16-mixed" in err, err

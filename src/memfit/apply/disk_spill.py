@@ -69,10 +69,18 @@ class DiskSpill:
             self._n += 1
             return str(self.dir / f"{self._n:08d}.bin")
 
-    def write(self, path: str, t: torch.Tensor, ready: Any) -> None:
+    def write(self, path: str, box: list[torch.Tensor], ready: Any) -> None:
+        """Write the tensor in `box` (a one-element list, emptied here) to `path`.
+
+        The tensor comes in a box so that this call drops the last reference to it before the
+        write's future is done: the pool's work item keeps its arguments until its thread next
+        runs (after the future is set), and on a loaded machine that thread can wait for the
+        interpreter long after, holding the saved bytes in RAM with every write reported done."""
+        t = box.pop()
         if ready is not None:
             ready.synchronize()  # the device-to-host copy into `t` has finished
         data = memoryview(codecs.flat_bytes(t).numpy())
+        nbytes = t.numel() * t.element_size()
         t0 = time.perf_counter()
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -81,15 +89,13 @@ class DiskSpill:
                     data = data[f.write(data):]
         except OSError as exc:
             _remove(path)
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            self.error = (
-                f"spill folder {str(self.dir.parent)!r} is full; free space or pass another spill_dir" if full
-                else f"writing spill file {path!r} failed: {exc.strerror}"
-            )
+            self.error = spill_error_message(exc, str(self.dir.parent), path)
             raise SpillError(self.error) from None
+        finally:
+            t = data = None  # also on a failure: the exception's frame would keep the bytes alive
         with self._lock:
             self.stats.write_seconds += time.perf_counter() - t0
-            self.stats.spilled_bytes += t.numel() * t.element_size()
+            self.stats.spilled_bytes += nbytes
             self.stats.files += 1
 
     def read(self, path: str, meta: tuple, buf: torch.Tensor) -> torch.Tensor:
@@ -112,6 +118,14 @@ class DiskSpill:
             self.stats.read_seconds += time.perf_counter() - t0
             self.stats.read_bytes += nbytes
         return buf.view(dtype).as_strided(shape, stride)
+
+
+def spill_error_message(exc: OSError, root: str, path: str) -> str:
+    """What a failed spill write means for the user: a full disk (free space, or another spill
+    folder), or the error itself."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"spill folder {root!r} is full; free space or pass another spill_dir"
+    return f"writing spill file {path!r} failed: {exc.strerror or exc}"
 
 
 def discard(write: Future, path: str) -> None:

@@ -81,6 +81,7 @@ class StreamedOptimizer:
         self._early = False              # updating chunks during this backward (begin_backward)
         self._updated: set[int] = set()  # chunks already updated this step
         self.early_updates = 0           # chunk updates that ran overlapped with a backward
+        self.chunk_updates = 0           # chunk updates begun: a failed step that began none changed nothing
         self._closed = False
         self._shared: set[int] = set()   # cpu: parameters that are their own master
         self.make_optimizer = make_optimizer
@@ -211,6 +212,7 @@ class StreamedOptimizer:
         return have
 
     def _update_chunk(self, k: int, grad_scale: float | torch.Tensor | None) -> None:
+        self.chunk_updates += 1
         c = self.chunks[k]
         gbuf = self._load_grads(k)
         state = self.files.load_state(k, c.nbytes) if self.files is not None else None

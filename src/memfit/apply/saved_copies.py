@@ -115,7 +115,8 @@ class DiskCopy:
             src = codecs.dense(t.detach())
         self.meta = (src.shape, src.stride(), src.dtype)
         self.path = spill.new_path()
-        self.write_future = spill.pool.submit(spill.write, self.path, src, ready)
+        self.write_future = spill.pool.submit(spill.write, self.path, [src], ready)
+        del src  # the write holds the only reference now, and drops it when the bytes are in the file
         # Removes the file if this saved tensor is dropped without being unpacked (exception, no backward).
         self._finalizer = weakref.finalize(self, discard, self.write_future, self.path)
 

@@ -87,6 +87,10 @@ def _let_rank_0_speak() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a process of its own: under torchrun, it dies with torchrun's agent
+        from memfit.distributed.lifeline import bind_to_launcher
+
+        bind_to_launcher()
     try:
         parser = build_parser()  # imports torch: seconds, in which a Ctrl-C is one line too
     except KeyboardInterrupt:
@@ -99,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
+    args._own_process = argv is None  # the `memfit` command: this process ends when the command does
     try:
         code = int(args._run(args) or 0)
     except MemfitError as exc:
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _let_rank_0_speak()
         return 2
-    except KeyboardInterrupt as exc:  # a second Ctrl-C or SIGTERM: aborted without saving
+    except KeyboardInterrupt as exc:  # Ctrl-C before training began, or the launcher before its ranks started
         print("memfit: interrupted", file=sys.stderr)
         return 128 + getattr(exc, "signum", 2)
     if argv is None and args.command in _PRINT_ONLY:

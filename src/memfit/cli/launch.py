@@ -41,9 +41,12 @@ def to_argv(command: str, given: dict[str, Any], drop: tuple[str, ...] = ("nproc
 
 
 def _worker(argv: list[str]) -> tuple[int, str]:
+    from memfit.distributed.lifeline import bind_to_launcher
+
+    bind_to_launcher()  # first of all: this rank dies with the launcher, even one killed with SIGKILL
     from memfit.train.signals import hold
 
-    hold()  # first of all: from here on SIGINT/SIGTERM are kept for the training loop, never fatal
+    hold()  # from here on SIGINT/SIGTERM are kept for the training loop, never fatal
     from memfit.cli import main
     from memfit.cli.launch_signals import detach, mark_ready
 
@@ -67,7 +70,9 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None =
     from memfit.cli.launch_env import rank_environment
     from memfit.cli.launch_signals import forwarding
 
-    with rank_environment() as folder, forwarding(os.path.join(folder, "ready")) as signals:
+    from memfit.distributed.lifeline import launcher_environment
+
+    with rank_environment() as folder, forwarding(os.path.join(folder, "ready")) as signals, launcher_environment():
         results = _elastic(nproc, argv, max_restarts, out)
     if signals.received is not None and not results:
         return 128 + signals.received

@@ -4,9 +4,10 @@ torch-elastic's own handlers turn a signal into an exception in the launcher: a 
 and a 30-second timer that SIGKILLs ranks still saving. Instead the launcher keeps SIGINT and
 SIGTERM for itself (LaunchConfig.signals_to_handle leaves them out) and forwards each one to the
 ranks, which stop after their step, save and return 130 / 143 (memfit.train.signals); the launcher
-then returns the ranks' code like any other end. A second signal is forwarded too: the ranks abort
-without saving. A rank that is still starting (importing torch: seconds) has no handler yet, and a
-signal would kill it (or raise KeyboardInterrupt in an import): each rank leaves a file named for its
+then returns the ranks' code like any other end. A second signal is forwarded too: the ranks
+skip their final evaluation and plot, and still save. A rank that is still starting (importing
+torch: seconds) has no handler yet, and a signal would kill it (or raise KeyboardInterrupt in an
+import): each rank leaves a file named for its
 pid in the launcher's ready folder (READY_ENV) once its handlers are in place (memfit.train.signals.
 hold), and a signal is sent to a rank only then; one owed to a rank still starting is sent when it
 is ready. Each rank starts a session of its own when it starts (`detach`), as torchrun's
@@ -119,15 +120,9 @@ def mark_ready() -> None:
 
 def detach() -> None:
     """In a rank: a session of its own (torchrun's start_new_session; Ctrl-C comes through the
-    launcher only), and SIGTERM from Linux when the launcher dies, so a rank never trains on with
-    nobody waiting for it."""
+    launcher only). Dying with the launcher is memfit.distributed.lifeline's."""
     with contextlib.suppress(OSError):
         os.setsid()
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @contextlib.contextmanager

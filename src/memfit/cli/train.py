@@ -150,9 +150,18 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("--max-restarts applies with --nproc N; under torchrun pass torchrun's own --max-restarts")
     if given.get("nproc", 1) != 1:
         return _launch(cfg, given, ckpt is not None)
-    result = loop.train(cfg, ckpt, progress=not given.get("quiet", False))
+    from memfit.train.signals import holding
+
+    # From here a signal is never fatal: the loop saves, and one after the loop changes nothing; in a
+    # process of its own (the `memfit` command) that holds until it exits.
+    with holding(restore=not given.get("_own_process", False)):
+        result = loop.train(cfg, ckpt, progress=not given.get("quiet", False))
     if os.environ.get("RANK", "0") == "0":  # several processes: rank 0 speaks
         print(format_summary(result.metrics, result.run_dir, result.stopped))
+        if result.stopped in EXIT_CODES:
+            by = "Ctrl-C" if result.stopped == "interrupted" else "SIGTERM"
+            print(f"memfit: interrupted by {by}: step {result.step} is saved in {result.run_dir}; continue with "
+                  f"memfit train --resume {result.run_dir}", file=sys.stderr, flush=True)
         if plan is not None:
             from memfit.train.budget import OVER_BUDGET, report
 

@@ -120,6 +120,15 @@ def agree_stop(reason: str | None) -> str | None:
     return next((r for r, f in zip(STOP_REASONS, flags) if f), None)
 
 
+def agree_flag(flag: bool) -> bool:
+    """True on every rank when it is True on any (one small all-reduce)."""
+    import torch.distributed as dist
+
+    from memfit.distributed.comm import control_sum
+
+    return bool(control_sum([float(flag)], op=dist.ReduceOp.MAX)[0])
+
+
 def agree_horizon(horizon: int | None) -> int | None:
     """A time-limited run's schedule length, the same on every rank (each rank times its own steps,
     and the learning rate follows the length): the shortest any rank fitted."""
@@ -273,6 +282,25 @@ def prune_sharded(run_dir: Path, step: int) -> None:
     for old in run_dir.glob(f"{SHARDED}-*"):
         if old != keep:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_torn(run_dir: Path, step: int, ctx: DistContext | None) -> list[str]:
+    """Resume: the sharded folders other than the one checkpoint.pt names (step `step`, complete),
+    removed by rank 0 once every rank has read its slices: a save a kill tore (no .metadata) or
+    one never named (killed before checkpoint.pt was replaced). Returns their names."""
+    if ctx is not None:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank is still choosing among the folders
+        if not ctx.main:
+            return []
+    import shutil
+
+    keep = complete_folder(run_dir, step)
+    gone = sorted(f.name for f in run_dir.glob(f"{SHARDED}-*") if f != keep)
+    for name in gone:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    return gone
 
 
 def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from memfit.core.errors import MemfitError
-from memfit.train import distributed as dist_train, report, state as state_mod
+from memfit.train import distributed as dist_train, full_disk, report, state as state_mod
 from memfit.train.config import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, RESUMABLE, TrainConfig
 from memfit.train.data import absolute
 from memfit.train.resume import check_checkpoint, check_steps, resume_config
@@ -107,10 +107,13 @@ def train(
                 _save(run, base_seconds + clock.elapsed(), last=False)
 
         bar.close()
-        if run.history["val"]["step"][-1] != run.step:
+        signals.check()  # says a second signal that came during the last step
+        hurry = signals.hurry if ctx is None else dist_train.agree_flag(signals.hurry)  # evaluation: collectives
+        if run.history["val"]["step"][-1] != run.step and not hurry:
             _evaluate(run, clock)
         metrics = _save(run, base_seconds + clock.elapsed(), last=True)
-    if ctx is None or ctx.main:
+        hurry = hurry or signals.hurry  # one that came during the save: no plot either (rank 0 alone plots)
+    if (ctx is None or ctx.main) and not hurry:
         _plot(metrics, run.run_dir, log)
     return TrainResult(run_dir=run.run_dir, metrics=metrics, step=run.step, stopped=stopped)
 
@@ -153,6 +156,7 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
     lr = lr_at(run.step, cfg.lr, cfg.warmup, run.horizon, cfg.min_lr_ratio)
     for group in run.opt.param_groups:
         group["lr"] = lr
+    before = full_disk.Before.take(run)  # put back if a full spill folder fails the step
     micro = [tuple(t.to(device, non_blocking=True) for t in run.sampler.next()) for _ in range(cfg.accum)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -163,7 +167,7 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
         dist_train.TRAFFIC.reset()
     one_step = (lambda: StepOutput(*dist_train.accumulate_step(run.opt, micro, loss_sum))) if run.ctx \
         else (lambda: accumulate_step(run.model, run.opt, micro))
-    with memory_errors(lambda: f"at step {run.step + 1}"):
+    with memory_errors(lambda: f"at step {run.step + 1}"), _spill_full(run, before):
         if tracker is not None:
             try:
                 out = one_step()
@@ -178,14 +182,51 @@ def train_step(run: Run, clock: Clock, log: Callable[[str], None]) -> StepOutput
             torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     if not math.isfinite(out.loss):
-        raise MemfitError(f"loss became {out.loss} at step {run.step + 1}; the last good state is the previous "
-                          "checkpoint. Try a lower --lr, a smaller --clip or --precision 32-true")
+        raise MemfitError(_not_finite(run, out.loss))
     run.step += 1
     report.record_step(run.history, step=run.step, loss=out.loss, lr=lr, tokens=out.ntokens, seconds=seconds,
                        memory=live_memory(device), grad_norm=getattr(out.result, "grad_norm", None))
     if tracker is None:  # the tracked step runs slower; keep it out of the speed estimate
         clock.step_seconds.append(seconds)
     return out
+
+
+FP16 = ("16-mixed", "16-true", "16-master")
+
+
+def _not_finite(run: Run, loss: float) -> str:
+    """Why the run stopped on a loss that is not finite: what is kept (the truth: there may be no
+    checkpoint yet) and what to change."""
+    saved, out = run.saver.saved_step, run.run_dir
+    kept = ("no checkpoint was saved yet, nothing to resume" if saved is None else
+            f"the last checkpoint is step {saved} in {out} (memfit train --resume {out} continues from it)")
+    precision = run.info.get("precision")
+    if precision in FP16:  # fp16 ends at 65504: an overflow is the usual cause
+        change = (f"float16 overflows above 65504: train with --precision bf{precision} (the same memory, with "
+                  "float32's range) or 32-true, or a lower --lr")
+    else:
+        change = "try a lower --lr, a smaller --clip or --precision 32-true"
+    return f"loss became {loss} at step {run.step + 1}; {kept}; {change}"
+
+
+@contextlib.contextmanager
+def _spill_full(run: Run, before: "full_disk.Before"):
+    """A spill folder that fills up during the step: save the previous step's state when the step
+    changed nothing yet (one process), then stop with one line (memfit.train.full_disk)."""
+    try:
+        yield
+    except (OSError, MemfitError) as exc:
+        if not full_disk.is_full(exc):
+            raise
+        if run.ctx is None and full_disk.untouched(run, before):
+            full_disk.put_back(run, before)
+            _save(run, run.history["seconds"], last=True)  # a save that fails too says so itself (SaveError)
+            kept = f"step {run.step} is saved in {run.run_dir}"
+        elif run.saver.saved_step is not None:
+            kept = f"the last checkpoint is step {run.saver.saved_step} in {run.run_dir}"
+        else:
+            kept = "no checkpoint was saved yet"
+        raise full_disk.SpillFull(full_disk.message(exc, run.cfg.spill_dir, run.step, kept, run.run_dir)) from None
 
 
 def _evaluate(run: Run, clock: Clock) -> None:

@@ -166,6 +166,9 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
         run.step, run.history, run.breakdown = checkpoint["step"], checkpoint["history"], checkpoint.get("breakdown")
         run.horizon = cfg.steps if cfg.steps is not None else checkpoint["horizon"]
         run.saver.saved_step = run.step
+        if gone := dist_train.remove_torn(run_dir, run.step, ctx):
+            log(f"memfit train: removed {', '.join(gone)} in {run_dir}: what an interrupted save left; resuming from "
+                f"step {run.step}")
     run.track_at = max(run.step, 1)
     model.train()
     log(f"memfit train: {n_params / 1e6:.2f}M-parameter model {cfg.model} on {device} ({precision}), "
