@@ -98,7 +98,7 @@ def _fmt(x: float) -> str:
 def snippets(result: dict) -> dict[str, str]:
     lines = ["| reference | case | published | memfit | ratio | within |", "|---|---|---:|---:|---:|---|"]
     for r in result["rows"]:
-        mark = "yes" if within(r) else "no (see note)"
+        mark = "yes" if within(r) else "no: explained in its note"
         lines.append(f"| {r['section']} | {r['name']} | {_fmt(r['reference'])} | {_fmt(r['predicted'])} | "
                      f"{r['ratio']:.3f} | {mark} |")
     notes = {}

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from memfit.core.gpus import GpuSpec
 
@@ -187,22 +186,36 @@ def gpu_sdpa(gpu: GpuSpec, query, key, value, attn_mask=None, dropout_p=0.0, is_
     return _Fused.apply(backend, query, key, value, _bias(attn_mask, query), float(dropout_p), bool(is_causal), scale)
 
 
-class GpuAttentionMode(TorchFunctionMode):
-    """Routes every F.scaled_dot_product_attention call (memfit's GPT, Hugging Face's sdpa attention,
-    a user's module) through `gpu_sdpa`, and F.dropout through CUDA's fused kernel; `backends` records
-    each attention call's choice."""
+class GpuAttentionMode:
+    """While entered, F.scaled_dot_product_attention (memfit's GPT, Hugging Face's sdpa attention, a user's
+    module) runs through `gpu_sdpa` and F.dropout through CUDA's fused kernel; `backends` records each
+    attention call's choice. The functions are replaced in torch.nn.functional itself, not by a
+    TorchFunctionMode: a mode is per thread, and checkpointed blocks recompute on autograd's thread."""
 
     last: "GpuAttentionMode | None" = None
     """The mode entered most recently (what `counts()` reads)."""
 
     def __init__(self, gpu: GpuSpec) -> None:
-        super().__init__()
         self.gpu = gpu
         self.backends: list[str] = []
+        self._saved: tuple = ()
 
-    def __enter__(self):
+    def __enter__(self) -> "GpuAttentionMode":
         GpuAttentionMode.last = self
-        return super().__enter__()
+        sdpa, dropout = F.scaled_dot_product_attention, F.dropout
+        self._saved = (sdpa, dropout)
+
+        def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False):
+            return gpu_sdpa(self.gpu, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                            _fallback=sdpa, _record=self.backends)
+
+        F.scaled_dot_product_attention = attention
+        F.dropout = lambda *args, **kwargs: _dropout(dropout, *args, **kwargs)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        F.scaled_dot_product_attention, F.dropout = self._saved
 
     @classmethod
     def counts(cls) -> dict[str, int]:
@@ -210,16 +223,6 @@ class GpuAttentionMode(TorchFunctionMode):
         from collections import Counter
 
         return dict(Counter(cls.last.backends)) if cls.last is not None else {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            call = dict(zip(names, args), **kwargs)
-            return gpu_sdpa(self.gpu, _fallback=func, _record=self.backends, **call)
-        if func is F.dropout:
-            return _dropout(func, *args, **kwargs)
-        return func(*args, **kwargs)
 
 
 def _dropout(func, input, p=0.5, training=True, inplace=False):
