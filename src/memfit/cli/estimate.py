@@ -164,7 +164,10 @@ def run(args: argparse.Namespace) -> int:
         verdict = (f"fits{what}, {format_bytes(est.headroom)} to spare" if est.fits
                    else f"does NOT fit{what}: {format_bytes(-est.headroom)} over")
         print(f"\n  device memory {format_bytes(est.device_memory)}: {verdict}")
-    if est.traced:
+    if est.traced and est.device:
+        print(f"\n  estimated in {est.trace_seconds:.1f} s without allocating (the whole step traced under "
+              f"FakeTensorMode as {est.device} runs it)")
+    elif est.traced:
         print(f"\n  estimated in {est.trace_seconds:.1f} s without allocating (FakeTensorMode traces; per-block "
               "traces of model specs are cached on disk, MEMFIT_NO_CACHE=1 traces again)")
     return 0
