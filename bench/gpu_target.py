@@ -93,12 +93,17 @@ def measure_one(name: str) -> dict:
 
     def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if q.requires_grad:
-            b = SDPBackend(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)).name
+            qc, kc, vc = q, k, v
+            if torch.is_autocast_enabled("cuda"):  # autocast casts SDPA's inputs before the choice
+                low = torch.get_autocast_dtype("cuda")
+                qc, kc, vc = (t.to(low) for t in (q, k, v))
+            with torch.autocast("cuda", enabled=False):
+                b = SDPBackend(torch._fused_sdp_choice(qc, kc, vc, attn_mask, dropout_p, is_causal, scale=scale,
+                                                       enable_gqa=enable_gqa)).name
             chosen[b] = chosen.get(b, 0) + 1
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
 
-    F.scaled_dot_product_attention = spy
     torch.manual_seed(0)
     window = _LastStep()
     real = _run(_builder(builder(model, seq, chunks), seq), batch, seq, precision, "adamw", checkpoint, "cuda", STEPS,
@@ -106,9 +111,14 @@ def measure_one(name: str) -> dict:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     reserved = max(window.before[1], window.last[1])
-    return {"measured_reserved": reserved, "measured_allocated": max(window.before[0], window.last[0]),
-            "tracker_peak": real.peak, "attention": chosen,
-            "context_bytes": total - free - torch.cuda.memory_reserved(), "total_memory": total}
+    allocated = max(window.before[0], window.last[0])
+    context = total - free - torch.cuda.memory_reserved()
+    # Which kernels torch chose: one more step with a spy, after the figures are read (the spy's casts allocate).
+    F.scaled_dot_product_attention = spy
+    _run(_builder(builder(model, seq, chunks), seq), batch, seq, precision, "adamw", checkpoint, "cuda", 1, window=None)
+    F.scaled_dot_product_attention = sdpa
+    return {"measured_reserved": reserved, "measured_allocated": allocated, "tracker_peak": real.peak,
+            "attention": chosen, "context_bytes": context, "total_memory": total}
 
 
 def _child(name: str) -> dict:

@@ -116,3 +116,16 @@ def test_cuda_without_a_gpu_names_the_gpus(capsys):
 def test_a_gpu_name_is_refused_where_memfit_runs_the_step():
     with pytest.raises(ConfigError, match="estimate or plan"):
         resolve_device("h100")
+
+
+@pytest.mark.slow
+def test_plan_for_a_named_gpu_takes_its_budget_and_bf16(capsys):
+    # No --budget, no --precision: the H100's capacity less the CUDA context, and bf16-master, both said.
+    assert main(["plan", TINY, "--batch", "4", "--seq", "64", "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "note: budget 78.67 GiB" in out and "note: precision bf16-master" in out
+
+
+def test_plan_without_a_budget_on_the_cpu_says_what_to_give(capsys):
+    assert main(["plan", TINY, "--device", "cpu"]) == 2
+    assert "give --budget" in capsys.readouterr().err
