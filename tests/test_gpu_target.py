@@ -129,3 +129,19 @@ def test_plan_for_a_named_gpu_takes_its_budget_and_bf16(capsys):
 def test_plan_without_a_budget_on_the_cpu_says_what_to_give(capsys):
     assert main(["plan", TINY, "--device", "cpu"]) == 2
     assert "give --budget" in capsys.readouterr().err
+
+
+def test_expandable_segments_grow_one_segment_in_20_mib_pages():
+    from memfit.measure.caching_allocator import expandable_from_env, replay
+
+    MiB = 1 << 20
+    # A 30 MiB block freed, then a 50 MiB request: the default allocator keeps A's 30 MiB segment and
+    # adds a 50 MiB one; expandable segments grow the freed tail (40 MiB mapped) by one 20 MiB page.
+    events = [(1, 30 * MiB), (1, 0), (2, 50 * MiB)]
+    assert replay(events, expandable=False).peak_reserved == 80 * MiB
+    assert replay(events, expandable=True).peak_reserved == 60 * MiB
+    # A used block at the end: the next miss maps new pages after it (50 MiB rounds up to 60).
+    events = [(1, 30 * MiB), (2, 30 * MiB), (1, 0), (3, 50 * MiB)]
+    assert replay(events, expandable=True).peak_reserved == 120 * MiB
+    assert replay(events, expandable=True).peak_allocated == 80 * MiB
+    assert expandable_from_env("expandable_segments:True") and not expandable_from_env("max_split_size_mb:128")

@@ -141,8 +141,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {cat:<14}{format_bytes(value):>16}{share:>12}")
     print(f"  {'total (peak)':<14}{format_bytes(est.total):>16}   allocated tensors")
     if "reserved" in est.per_device:
+        from memfit.measure.caching_allocator import expandable_from_env
+
+        conf = "expandable segments" if expandable_from_env() else "default settings; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is replayed too"
         print(f"  {'reserved':<14}{format_bytes(est.per_device['reserved']):>16}   the caching allocator's "
-              "max_memory_reserved: what runs out")
+              f"max_memory_reserved ({conf}): what runs out")
         print(f"  {'+ CUDA context':<14}{format_bytes(est.context):>16}   outside the allocator")
     if est.offloaded:
         print(f"  {'(off device)':<14}{format_bytes(est.offloaded):>16}")
