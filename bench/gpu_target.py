@@ -36,7 +36,11 @@ CONFIGS = {  # name: (model, batch, seq, precision, checkpoint, head chunks)
     "GPT-2 small, dropout 0.1, bf16-master, full checkpointing":
         (GPT2 + ",dropout=0.1", 8, 1024, "bf16-master", "full", None),
     "HF Llama 1.1B (22x2048, GQA 32/4), bf16-mixed": ("hf-llama-1b", 2, 2048, "bf16-mixed", "none", None),
+    "GPT-2 small, dropout 0.1, bf16-master, expandable segments":
+        (GPT2 + ",dropout=0.1", 8, 1024, "bf16-master", "none", None),
 }
+EXPANDABLE = {"GPT-2 small, dropout 0.1, bf16-master, expandable segments"}
+"""Run (and replayed) with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."""
 
 
 def hf_llama_1b():
@@ -67,6 +71,7 @@ def predict(gpu: str) -> dict:
 
     rows = {}
     for name, (model, batch, seq, precision, checkpoint, chunks) in CONFIGS.items():
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True" if name in EXPANDABLE else ""
         r = trace_step(builder(model, seq, chunks), batch, seq, precision, checkpoint=checkpoint, device=gpu,
                        steps=STEPS)
         rows[name] = {"predicted_reserved": r.cuda_reserved, "predicted_allocated": r.cuda_allocated,
@@ -122,8 +127,8 @@ def measure_one(name: str) -> dict:
 
 
 def _child(name: str) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ))
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" if name in EXPANDABLE else "")
+    p = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, timeout=300, env=env)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         return {"error": (p.stderr or p.stdout)[-2000:]}

@@ -22,7 +22,7 @@ def estimate_device(name: "str | GpuSpec | None") -> tuple[str, GpuSpec | None]:
         return str(resolve_device(name)), None
     except ConfigError as exc:
         if "CUDA build" in str(exc):
-            raise ConfigError(f"device {name!r}: this machine has no CUDA GPU; name the GPU to estimate for, "
+            raise ConfigError(f"device {name!r}: this machine has no CUDA GPU; name the GPU to estimate or plan for, "
                               f"which works from any machine: {NAMES}") from None
         raise ConfigError(f"{exc}; or a GPU to estimate for from any machine: {NAMES}") from None
 
