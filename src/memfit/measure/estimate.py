@@ -262,7 +262,7 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
         tr = composed_step(spec, batch, seq, precision, optimizer, checkpoint)
     if tr is None:
         tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint,
-                        offload_optimizer=offload_optimizer, device=gpu.name if gpu is not None else "cpu")
+                        offload_optimizer=offload_optimizer, device=gpu if gpu is not None else "cpu")
     per, modules = _per_device(tr, {cat: (getattr(sharded, cat), getattr(single, cat)) for cat in MODEL_STATES})
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
