@@ -59,9 +59,11 @@ def _reserve(gpu: Any, tr: Any) -> dict:
     """A GPU target's replay: what the allocator reserves beyond the tensors' peak (memfit.measure.estimate)."""
     if gpu is None:
         return {}
+    from memfit.measure.gpu_attention import GpuAttentionMode
     from memfit.measure.gpu_kernels import replay_on
 
-    return dict(reserve_overhead=replay_on(gpu, tr.events).peak_reserved - tr.peak_bytes)
+    return dict(reserve_overhead=replay_on(gpu, tr.events).peak_reserved - tr.peak_bytes,
+                attention=GpuAttentionMode.counts())
 
 
 def measure_module(model: Any, example: Any, *, optimizer: str = "adamw", precision: str = "32-true",
