@@ -123,7 +123,7 @@ def test_plan_for_a_named_gpu_takes_its_budget_and_bf16(capsys):
     # No --budget, no --precision: the H100's capacity less the CUDA context, and bf16-master, both said.
     assert main(["plan", TINY, "--batch", "4", "--seq", "64", "--device", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "note: budget 78.67 GiB" in out and "note: precision bf16-master" in out
+    assert "note: budget 78.67GiB" in out and "note: precision bf16-master" in out
 
 
 def test_plan_without_a_budget_on_the_cpu_says_what_to_give(capsys):

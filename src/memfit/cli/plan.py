@@ -99,8 +99,9 @@ def _target(args: argparse.Namespace) -> tuple[str, str]:
         if gpu is None:
             raise ConfigError("give --budget SIZE (e.g. 8GiB), or name the GPU with --device (e.g. h100): its "
                               "capacity less the CUDA context is the budget")
-        args.budget = str(gpu.memory - gpu.context)
-        said.append(f"budget {format_bytes(gpu.memory - gpu.context)}: {gpu.label}'s capacity less the CUDA context")
+        room = (gpu.memory - gpu.context) * 100 // 2**30 / 100  # GiB, rounded down to the hundredth
+        args.budget = f"{room:.2f}GiB"
+        said.append(f"budget {args.budget}: {gpu.label}'s capacity less the CUDA context")
     if args.precision is None:
         on_gpu = gpu is not None or args.gpus is not None or device == "cuda"
         args.precision = (gpu.default_precision if gpu is not None else "bf16-master") if on_gpu else "32-true"
