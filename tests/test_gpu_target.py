@@ -54,12 +54,15 @@ def test_backend_choice_honours_sdpa_kernel_switches():
         assert choose_backend(target("h100"), *_packed(BF16)) == "math"
 
 
-def _per_layer(device, dropout, h=256, a=4, s=128, b=2):
+def _per_layer(device, dropout, h=256, a=4, s=128, b=2, precision=None):
+    from memfit.apply.precision import PrecisionMode
     from memfit.measure.trace import trace_step
     from memfit.models.spec import parse_model
 
+    # The paper's 16-bit everything: bf16 weights and activations without autocast.
+    precision = precision or PrecisionMode("bf16, no autocast", BF16, None, None, False)
     spec = parse_model(f"gpt:layers=2,hidden={h},heads={a},vocab=64,seq={s},dropout={dropout}")
-    r = trace_step(spec, batch=b, seq=s, precision="bf16-true", optimizer="sgd", device=device, steps=1)
+    r = trace_step(spec, batch=b, seq=s, precision=precision, optimizer="sgd", device=device, steps=1)
     return r.module_activations["blocks.0"] / (s * b * h), r
 
 
@@ -72,6 +75,11 @@ def test_saved_bytes_per_layer_match_the_flash_formula(dropout, formula):
     assert formula <= got <= formula * 1.005, got
     assert set(r.attention) == {"cudnn"}  # memfit's GPT: fused qkv, packed layout, sm90
     assert r.cuda_reserved >= r.cuda_allocated >= r.peak
+    # memfit's bf16 modes autocast, and CUDA's autocast runs LayerNorm in fp32: each of the two norms then
+    # keeps an fp32 copy of its bf16 input, 2 bytes per element more (2 x 2 sbh), and its row statistics
+    # change dtype too (at most 16 bytes per row and norm: 32/h sbh for both).
+    auto, _ = _per_layer("h100", dropout, precision="bf16-true")
+    assert 4 <= auto - got <= 4 + 32 / 256
 
 
 def test_cpu_trace_keeps_the_scores_the_gpu_does_not():
@@ -145,3 +153,18 @@ def test_expandable_segments_grow_one_segment_in_20_mib_pages():
     assert replay(events, expandable=True).peak_reserved == 120 * MiB
     assert replay(events, expandable=True).peak_allocated == 80 * MiB
     assert expandable_from_env("expandable_segments:True") and not expandable_from_env("max_split_size_mb:128")
+
+
+def test_cuda_autocast_keeps_norms_and_softmax_in_fp32_only_while_inside():
+    import torch.nn.functional as F
+
+    from memfit.measure.gpu_kernels import gpu_kernels
+
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=BF16):
+        h = F.linear(x, torch.randn(8, 8))
+        with gpu_kernels(target("h100")):  # CUDA's list: layer_norm, softmax (no dtype), sum in fp32
+            assert F.layer_norm(h, (8,)).dtype == FP32 and torch.softmax(h, -1).dtype == FP32
+            assert h.sum().dtype == FP32 and torch.softmax(h, -1, dtype=BF16).dtype == BF16
+            assert F.linear(h, torch.randn(8, 8)).dtype == BF16
+        assert F.layer_norm(h, (8,)).dtype == BF16  # the CPU's own list again

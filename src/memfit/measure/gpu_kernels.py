@@ -8,9 +8,8 @@ What differs from the CPU's step and is made to follow CUDA:
   e.g. AdamW's `exp_avg_sq.sqrt()` for all parameters at once), the per-tensor loop on the CPU;
 - the allocator: `replay_on` replays the traced storages through the caching allocator's rules with
   the card's cuBLAS workspaces (memfit.measure.caching_allocator).
-Not followed: CUDA autocast's op lists (the CPU's are used: both run matmuls in the low dtype and
-keep reductions such as softmax and the loss in fp32; an op the two lists treat differently saves
-in another dtype).
+- autocast: CUDA's float32 list (layer_norm, softmax, sum, exp, pow, ...: memfit.measure.gpu_autocast),
+  which the CPU's lacks.
 """
 from __future__ import annotations
 
@@ -36,9 +35,10 @@ def cuda_optimizer_defaults() -> Iterator[None]:
 @contextlib.contextmanager
 def gpu_kernels(gpu: GpuSpec) -> Iterator["GpuAttentionMode"]:  # noqa: F821
     from memfit.measure.gpu_attention import GpuAttentionMode
+    from memfit.measure.gpu_autocast import cuda_fp32_ops
 
     mode = GpuAttentionMode(gpu)
-    with cuda_optimizer_defaults(), mode:
+    with cuda_optimizer_defaults(), cuda_fp32_ops(), mode:
         yield mode
 
 
