@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     if "reserved" in est.per_device:
         from memfit.measure.caching_allocator import expandable_from_env
 
-        conf = "expandable segments" if expandable_from_env() else "default settings; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is replayed too"
+        conf = ("expandable segments" if expandable_from_env() else
+                "default allocator settings; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set, those")
         print(f"  {'reserved':<14}{format_bytes(est.per_device['reserved']):>16}   the caching allocator's "
               f"max_memory_reserved ({conf}): what runs out")
         print(f"  {'+ CUDA context':<14}{format_bytes(est.context):>16}   outside the allocator")
