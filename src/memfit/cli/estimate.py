@@ -9,6 +9,7 @@ from memfit.cli.args import integer
 from memfit.cli.estimate_inputs import INPUT_HELP, is_factory, load_factory, parse_inputs
 from memfit.cli.options import add, add_model, model_of
 from memfit.core.errors import ConfigError
+from memfit.core.gpus import NAMES as GPU_NAMES
 from memfit.core.units import format_bytes, parse_bytes, parse_count
 
 
@@ -28,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--params", type=str, help="parameter count (e.g. 7B) for a model-states-only estimate")
     add(p, "batch", default=1)
     add(p, "seq", default=None, shown="the model's, at most 4096")
-    add(p, "precision", default="32-true")
+    add(p, "precision", default=None, shown="32-true; bf16-master on a named GPU")
     add(p, "optimizer", default="adamw")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage (default 0); with --world N the same as --strategy zeroS")
@@ -50,7 +51,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "through the later ones (ZeRO-2/3: each rank's reduced slices)")
     add(p, "checkpoint", default="none")
     add(p, "offload_optimizer", default="none")
-    p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 24GiB or 80GB: says if it fits")
+    add(p, "device", default=None, help="cpu (default), or a GPU to estimate for from any machine: "
+        f"{GPU_NAMES} (its kernels, its caching allocator's reserve, its memory); cuda: this machine's GPU")
+    p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 24GiB or 80GB: says if it fits "
+                   "(default with a named GPU: its capacity)")
     add(p, "modules", default=8)
     add(p, "json")
     p.add_argument("--input", action="append", default=[], metavar="SPEC",
@@ -84,7 +88,7 @@ def _estimate(args: argparse.Namespace):
     common = dict(precision=args.precision, optimizer=args.optimizer, zero=args.zero, world=args.world,
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
-                  schedule=args.schedule, tp=args.tp, accum=args.accum)
+                  schedule=args.schedule, tp=args.tp, accum=args.accum, device=_device(args.device))
     for flag in ("sequence_parallel", "vocab_parallel"):
         if getattr(args, flag):
             common[flag] = True
@@ -125,6 +129,16 @@ def _torchtitan(args: argparse.Namespace, model: str | None):
     return estimate_job(args.torchtitan, args.world, **kw)
 
 
+def _device(name: str | None) -> str | None:
+    """A named GPU passes through; cpu or cuda must be usable here (resolve_device's one-line refusals)."""
+    from memfit.core.device import estimate_device
+
+    if name is None:
+        return None
+    _, gpu = estimate_device(name)  # cuda without CUDA: one line naming the GPUs it could estimate for
+    return gpu.name if gpu is not None else name
+
+
 def run(args: argparse.Namespace) -> int:
     from memfit.measure.estimate import CATEGORIES
 
@@ -142,15 +156,30 @@ def run(args: argparse.Namespace) -> int:
         return print_per_rank(args, est)
     shape = f"batch {est.batch} x seq {est.seq}, " if est.traced and est.batch else ""
     name = f"{est.model}: " if est.traced else ""
-    print(f"{name}{est.n_params / 1e6:,.1f}M parameters, {shape}{est.precision}, {est.optimizer}, "
+    precision = est.precision + (f" (the default on {est.device}: bf16 weights and activations, fp32 master "
+                                 "weights and optimizer state; --precision to change)" if est.precision_default else "")
+    print(f"{name}{est.n_params / 1e6:,.1f}M parameters, {shape}{precision}, {est.optimizer}, "
           f"ZeRO-{est.zero} on {est.world} device(s), checkpoint {est.checkpoint}"
           + (f", optimizer offloaded to {est.offload_optimizer}" if est.offload_optimizer else ""))
+    if est.device:
+        from memfit.core.gpus import target
+
+        attn = ", ".join(f"{k} x{v}" for k, v in est.attention.items()) or "none"
+        print(f"traced as {target(est.device).label} runs it (attention: {attn})")
     print(f"\n  {'per device':<14}{'bytes':>16}{'':>12}")
     for cat in CATEGORIES:
         value = est.per_device[cat]
         share = f"{100 * value / est.total:5.1f}%" if est.total else ""
         print(f"  {cat:<14}{format_bytes(value):>16}{share:>12}")
-    print(f"  {'total (peak)':<14}{format_bytes(est.total):>16}")
+    print(f"  {'total (peak)':<14}{format_bytes(est.total):>16}   allocated tensors")
+    if "reserved" in est.per_device:
+        from memfit.measure.caching_allocator import expandable_from_env
+
+        conf = ("expandable segments" if expandable_from_env() else
+                "default allocator settings; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set, those")
+        print(f"  {'reserved':<14}{format_bytes(est.per_device['reserved']):>16}   the caching allocator's "
+              f"max_memory_reserved ({conf}): what runs out")
+        print(f"  {'+ CUDA context':<14}{format_bytes(est.context):>16}   outside the allocator")
     if est.offloaded:
         print(f"  {'(off device)':<14}{format_bytes(est.offloaded):>16}")
     if est.note:
@@ -167,10 +196,14 @@ def run(args: argparse.Namespace) -> int:
             label = f"{name} (whole model: {est.model})" if name == root else name or "(model)"
             print(f"  {label[:39]:<40}{format_bytes(peak):>14}{format_bytes(acts.get(name, 0)):>16}")
     if est.device_memory is not None:
-        verdict = (f"fits, {format_bytes(est.headroom)} to spare" if est.fits
-                   else f"does NOT fit: {format_bytes(-est.headroom)} over")
+        what = " (reserve + CUDA context)" if "reserved" in est.per_device else ""
+        verdict = (f"fits{what}, {format_bytes(est.headroom)} to spare" if est.fits
+                   else f"does NOT fit{what}: {format_bytes(-est.headroom)} over")
         print(f"\n  device memory {format_bytes(est.device_memory)}: {verdict}")
-    if est.traced:
+    if est.traced and est.device:
+        print(f"\n  estimated in {est.trace_seconds:.1f} s without allocating (the whole step traced under "
+              f"FakeTensorMode as {est.device} runs it)")
+    elif est.traced:
         print(f"\n  estimated in {est.trace_seconds:.1f} s without allocating (FakeTensorMode traces; per-block "
               "traces of model specs are cached on disk, MEMFIT_NO_CACHE=1 traces again)")
     return 0

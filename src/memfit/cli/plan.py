@@ -16,7 +16,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "micro-batch x accumulation and optimizer offload so the predicted peak fits --budget; "
                        "prints the ranked configurations and the chosen plan. Exit code 2 when nothing fits.")
     add_model(p)
-    p.add_argument("--budget", required=True, metavar="SIZE", help="device memory budget, e.g. 8GiB or 300MiB")
+    p.add_argument("--budget", metavar="SIZE", help="device memory budget, e.g. 8GiB or 300MiB (default with a named "
+                   "GPU in --device: its capacity less the CUDA context)")
     add(p, "batch", default=None, shown=f"{DEFAULT_BATCH} (memfit train's); 256 with --gpus",
         help="global batch per step (as memfit train's --batch x --accum)")
     add(p, "seq", default=None, shown=f"{DEFAULT_SEQ} (memfit train's), at most the model's; with --gpus the "
@@ -24,9 +25,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--drop-output", dest="keep_output", action="store_false",
                    help="the training loop drops the model's output (logits) before backward, as memfit train does "
                    "(default: budget for `out = model(...)` held through backward)")
-    add(p, "precision", default="32-true")
+    add(p, "precision", default=None, shown="32-true; bf16-master for a named GPU or with --gpus")
     add(p, "optimizer", default="adamw")
-    add(p, "device", default=None, shown="cuda when available", help="where the model will train: cpu, cuda")
+    add(p, "device", default=None, shown="cuda when available", help="where the model will train: cpu, cuda, or a "
+        "GPU to plan for from any machine (h100, h200, a100-80gb, a100-40gb, l40s, rtx4090, ...)")
     p.add_argument("--allow", metavar="LIST", help="comma list of what the plan may use (default: recompute, selective, "
                    "offload-cpu, offload-disk, accumulate, chunked-head, optimizer-offload; on a CPU device without "
                    "offload-cpu and optimizer-offload, which save no physical memory there)")
@@ -42,15 +44,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.core.device import resolve_device
     from memfit.plan.fit import fit
 
     args.model = model_of(args)
-    device = resolve_device(args.device).type
+    device, gpu_note = _target(args)
     if args.gpus is not None:  # several devices: memfit.plan.cluster_fit
         from memfit.cli.plan_cluster import run_cluster
 
-        return run_cluster(args, args.model, "cuda" if args.device is None else device)
+        if gpu_note and not args.json:
+            print(gpu_note)
+        return run_cluster(args, args.model, "cuda" if args.device is None or device != "cpu" else device)
     if args.seq is None:
         args.seq = default_seq(args.model)
     batch = single_device_batch(args)
@@ -78,7 +81,34 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(table(plan)))
     print()
     print(plan.summary())
+    if gpu_note:
+        print(gpu_note)
     return 0
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str]:
+    """The device the plan is for (cpu, cuda or a named GPU such as h100) and, where a GPU's defaults were
+    taken (precision, budget), the line that says so; fills args.precision and args.budget."""
+    from memfit.core.device import estimate_device, resolve_device
+    from memfit.core.errors import ConfigError
+
+    traced_on, gpu = estimate_device(args.device) if args.device is not None else ("", None)
+    device = gpu.name if gpu is not None else resolve_device(args.device).type
+    said = []
+    if args.budget is None:
+        if gpu is None:
+            raise ConfigError("give --budget SIZE (e.g. 8GiB), or name the GPU with --device (e.g. h100): its "
+                              "capacity less the CUDA context is the budget")
+        room = (gpu.memory - gpu.context) * 100 // 2**30 / 100  # GiB, rounded down to the hundredth
+        args.budget = f"{room:.2f}GiB"
+        said.append(f"budget {args.budget}: {gpu.label}'s capacity less the CUDA context")
+    if args.precision is None:
+        on_gpu = gpu is not None or args.gpus is not None or device == "cuda"
+        args.precision = (gpu.default_precision if gpu is not None else "bf16-master") if on_gpu else "32-true"
+        if on_gpu:
+            said.append(f"precision {args.precision}: the default on a GPU (16-bit weights and activations, fp32 "
+                        "master weights and optimizer state); --precision to change")
+    return device, "\n".join(f"note: {s}" for s in said)
 
 
 def single_device_batch(args: argparse.Namespace) -> int:

@@ -13,14 +13,15 @@ from memfit.measure.workspace import WorkspaceTracker
 
 def estimate_module(model: Any, example: Any, *, optimizer: str = "adamw", precision: str = "32-true",
                     checkpoint: Any = "none", loss_fn: Callable | None = None, zero: int = 0, world: int = 1,
-                    offload_optimizer: str | None = None, device_memory: int | None = None):
+                    offload_optimizer: str | None = None, device_memory: int | None = None, gpu: Any = None):
     """The fields of an Estimate: trace two training steps of a fake copy of `model` on `example`; frozen parameters
-    (requires_grad=False) get no gradients and no optimizer state, as in the real step."""
+    (requires_grad=False) get no gradients and no optimizer state, as in the real step.
+    gpu: a named GPU (memfit.core.gpus) whose kernels and caching allocator the step runs on."""
     check_example(example)
     t0 = time.perf_counter()
-    with fake_mode():
+    with fake_mode(gpu):
         r = run_steps(module_builder(model), example_step(example, loss_fn), precision, optimizer, checkpoint, "cpu",
-                      tracker=WorkspaceTracker)
+                      tracker=WorkspaceTracker if gpu is None else _gpu_tracker)
     tr = r.tracker
     b = tr.breakdown
     params = list(r.model.parameters())
@@ -42,7 +43,27 @@ def estimate_module(model: Any, example: Any, *, optimizer: str = "adamw", preci
                 offloaded=sharded.offloaded, device_memory=device_memory, traced=True,
                 trace_seconds=time.perf_counter() - t0,
                 modules=dict(sorted(tr.module_peaks.items(), key=lambda kv: -kv[1])),
-                module_activations=dict(tr.module_activations))
+                module_activations=dict(tr.module_activations), **_reserve(gpu, tr))
+
+
+def _gpu_tracker(model, opt, dev):
+    """The tracker of a GPU target's trace: the storage events the caching allocator replays, no CPU workspaces."""
+    from memfit.core.tracker import MemoryTracker
+
+    t = MemoryTracker(model, opt, dev)
+    t.events = []
+    return t
+
+
+def _reserve(gpu: Any, tr: Any) -> dict:
+    """A GPU target's replay: what the allocator reserves beyond the tensors' peak (memfit.measure.estimate)."""
+    if gpu is None:
+        return {}
+    from memfit.measure.gpu_attention import GpuAttentionMode
+    from memfit.measure.gpu_kernels import replay_on
+
+    return dict(reserve_overhead=replay_on(gpu, tr.events).peak_reserved - tr.peak_bytes,
+                attention=GpuAttentionMode.counts())
 
 
 def measure_module(model: Any, example: Any, *, optimizer: str = "adamw", precision: str = "32-true",

@@ -19,6 +19,12 @@ PyTorch's default rules (c10/cuda/CUDACachingAllocator.cpp, no PYTORCH_CUDA_ALLO
 
 One stream is assumed (side-stream copies of activation offload are not replayed).
 
+With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's default) each pool is one segment
+per stream whose mapped size grows at its end in pages (20 MiB for the large pool, 2 MiB for the small
+one) when no cached block fits: a request that misses extends the segment by what its free tail block
+lacks, so a freed block at the end is reused and grown instead of left beside a new segment.
+`CachingAllocatorModel(expandable=True)` replays that; nothing is unmapped (no empty_cache).
+
 Beside the tensors, cuBLAS takes a workspace from the same allocator for each (handle, stream),
 and handles are per thread: a training step's GEMMs run on two threads (the forward on the
 caller's, the backward on the autograd engine's), so two workspaces stay allocated from the first
@@ -94,21 +100,30 @@ class AllocatorReplay:
     segments: int
 
 
-class CachingAllocatorModel:
-    """The allocator's state; `malloc(key, n)` and `free(key)` move it as the real one would."""
+def expandable_from_env(conf: str | None = None) -> bool:
+    """Whether PYTORCH_CUDA_ALLOC_CONF (or `conf`) turns expandable segments on."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if conf is None else conf
+    return bool(re.search(r"expandable_segments\s*:\s*true", conf, re.I))
 
-    def __init__(self) -> None:
+
+class CachingAllocatorModel:
+    """The allocator's state; `malloc(key, n)` and `free(key)` move it as the real one would.
+    expandable: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (one growing segment per pool)."""
+
+    def __init__(self, expandable: bool = False) -> None:
         self._pools: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}
         self._live: dict[int, _Block] = {}
         self._next_addr = 1 << 32
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = self.segments = 0
+        self.expandable = expandable
+        self._tails: dict[bool, _Block] = {}  # expandable: the last block of each pool's segment
 
     def malloc(self, key: int, nbytes: int) -> None:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._take(size, small)
         if block is None:
-            block = self._new_segment(segment_size(size), small)
+            block = self._grow(size, small) if self.expandable else self._new_segment(segment_size(size), small)
         rest = block.size - size
         if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
             tail = _Block(block.addr + size, rest, small)
@@ -116,6 +131,8 @@ class CachingAllocatorModel:
             if block.next is not None:
                 block.next.prev = tail
             block.next, block.size = tail, size
+            if self._tails.get(small) is block:
+                self._tails[small] = tail
             self._insert(tail)
         block.used = True
         self._live[key] = block
@@ -129,7 +146,9 @@ class CachingAllocatorModel:
         self.allocated -= block.size
         block.used = False
         for other in (block.prev, block.next):
-            if other is not None and not other.used:
+            if other is not None and not other.used and other.size:
+                if self._tails.get(block.small) is other:
+                    self._tails[block.small] = block
                 self._remove(other)
                 if other is block.prev:
                     block.addr, block.prev = other.addr, other.prev
@@ -143,6 +162,28 @@ class CachingAllocatorModel:
         self._insert(block)
 
     # ------------------------------------------------------------------ internals
+    def _grow(self, size: int, small: bool) -> _Block:
+        """Expandable segments: map pages at the end of the pool's one segment until its tail block holds `size`."""
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        tail = self._tails.get(small)
+        if tail is None:
+            self.segments += 1
+            tail = _Block(self._next_addr + (0 if small else 1 << 40), 0, small)
+            tail.used = True  # an empty placeholder: the first mapped pages follow it
+            self._tails[small] = tail
+        if tail.used:  # the new pages form a block of their own after the tail
+            block = _Block(tail.addr + tail.size, 0, small)
+            block.prev, tail.next = tail, block
+        else:
+            self._remove(tail)
+            block = tail
+        grow = -(-(size - block.size) // page) * page
+        block.size += grow
+        self._tails[small] = block
+        self.reserved += grow
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return block
+
     def _take(self, size: int, small: bool) -> _Block | None:
         pool = self._pools[small]
         i = bisect.bisect_left(pool, (size, -1), key=lambda e: e[:2])
@@ -174,9 +215,13 @@ def replay_step(events: list[tuple[int, int]], device: "str | object") -> Alloca
     return replay(workspace_events(torch.cuda.get_device_capability(device)) + events)
 
 
-def replay(events: Iterable[tuple[int, int]], model: CachingAllocatorModel | None = None) -> AllocatorReplay:
-    """Replay (key, bytes) allocations and (key, 0) frees, in order, through the allocator's rules."""
-    m = model if model is not None else CachingAllocatorModel()
+def replay(events: Iterable[tuple[int, int]], model: CachingAllocatorModel | None = None,
+           expandable: bool | None = None) -> AllocatorReplay:
+    """Replay (key, bytes) allocations and (key, 0) frees, in order, through the allocator's rules
+    (expandable: None reads PYTORCH_CUDA_ALLOC_CONF)."""
+    if model is None:
+        model = CachingAllocatorModel(expandable_from_env() if expandable is None else expandable)
+    m = model
     for key, n in events:
         if n:
             m.malloc(key, n)

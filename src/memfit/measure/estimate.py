@@ -60,23 +60,40 @@ class Estimate:
     any sharding: what the per-rank estimate transforms (not in the JSON)."""
     note: str = ""
     """Why a figure is less than the whole answer (e.g. ZeRO on a parameter count alone)."""
+    device: str | None = None
+    """A named GPU target (h100, ...): traced as that GPU runs the step; per_device then also holds
+    "reserved", the caching allocator's predicted max_memory_reserved (what runs out)."""
+    context: int = 0
+    """GPU targets: bytes of the CUDA context, outside the allocator (counted by `fits`)."""
+    precision_default: str | None = None
+    """Set when the precision was not given and the device's default was taken (e.g. bf16-master on a GPU)."""
+    attention: dict[str, int] = field(default_factory=dict)
+    """GPU targets: attention calls per backend in the traced step (cudnn, flash, efficient, math)."""
+    reserve_overhead: int | None = field(default=None, repr=False)
+    """GPU targets: the traced step's reserve minus its tensors' peak (rounding, segments, cuBLAS workspaces)."""
 
     @property
     def total(self) -> int:
         return self.per_device["total"]
 
     @property
+    def needed(self) -> int:
+        """What the device must hold: on a GPU target the reserve plus the CUDA context, else the peak."""
+        return self.per_device.get("reserved", self.total) + self.context
+
+    @property
     def fits(self) -> bool | None:
-        return None if self.device_memory is None else self.total <= self.device_memory
+        return None if self.device_memory is None else self.needed <= self.device_memory
 
     @property
     def headroom(self) -> int | None:
-        """device_memory - total: negative means over budget by that much."""
-        return None if self.device_memory is None else self.device_memory - self.total
+        """device_memory - needed: negative means over budget by that much."""
+        return None if self.device_memory is None else self.device_memory - self.needed
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("moments")
+        data.pop("reserve_overhead")
         data["fits"], data["headroom"] = self.fits, self.headroom
         return data
 
@@ -94,7 +111,7 @@ def estimate(
     params: int | None = None,
     batch: int = 1,
     seq: int | None = None,
-    precision: str = "32-true",
+    precision: str | None = None,
     optimizer: str = "adamw",
     zero: int = 0,
     world: int = 1,
@@ -111,6 +128,7 @@ def estimate(
     accum: int = 1,
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
+    device: str | None = None,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -128,7 +146,45 @@ def estimate(
     `sequence_parallel`, `vocab_parallel` (strategy "tensor"): Megatron-LM's sequence parallelism and
     vocabulary-parallel embedding and head, estimated only (memfit.measure.parallel_estimate; memfit's
     runtime does not run them).
+    `device`: a GPU to estimate for from any machine (h100, h200, a100-80gb, a100-40gb, l40s, rtx4090, ...;
+    memfit.core.gpus): the step is traced with that GPU's attention, dropout and optimizer kernels,
+    per_device["reserved"] predicts its max_memory_reserved, device_memory defaults to its capacity and
+    precision to what people run there (bf16-master). None or cpu: this machine's CPU, 32-true.
     """
+    from memfit.core.device import estimate_device
+    from memfit.core.gpus import local_gpu
+
+    traced_on, gpu = estimate_device(device)
+    if traced_on.startswith("cuda"):  # this machine's GPU, as a target like any named one
+        gpu = local_gpu(torch_index(traced_on))
+    default = None
+    if precision is None:
+        precision = default = gpu.default_precision if gpu is not None else "32-true"
+    if gpu is not None and device_memory is None:
+        device_memory = gpu.memory
+    est = _strategies(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
+                      zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
+                      device_memory=device_memory, loss_fn=loss_fn, lora=lora, routing=routing, strategy=strategy,
+                      microbatches=microbatches, schedule=schedule, tp=tp, accum=accum, gpu=gpu,
+                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+    est.precision_default = default if gpu is not None else None
+    if gpu is not None:
+        est.device, est.context = gpu.name, gpu.context
+        if est.reserve_overhead is not None:
+            est.per_device["reserved"] = est.per_device["total"] + est.reserve_overhead
+    return est
+
+
+def torch_index(device: str) -> int | None:
+    import torch
+
+    return torch.device(device).index
+
+
+def _strategies(model: Any, example: Any, *, params, batch, seq, precision, optimizer, zero, world, checkpoint,
+                offload_optimizer, device_memory, loss_fn, lora, routing, strategy, microbatches, schedule, tp, accum,
+                gpu, sequence_parallel=False, vocab_parallel=False) -> Estimate:
+    """estimate() on one device or under a strategy, for a resolved precision and device."""
     from memfit.measure.moe import routing as moe_routing
     from memfit.measure.rank_estimate import strategy_of
 
@@ -143,7 +199,7 @@ def estimate(
             one = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision,
                             optimizer=optimizer, zero=0, world=1, checkpoint=checkpoint,
                             offload_optimizer=offload_optimizer, device_memory=device_memory, loss_fn=loss_fn,
-                            lora=lora, worst=routing == "worst")
+                            lora=lora, worst=routing == "worst", gpu=gpu)
             return with_ranks(one, _spec_of(model, lora), strategy, world, microbatches=microbatches, schedule=schedule,
                               tp=tp, accum=accum, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
         if sequence_parallel or vocab_parallel:
@@ -154,7 +210,7 @@ def estimate(
                               "(without LoRA adapters)")
         est = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                         zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
-                        device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst")
+                        device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst", gpu=gpu)
         if accum > 1:
             if strategy is not None or not isinstance(model, (str, ModelSpec)) or lora_run:
                 raise ConfigError("accum > 1 is estimated for a model name, spec or config.json (without LoRA "
@@ -173,7 +229,7 @@ def estimate(
 
 def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: int | None, precision: str,
               optimizer: str, zero: int, world: int, checkpoint: str, offload_optimizer: str | None,
-              device_memory: int | str | None, loss_fn: Any, lora: Any, worst: bool) -> Estimate:
+              device_memory: int | str | None, loss_fn: Any, lora: Any, worst: bool, gpu: Any = None) -> Estimate:
     check_precision(precision)
     optimizer_states(optimizer)
     _positive("batch", batch)
@@ -190,7 +246,7 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
 
         return Estimate(**estimate_module(model, example, optimizer=optimizer, precision=precision, checkpoint=checkpoint,
                                loss_fn=loss_fn, zero=zero, world=world, offload_optimizer=offload_optimizer,
-                               device_memory=budget))
+                               device_memory=budget, gpu=gpu))
     if model is None:
         return _states_only(params, precision, optimizer, zero, world, offload_optimizer, budget)
     spec = _spec_of(model, lora)
@@ -200,7 +256,7 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
     # Default: the model's context length, capped at 4096 (long-context models train mostly shorter).
     seq = seq or min(spec.seq or 1024, 4096)
     if spec.task not in (None, "causal-lm"):  # seq2seq, masked LM, image classifier: their own batches
-        return _family(spec, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer, budget)
+        return _family(spec, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer, budget, gpu)
     common = dict(precision=precision, optimizer=optimizer, **_trainable(spec, optimizer, n_tensors))
     sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
     single = model_state_bytes(n, offload_optimizer=offload_optimizer, **common)
@@ -208,17 +264,20 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
     from memfit.measure.trace import trace_step  # heavy import (FakeTensorMode) only when tracing
 
     tr = None
-    if offload_optimizer in (None, "none") and spec.lora is None and not worst:  # identical blocks: composed, exact
+    # identical blocks: composed, exact (a GPU target traces whole: its reserve replays the step's events)
+    if offload_optimizer in (None, "none") and spec.lora is None and not worst and gpu is None:
         from memfit.measure.blocks import composed_step
 
         tr = composed_step(spec, batch, seq, precision, optimizer, checkpoint)
     if tr is None:
         tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint,
-                        offload_optimizer=offload_optimizer)
+                        offload_optimizer=offload_optimizer, device=gpu if gpu is not None else "cpu")
     per, modules = _per_device(tr, {cat: (getattr(sharded, cat), getattr(single, cat)) for cat in MODEL_STATES})
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
-                    module_activations=dict(tr.module_activations), moments=dict(tr.module_categories))
+                    module_activations=dict(tr.module_activations), moments=dict(tr.module_categories),
+                    attention=dict(tr.attention),
+                    reserve_overhead=None if tr.cuda_reserved is None else tr.cuda_reserved - tr.peak)
 
 
 def _states_only(params: int | None, precision: str, optimizer: str, zero: int, world: int,
@@ -235,14 +294,14 @@ def _states_only(params: int | None, precision: str, optimizer: str, zero: int, 
 
 
 def _family(spec: ModelSpec, batch: int, seq: int | None, precision: str, optimizer: str, zero: int, world: int,
-            checkpoint: str, offload_optimizer: str | None, budget: int | None) -> Estimate:
+            checkpoint: str, offload_optimizer: str | None, budget: int | None, gpu: Any = None) -> Estimate:
     """A config family other than causal LMs, traced as any module on the family's own micro-batch."""
     from memfit.measure.anymodel_estimate import estimate_module
 
     seq = None if spec.task == "image-classification" else seq  # image models have no sequence
     fields = estimate_module(lambda: spec.build(seq=seq), spec.example(batch, seq), optimizer=optimizer,
                              precision=precision, checkpoint=checkpoint, zero=zero, world=world,
-                             offload_optimizer=offload_optimizer, device_memory=budget)
+                             offload_optimizer=offload_optimizer, device_memory=budget, gpu=gpu)
     fields.update(model=f"{spec.name} ({spec.task})", batch=batch, seq=seq)
     return Estimate(**fields)
 

@@ -26,7 +26,7 @@ from typing import Callable, Union
 import torch
 import torch.nn as nn
 
-from memfit.core.device import resolve_device
+from memfit.core.device import estimate_device, resolve_device
 from memfit.core.errors import ConfigError
 from memfit.core.tracker import MemoryTracker
 from memfit.measure.fake_mode import fake_mode
@@ -62,6 +62,10 @@ class TraceResult:
     from replaying the storages through the caching allocator's rules (memfit.measure.caching_allocator)."""
     cuda_reserved: int | None = None
     """CUDA traces: the predicted torch.cuda.max_memory_reserved (the segments the allocator holds)."""
+    gpu: str | None = None
+    """A named GPU target (device="h100"): the step was traced as that GPU runs it (memfit.measure.gpu_kernels)."""
+    attention: dict[str, int] = field(default_factory=dict)
+    """GPU targets: how many attention calls each backend ran (cudnn, flash, efficient, math)."""
 
     def breakdown(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -73,15 +77,18 @@ def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true"
                offload_optimizer: str | None = None) -> TraceResult:
     """Predict the steady-state peak of one training step under FakeTensorMode (nothing is allocated).
 
+    device: cpu, cuda (this machine's GPU), or a named GPU (h100, a100-80gb, ...: memfit.core.gpus) on
+    any machine, traced with that GPU's attention and optimizer kernels; CUDA and named GPUs also get
+    the caching allocator's figures (cuda_allocated, cuda_reserved).
     offload_optimizer: None / "none", "cpu" or "disk", as TrainingOptimizer(offload=...); a disk
     trace creates an empty spill folder (no data is written) and removes it."""
     build = _builder(model, seq)
     _check(batch, seq, steps)
-    resolve_device(device)  # ConfigError for a device memfit cannot trace on (fake CUDA tensors need CUDA)
+    device, gpu = estimate_device(device)  # ConfigError for a device memfit cannot trace on
     t0 = time.perf_counter()
-    with fake_mode():
+    with fake_mode(gpu):
         result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps, window=None,
-                      offload=offload_optimizer)
+                      offload=offload_optimizer, gpu=gpu)
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -169,7 +176,8 @@ def _train_step(model: nn.Module, opt, batch: int, seq: int, vocab: int, device:
 
 
 def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, optimizer: str,
-         checkpoint: "str | list", device: str, steps: int, window, offload: str | None = None) -> TraceResult:
+         checkpoint: "str | list", device: str, steps: int, window, offload: str | None = None,
+         gpu=None) -> TraceResult:
     from memfit.apply.checkpoint import checkpoint as apply_checkpoint
     from memfit.apply.optimizer import TrainingOptimizer
 
@@ -185,7 +193,7 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
                             offload=None if offload in (None, "none") else offload)
     vocab = _vocab(model)
     tracker = MemoryTracker(model, opt, dev)
-    if dev.type == "cuda":
+    if dev.type == "cuda" or gpu is not None:
         tracker.events = []
     try:
         with tracker:
@@ -200,11 +208,17 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
         opt.close()
     b = tracker.breakdown
     cuda = None
-    if tracker.events is not None:
+    if gpu is not None:
+        from memfit.measure.gpu_attention import GpuAttentionMode
+        from memfit.measure.gpu_kernels import replay_on
+
+        cuda = replay_on(gpu, tracker.events)
+    elif tracker.events is not None:
         from memfit.measure.caching_allocator import replay_step
 
         cuda = replay_step(tracker.events, dev)
     return TraceResult(
+        gpu=gpu.name if gpu is not None else None, attention=GpuAttentionMode.counts() if gpu is not None else {},
         cuda_allocated=cuda.peak_allocated if cuda else None, cuda_reserved=cuda.peak_reserved if cuda else None,
         peak=tracker.peak_bytes, params=b["params"], grads=b["grads"], optimizer=b["optimizer"],
         activations=b["activations"], temporaries=b["temporaries"],

@@ -151,7 +151,21 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
     else cpu). On a CPU device the default `allow` leaves out host offload (docs/planner.md).
     `keep_output`: the loop holds the model's output (logits, a Hugging Face KV cache) through backward,
     as `out = model(**batch); out.loss.backward()` does, until its next forward returns; pass False
-    when it drops the output before backward (memfit.plan.loop_step)."""
+    when it drops the output before backward (memfit.plan.loop_step).
+    A named GPU as `device` (h100, a100-80gb, ...: memfit.core.gpus) plans for it from any machine: its
+    kernels and caching allocator in the full-trace check, `budget` by default its capacity less the CUDA
+    context, `precision` by default bf16-master (else 32-true)."""
+    from memfit.core.gpus import target
+
+    gpu = target(device)
+    precision_note = None
+    if precision is None:
+        precision = gpu.default_precision if gpu is not None else "32-true"
+        if gpu is not None:
+            precision_note = f"precision {precision}: the default on {gpu.name}; pass precision= to change"
+    if budget is None and gpu is not None:
+        budget = gpu.memory - gpu.context
+    device = gpu.name if gpu is not None else device
     if budget is None:
         raise ConfigError("give a budget, e.g. budget='8GiB'")
     if gpus is not None:  # several devices: a ClusterPlan (memfit.plan.cluster_fit)
@@ -177,6 +191,8 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
     plan = search(problem, limit, allowed, optimizer, precision, verify)
     plan.device, plan.keep_output, plan.seq = device, problem.keep_output, problem.seq
     plan.global_batch, plan.model_digest = problem.batch, problem.digest()
+    if precision_note:
+        plan.notes.append(precision_note)
     if allow is None and device == "cpu":
         plan.notes.append("on a CPU device the default leaves out offload-cpu and optimizer-offload (host memory "
                           "is the same RAM); name them in allow to plan them anyway")

@@ -114,7 +114,11 @@ def trace_plan(problem: Any, plan: Any) -> int:
     from memfit.measure.caching_allocator import replay_step
     from memfit.measure.fake_mode import fake_mode
 
+    from memfit.core.gpus import target
+    from memfit.measure.gpu_kernels import replay_on
+
     device = str(getattr(problem, "device", None) or "cpu")
+    gpu = target(device)  # a named GPU (h100, ...): traced on the CPU as that GPU runs the step
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     if problem.spec is not None:
         if problem.spec.hf_config is not None:
@@ -130,14 +134,16 @@ def trace_plan(problem: Any, plan: Any) -> int:
 
     def tracker(model, opt, dev):
         t = MemoryTracker(model, opt, dev)
-        t.events = [] if cuda else None
+        t.events = [] if cuda or gpu is not None else None
         return t
 
-    with fake_mode():
+    with fake_mode(gpu):
         r = run_steps(build, step, plan.precision, plan.optimizer, plan.actions, device if cuda else "cpu",
                       tracker=tracker, prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None,
                       offload=plan.offload_optimizer)
     peak = r.tracker.peak_bytes
+    if gpu is not None:
+        return max(peak, replay_on(gpu, r.tracker.events).peak_reserved)
     return max(peak, replay_step(r.tracker.events, device).peak_reserved) if cuda else peak
 
 
