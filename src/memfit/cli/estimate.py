@@ -125,7 +125,7 @@ def _torchtitan(args: argparse.Namespace, model: str | None):
                           "--tp, --zero, --lora and --input")
     kw = {"device_memory": parse_bytes(args.device_memory)} if args.device_memory else {}
     if getattr(args, "device", None) is not None:  # a GPU target, where estimate takes one
-        kw["device"] = args.device
+        kw["device"] = _device(args.device)
     return estimate_job(args.torchtitan, args.world, **kw)
 
 
