@@ -69,16 +69,25 @@ def layer_saved(h: int, a: int, s: int, b: int, t: int, dropout: float, kind: st
     from memfit.measure.trace import trace_step
     from memfit.models.spec import parse_model
 
+    import torch
+    from references_layers import paper_precision  # 16-bit everything, no autocast: the paper's count
+
     spec = parse_model(f"gpt:layers=1,hidden={h},heads={a},vocab=128,seq={s},dropout={dropout}")
     device, out = "h100", []  # the GPU's kernels where memfit models them (a ConfigError otherwise)
-    for degree in (t, 1):
-        with _kernel(kind):
-            try:
-                tr = trace_step(lambda d=degree: local_tp_gpt(spec, s, d), b, s, "bf16-true", "sgd", device=device)
-            except ConfigError:
-                device = "cpu"
-                tr = trace_step(lambda d=degree: local_tp_gpt(spec, s, d), b, s, "bf16-true", "sgd")
-        out.append(block_saved(tr.module_activations, 1)[0])
+    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)  # math rows: the paper's 16-bit softmax
+    try:
+        for degree in (t, 1):
+            with _kernel(kind):
+                try:
+                    tr = trace_step(lambda d=degree: local_tp_gpt(spec, s, d), b, s, paper_precision(), "sgd",
+                                    device=device)
+                except ConfigError:
+                    device = "cpu"
+                    tr = trace_step(lambda d=degree: local_tp_gpt(spec, s, d), b, s, paper_precision(), "sgd")
+            out.append(block_saved(tr.module_activations, 1)[0])
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(before)
     return out[0], out[1], device
 
 
