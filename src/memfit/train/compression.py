@@ -90,10 +90,12 @@ def load_state(opt: Any, run_dir: Path, step: int) -> None:
         state.load_state_dict(load_checkpoint(path))
 
 
-def prune(run_dir: Path, step: int) -> None:
-    """Rank 0, after checkpoint.pt names `step`: remove the compressor states of older steps."""
+def prune(run_dir: Path, steps: int | list[int]) -> None:
+    """Rank 0, after checkpoint.pt names a step: remove the compressor states of other steps than
+    `steps` (checkpoint.pt's, and checkpoint.prev.pt's)."""
     import shutil
 
+    keep = {f"{FOLDER}-{s}" for s in ([steps] if isinstance(steps, int) else steps)}
     for old in Path(run_dir).glob(f"{FOLDER}-*"):
-        if old.name != f"{FOLDER}-{step}":
+        if old.name not in keep:
             shutil.rmtree(old, ignore_errors=True)

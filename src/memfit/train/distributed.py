@@ -262,16 +262,18 @@ def complete_folder(run_dir: Path, step: int) -> Path | None:
     return max(done, key=lambda f: (f / ".metadata").stat().st_mtime_ns) if done else None
 
 
-def prune_sharded(run_dir: Path, step: int) -> None:
-    """Rank 0, after checkpoint.pt names sharded-<step>: remove the older folders."""
+def prune_sharded(run_dir: Path, step: int, previous: int | None = None) -> None:
+    """Rank 0, after checkpoint.pt names sharded-<step>: remove the older folders, except the one of
+    checkpoint.prev.pt (step `previous`), kept so that a resume from it finds its shards."""
     import shutil
 
     from memfit.train import compression
 
-    compression.prune(run_dir, step)
-    keep = complete_folder(run_dir, step)
+    steps = [step] + ([previous] if previous is not None else [])
+    compression.prune(run_dir, steps)
+    keep = {complete_folder(run_dir, s) for s in steps}
     for old in run_dir.glob(f"{SHARDED}-*"):
-        if old != keep:
+        if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
 
 

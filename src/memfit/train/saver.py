@@ -4,6 +4,10 @@ A failed save (a full disk, a folder gone read-only) never costs the run: the pr
 is intact (atomic writes), training goes on with one warning and the next save tries again. If
 that one fails too, the run stops with one line naming the folder, its free space and the last
 step saved (SaveError: exit code 2).
+
+Each checkpoint.pt is written with checksums and read back before it replaces the old one; the
+old one then becomes checkpoint.prev.pt, but only once it is known good (this run wrote it, or it
+verifies), so a corrupt checkpoint.pt never displaces the good one a run resumed from.
 """
 from __future__ import annotations
 
@@ -33,13 +37,34 @@ class Saver:
         self.saved_step = saved_step
         """The step of the newest checkpoint on disk (None: none yet)."""
         self.failing = False
+        self.trusted = False
+        """Whether checkpoint.pt is known good (this run wrote it): it may become checkpoint.prev.pt."""
+        self.previous_step: int | None = None
+        """The step of checkpoint.prev.pt once this run has kept one (its sharded folder is kept too)."""
+
+    def _keep_previous(self, tmp) -> None:
+        """Before the new checkpoint.pt replaces the old: the old one, if good, becomes checkpoint.prev.pt."""
+        current = self.run_dir / state_mod.CHECKPOINT
+        if not current.is_file():
+            return
+        step = self.saved_step
+        if not self.trusted:
+            try:
+                step = state_mod.verify_file(current)
+            except OSError as exc:
+                self.log(f"memfit train: {current} does not verify ({exc.strerror or exc}); replacing it and "
+                         f"keeping {state_mod.PREVIOUS} as it is")
+                return
+        state_mod.keep_previous(current, self.run_dir / state_mod.PREVIOUS)
+        self.previous_step = step
 
     def save(self, step: int, checkpoint: dict[str, Any], metrics: dict[str, Any], *, last: bool) -> bool:
         """Write both files; True if they were written. A second failure in a row, or a failure
         of the `last` save (no later save to retry), raises SaveError."""
         try:
-            state_mod.save_checkpoint(self.run_dir / state_mod.CHECKPOINT, checkpoint)
-            self.saved_step = step
+            state_mod.save_checkpoint(self.run_dir / state_mod.CHECKPOINT, checkpoint, sealed=True,
+                                      before_replace=self._keep_previous)
+            self.saved_step, self.trusted = step, True
             state_mod.save_json(self.run_dir / report.METRICS, metrics)
         except OSError as exc:
             reason = f"{exc.strerror or exc}, {_free(self.run_dir)}"
