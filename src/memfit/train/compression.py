@@ -72,7 +72,7 @@ def save_state(opt: Any, run_dir: Path, step: int) -> None:
 
     path = _file(run_dir, step, dist.get_rank())
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(path, state.state_dict())
+    save_checkpoint(path, state.state_dict(), sealed=True)  # checksummed: checked by load_checkpoint
     dist.barrier()  # checkpoint.pt (rank 0, next) may name this step only once every rank's file exists
 
 

@@ -212,7 +212,8 @@ def _save(run: Run, seconds: float, *, last: bool) -> dict[str, Any]:
     metrics = report.metrics_payload(run.cfg.to_dict(), {**run.info, "horizon": run.horizon, "compression": comp},
                                      run.history, run.breakdown)
     ctx = run.ctx
-    model_state = dist_train.save_states(run.opt, run.model, run.run_dir, run.step) if ctx else run.model.state_dict()
+    model_state, shards = (dist_train.save_states(run.opt, run.model, run.run_dir, run.step) if ctx
+                           else (run.model.state_dict(), None))
     if ctx is not None and not ctx.main:  # rank 0 writes checkpoint.pt and metrics.json
         return metrics
     run.saver.save(run.step, {
@@ -220,9 +221,10 @@ def _save(run: Run, seconds: float, *, last: bool) -> dict[str, Any]:
         "model": model_state, "optimizer": run.opt.state_dict(), "sampler": run.sampler.state_dict(),
         "rng": state_mod.rng_state(), "history": run.history, "breakdown": run.breakdown,
         "corpus": run.info["corpus"], "world": ctx.world if ctx else 1,
+        **({"shards": shards} if shards is not None else {}),
     }, metrics, last=last)
     if ctx is not None:
-        dist_train.prune_sharded(run.run_dir, run.step, run.saver.previous_step)
+        dist_train.prune_sharded(run.run_dir, run.step, run.saver.previous)
     return metrics
 
 

@@ -23,7 +23,7 @@ RESHARD = "reshard"
 
 
 def source_folder(checkpoint: dict, run_dir: Path) -> Path | None:
-    return dist_train.complete_folder(run_dir, checkpoint["step"])
+    return dist_train.checkpoint_folder(run_dir, checkpoint)
 
 
 def restorer(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, ctx: Any) -> Callable[[], None] | None:

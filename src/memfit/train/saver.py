@@ -39,24 +39,27 @@ class Saver:
         self.failing = False
         self.trusted = False
         """Whether checkpoint.pt is known good (this run wrote it): it may become checkpoint.prev.pt."""
-        self.previous_step: int | None = None
-        """The step of checkpoint.prev.pt once this run has kept one (its sharded folder is kept too)."""
+        self.folder: str | None = None
+        """The sharded folder checkpoint.pt names, when this run wrote it (several processes)."""
+        self.previous: tuple[int, str | None] | None = None
+        """checkpoint.prev.pt's step and sharded folder, once this run has kept one (the folder is kept too)."""
 
     def _keep_previous(self, tmp) -> None:
         """Before the new checkpoint.pt replaces the old: the old one, if good, becomes checkpoint.prev.pt."""
         current = self.run_dir / state_mod.CHECKPOINT
         if not current.is_file():
             return
-        step = self.saved_step
+        step, folder = self.saved_step, self.folder
         if not self.trusted:
             try:
-                step = state_mod.verify_file(current)
+                kept = state_mod.verify_file(current)
             except OSError as exc:
                 self.log(f"memfit train: {current} does not verify ({exc.strerror or exc}); replacing it and "
                          f"keeping {state_mod.PREVIOUS} as it is")
                 return
+            step, folder = kept.get("step"), (kept.get("shards") or {}).get("folder")
         state_mod.keep_previous(current, self.run_dir / state_mod.PREVIOUS)
-        self.previous_step = step
+        self.previous = (step, folder) if isinstance(step, int) else None
 
     def save(self, step: int, checkpoint: dict[str, Any], metrics: dict[str, Any], *, last: bool) -> bool:
         """Write both files; True if they were written. A second failure in a row, or a failure
@@ -65,6 +68,7 @@ class Saver:
             state_mod.save_checkpoint(self.run_dir / state_mod.CHECKPOINT, checkpoint, sealed=True,
                                       before_replace=self._keep_previous)
             self.saved_step, self.trusted = step, True
+            self.folder = (checkpoint.get("shards") or {}).get("folder")
             state_mod.save_json(self.run_dir / report.METRICS, metrics)
         except OSError as exc:
             reason = f"{exc.strerror or exc}, {_free(self.run_dir)}"
