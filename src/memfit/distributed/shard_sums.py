@@ -2,7 +2,7 @@
 refused on resume, naming the entry it is in.
 
     sums = gather(folder)          # every rank, after dcp.save: crc32 of each stored item, and of .metadata
-    check(folder, sums)            # every rank, before dcp.load: ConfigError naming the first item that differs
+    check(folder, sums)            # every rank, before dcp.load: CorruptCheckpointError naming the first item that differs
 
 DCP's metadata says where each stored item (a tensor's chunk, a bucket's slice) lies in which file:
 its crc32 is taken over those bytes. The files are shared out over the ranks (file i to rank i mod
@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from memfit.core.errors import ConfigError
+from memfit.core.errors import CorruptCheckpointError
 
 METADATA = ".metadata"
 _BLOCK = 1 << 22
@@ -101,7 +101,7 @@ def _first_bad(folder: Path, sums: dict[str, Any], rank: int, world: int) -> str
 
 
 def check(folder: str | Path, sums: dict[str, Any] | None, alone: bool = False) -> None:
-    """Every rank (or, `alone`, this process by itself) before loading: ConfigError if any item
+    """Every rank (or, `alone`, this process by itself) before loading: CorruptCheckpointError if any item
     differs from `sums` (None: a folder saved before sums existed, loaded unchecked)."""
     if not sums:
         return
@@ -115,4 +115,4 @@ def check(folder: str | Path, sums: dict[str, Any] | None, alone: bool = False) 
         dist.all_gather_object(said, bad)
         bad = next((b for b in said if b is not None), None)
     if bad is not None:
-        raise ConfigError(f"sharded checkpoint {str(folder)!r} is corrupt: {bad}; it was not used")
+        raise CorruptCheckpointError(f"sharded checkpoint {str(folder)!r} is corrupt: {bad}")

@@ -304,9 +304,9 @@ def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
         if folder is None:
             raise ConfigError(f"{run_dir} has no {SHARDED}-{checkpoint['step']}/: it was not written by a zero1-3, "
                               "pipeline or tensor run; resume it with the strategy it was written with")
-        from memfit.distributed import shard_sums
+        from memfit.train.state import check_shards
 
-        shard_sums.check(folder, checkpoint.get("shards"))  # every rank, before any of them loads
+        check_shards(folder, checkpoint)  # every rank, before any of them loads
         opt.load_sharded(folder) if sharded else load_sharded(opt, folder)
         return
     model.load_state_dict(checkpoint["model"])

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from memfit.core.errors import ConfigError
+from memfit.core.errors import CorruptCheckpointError
 
 KEY = "checksums"
 
@@ -66,21 +66,21 @@ def seal(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def verify(state: dict[str, Any], where: str) -> dict[str, Any]:
-    """`state` without KEY if every checksum holds; else ConfigError naming the first part that differs."""
+    """`state` without KEY if every checksum holds; else CorruptCheckpointError naming the first part that differs."""
     stored = state.get(KEY)
     if stored is None:
         return state
     if not isinstance(stored, dict) or not isinstance(stored.get("crc32"), dict) \
             or not isinstance(stored.get("entries"), dict):
-        raise ConfigError(f"checkpoint {where} is corrupt: its checksum table is damaged")
+        raise CorruptCheckpointError(f"checkpoint {where} is corrupt: its checksum table is damaged")
     now = _sums(state)
     for path, crc in now["crc32"].items():
         if stored["crc32"].get(path) != crc:
-            raise ConfigError(f"checkpoint {where} is corrupt: {describe(path, state)} does not match its checksum")
+            raise CorruptCheckpointError(f"checkpoint {where} is corrupt: {describe(path, state)} does not match its checksum")
     for key in sorted(set(now["entries"]) | set(stored["entries"])):
         if now["entries"].get(key) != stored["entries"].get(key):
             what = f"its {key!r} entry" if key in now["entries"] else f"its {key!r} entry is missing and"
-            raise ConfigError(f"checkpoint {where} is corrupt: {what} does not match its checksum")
+            raise CorruptCheckpointError(f"checkpoint {where} is corrupt: {what} does not match its checksum")
     return {k: v for k, v in state.items() if k != KEY}
 
 

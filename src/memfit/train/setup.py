@@ -189,7 +189,7 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
         restore(checkpoint, repr(str(run_dir)), model, opt, sampler, restorer(opt, model, checkpoint, run_dir, ctx))
         run.step, run.history, run.breakdown = checkpoint["step"], checkpoint["history"], checkpoint.get("breakdown")
         run.horizon = cfg.steps if cfg.steps is not None else checkpoint["horizon"]
-        run.saver.saved_step = run.step
+        run.saver.resumed(checkpoint)
     run.track_at = max(run.step, 1)
     model.train()
     log(f"memfit train: {n_params / 1e6:.2f}M-parameter model {cfg.model} on {device} ({precision}), "

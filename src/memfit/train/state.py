@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from memfit.core.checkpoint_temps import remove_stale_checkpoint_temps, temp_prefix
-from memfit.core.errors import ConfigError
+from memfit.core.errors import ConfigError, CorruptCheckpointError
 
 CHECKPOINT = "checkpoint.pt"
 PREVIOUS = "checkpoint.prev.pt"
@@ -177,16 +177,28 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
     try:
         return integrity.verify(loaded, repr(str(path)))
-    except ConfigError as exc:
-        raise ConfigError(f"{exc}; {_previous_hint(path)}") from None
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{exc}; {previous_hint(path)}") from None
 
 
-def _previous_hint(path: Path) -> str:
-    """How to continue when `path` is corrupt: from the checkpoint kept before it, if there is one."""
+def previous_hint(path: Path) -> str:
+    """How to continue when `path` (or the sharded folder it names) is corrupt: from the checkpoint
+    kept before it, if there is one."""
     previous = path.parent / PREVIOUS
     if path.name == CHECKPOINT and previous.is_file():
-        return (f"the checkpoint before it is kept: continue from it with memfit train --resume {previous}")
+        return f"the checkpoint before it is kept: continue from it with memfit train --resume {previous}"
     return "it was not used; no earlier checkpoint is kept beside it"
+
+
+def check_shards(folder: Path, checkpoint: dict[str, Any], alone: bool = False) -> None:
+    """The checksums of the sharded folder `checkpoint` names (memfit.distributed.shard_sums), with
+    how to continue if they fail (from checkpoint.prev.pt when the resume came from checkpoint.pt)."""
+    from memfit.distributed import shard_sums
+
+    try:
+        shard_sums.check(folder, checkpoint.get("shards"), alone=alone)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{exc}; {previous_hint(Path(checkpoint.get('_source') or ''))}") from None
 
 
 def rng_state() -> dict[str, Any]:
