@@ -142,6 +142,25 @@ def test_checksums_cover_every_entry_and_the_previous_checkpoint_is_kept(run3, t
         state.load_checkpoint(tmp_path / "c.pt")
 
 
+def test_a_save_that_does_not_read_back_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from memfit.train import integrity
+
+    path = tmp_path / state.CHECKPOINT
+    state.save_checkpoint(path, {"w": torch.ones(3)}, sealed=True)
+    before = path.read_bytes()
+    real = integrity.seal
+
+    def damaged(s):  # the file on disk will not match its checksums, as if damaged on its way there
+        out = real(s)
+        out[integrity.KEY]["crc32"]["w"] = "00000000"
+        return out
+
+    monkeypatch.setattr(integrity, "seal", damaged)
+    with pytest.raises(OSError, match="does not read back.*tensor w does not match"):
+        state.save_checkpoint(path, {"w": torch.zeros(3)}, sealed=True)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [state.CHECKPOINT]
+
+
 def _memfit(*argv: str, cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "memfit", *argv], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC})

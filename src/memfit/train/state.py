@@ -109,9 +109,9 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *, sealed: b
     return atomic_write(path, lambda f: torch.save(state, f), check)
 
 
-def verify_file(path: str | os.PathLike) -> dict[str, Any]:
+def verify_file(path: str | os.PathLike) -> None:
     """Read a sealed checkpoint back (memory-mapped, so it costs no memory) and check its checksums;
-    returns it (still mapped). OSError if it does not hold what was written (a save failing this failed)."""
+    OSError if it does not hold what was written (a save failing this is a failed save)."""
     from memfit.train import integrity
 
     try:
@@ -123,7 +123,6 @@ def verify_file(path: str | os.PathLike) -> dict[str, Any]:
         raise
     except Exception as exc:  # unpickling errors have many types
         raise OSError(errno.EIO, f"it does not read back ({type(exc).__name__}: {exc})".splitlines()[0]) from None
-    return loaded if isinstance(loaded, dict) else {}
 
 
 def keep_previous(path: str | os.PathLike, previous: str | os.PathLike) -> None:
