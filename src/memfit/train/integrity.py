@@ -100,9 +100,15 @@ def describe(path: str, state: dict[str, Any]) -> str:
 def _param_name(state: dict[str, Any], pid: int, index: bool = False) -> str:
     """The parameter behind torch's optimizer state id `pid` (or list position with `index`)."""
     try:
-        from memfit.train.portable import plain_model
+        import dataclasses
 
-        names = [n for n, p in plain_model(state["config"]).named_parameters() if p.requires_grad]
+        from memfit.train.config import TrainConfig
+        from memfit.train.model_build import build_model
+
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        with torch.device("meta"):  # names and order only: no memory
+            model = build_model(TrainConfig(**{k: v for k, v in state["config"].items() if k in known}))
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
         if not index:
             ids = [i for g in state["optimizer"]["optimizer"]["param_groups"] for i in g["params"]]
             pid = ids.index(pid)
