@@ -36,6 +36,28 @@ def checkpoint(n: int = 25, side: int = 1024) -> dict:
                                         "exp_avg_sq": torch.rand(side, side, generator=g)} for i in range(n)}}}
 
 
+def render_machine(result: dict) -> str:
+    m = result.get("machine", {})
+    return (f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}; run "
+            f"{result.get('date', '?')}. {common.run_line(result)}")
+
+
+def render(result: dict) -> str:
+    """The docs/BENCHMARKS.md section (bench/render.py)."""
+    t = result["timing"]
+    rows = "\n".join(f"| {name} | {common.fmt_spread(t['cpu'][name])} | {common.fmt_spread(t['wall'][name])} |"
+                      for name in ("save plain", "save sealed", "load plain", "load checked"))
+    ratio = lambda a, b: t["cpu"][a]["median"] / t["cpu"][b]["median"]  # noqa: E731
+    return (f"## Checkpoint checksums\n\n`.venv/bin/python bench/checkpoint_checksums.py`; "
+            f"{render_machine(result)}\n\n"
+            f"A {result['mib']:.0f} MiB checkpoint saved and loaded through memfit.train.state, with and without "
+            "checksums (docs/reliability.md, \"Checksums\"). A sealed save adds the crc32 of every tensor and the "
+            "read-back of the written file; a checked load adds the crc32 of every tensor.\n\n"
+            "| contender | CPU seconds | wall seconds |\n|---|---:|---:|\n" + rows +
+            f"\n\nCPU medians: sealed save {ratio('save sealed', 'save plain'):.2f}x the plain save, checked load "
+            f"{ratio('load checked', 'load plain'):.2f}x the plain load. {common.load_line(t)}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=common.MIN_ROUNDS)
