@@ -113,8 +113,8 @@ def train(
         if run.history["val"]["step"][-1] != run.step:
             _evaluate(run, clock)
         metrics = _save(run, base_seconds + clock.elapsed(), last=True)
-    if ctx is None or ctx.main:
-        _plot(metrics, run.run_dir, log)
+        if ctx is None or ctx.main:  # still inside: the run holds its folder's lock until the plot is written
+            _plot(metrics, run.run_dir, log)
     return TrainResult(run_dir=run.run_dir, metrics=metrics, step=run.step, stopped=stopped)
 
 
