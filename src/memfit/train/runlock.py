@@ -64,7 +64,11 @@ class RunLock:
         if fcntl is None:
             return
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:  # e.g. another user's lock file
+                raise ConfigError(f"cannot open the run lock {str(self.path)!r} ({exc.strerror or exc}); "
+                                  "pass another --out") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
