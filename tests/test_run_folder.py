@@ -81,6 +81,10 @@ def test_a_fresh_run_refuses_a_folder_with_a_checkpoint_unless_told(run3, tmp_pa
     assert f"--resume {run}" in err and "--overwrite" in err and err.count("\n") == 1  # one line
     assert (run / state.CHECKPOINT).read_bytes() == before
     assert main(["train", *FAST, "--steps", "1", "--out", str(run), "--resume", str(run)]) == 2  # not both
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run3), "--out", str(run), "--steps", "4", "--quiet"]) == 2  # another run's
+    assert "already holds another run's checkpoint.pt" in capsys.readouterr().err
+    assert (run / state.CHECKPOINT).read_bytes() == before
     assert main(["train", *FAST, "--steps", "1", "--out", str(run), "--overwrite"]) == 0
     assert state.load_checkpoint(run)["step"] == 1 and not (run / state.PREVIOUS).exists()
 

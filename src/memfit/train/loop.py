@@ -34,7 +34,7 @@ from memfit.train import distributed as dist_train, report, state as state_mod
 from memfit.train.config import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, RESUMABLE, TrainConfig
 from memfit.train.data import absolute
 from memfit.train.resume import check_checkpoint, check_steps, resume_config
-from memfit.train.rundir import check_fresh, check_out
+from memfit.train.rundir import check_fresh, check_out, check_resume_into
 from memfit.train.schedule import CALIBRATION_STEPS, RECENT, Clock, fit_horizon, lr_at
 from memfit.train.setup import (Run, build_model, enter_tracker, live_memory, memory_errors, resolve_device,
                                 resolve_precision, setup)
@@ -131,6 +131,7 @@ def _checked(cfg: TrainConfig, checkpoint: dict[str, Any] | None, overwrite: boo
     else:
         check_checkpoint(checkpoint, repr(cfg.out))
         check_steps(cfg, checkpoint)
+        check_resume_into(cfg.out, checkpoint.get("_source"))
     return cfg
 
 

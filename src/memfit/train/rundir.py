@@ -47,6 +47,16 @@ def check_fresh(out: str | None, overwrite: bool) -> None:
                           f"--resume {out}, or start over there with --overwrite (its checkpoints are removed)")
 
 
+def check_resume_into(out: str | None, source: str | None) -> None:
+    """A resume with --out elsewhere refuses a folder that holds another run's checkpoint."""
+    if out is None or source is None or os.path.realpath(Path(source).parent) == os.path.realpath(out):
+        return
+    held = [name for name in (state_mod.CHECKPOINT, state_mod.PREVIOUS) if (Path(out) / name).is_file()]
+    if held:
+        raise ConfigError(f"--out {out!r} already holds another run's {held[0]}; resume into a folder without "
+                          f"one, or leave out --out to continue in {str(Path(source).parent)!r}")
+
+
 def _remove_previous_run(path: Path, log: Callable[[str], None]) -> None:
     """--overwrite: the earlier run's checkpoints, metrics and sharded folders go before this one starts."""
     gone = [p for p in path.iterdir() if p.name in OVERWRITTEN or p.name.startswith(_FOLDERS)]
