@@ -143,7 +143,7 @@ def same_state(a: Path, b: Path) -> bool:
     if ca["model"].keys() != cb["model"].keys() or not all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"]):
         return False
     sharded = kind(ca["config"]["strategy"]) != "pt"
-    pa, pb = (read_portable(c, dist_train.complete_folder(d, c["step"]) if sharded else None)
+    pa, pb = (read_portable(c, dist_train.checkpoint_folder(d, c) if sharded else None)
               for c, d in ((ca, a), (cb, b)))
     if not torch.equal(pa.step, pb.step) or pa.optim.keys() != pb.optim.keys():
         return False

@@ -68,7 +68,8 @@ GRAMMAR = {
               "--eval-every": (["0", "1"], ["-1"]), "--eval-batches": (["1"], BAD_COUNTS),
               "--save-every": (["0", "1"], ["-1", "x"]), "--time-limit": (["60"], [*BAD_FLOATS, "0"]),
               "--data": (["{text}"], ["/dev/null", "{missing}", "{empty_dir}", "{dir}/*.nothing"]),
-              "--device": (["cpu"], ["tpu", "cuda:7", ""]), "--no-track": ([""], [])},
+              "--device": (["cpu"], ["tpu", "cuda:7", ""]), "--no-track": ([""], []),
+              "--overwrite": ([""], [])},
 }
 
 
@@ -89,7 +90,8 @@ def command_lines(draw, command: str) -> list[str]:
         resume = [["--resume", "{run}"], ["--resume", "{run}/checkpoint.pt"]]
         argv += draw(st.sampled_from([[], [], [], *resume] + ([] if clean else [["--resume", "{missing}"],
                                                                                 ["--resume", "{tensor}"]])))
-        outs = [["--out", "{out}"]] + ([] if clean else [["--out", "{file}"], ["--out", "{file}/sub"]])
+        outs = [["--out", "{out}"]] + ([] if clean else [["--out", "{file}"], ["--out", "{file}/sub"],
+                                                         ["--out", "{run}"]])  # a run's folder: refused or --overwrite
         argv += draw(st.sampled_from(outs))
     for flag in draw(st.permutations(sorted(options)))[: draw(st.integers(0, 6))]:
         good, bad = options[flag]

@@ -89,12 +89,13 @@ def test_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, strategy, 
     run_world(train_rank, 2, args=({**cfg, "out": str(part)}, 2, None), timeout_s=300)
     assert json.loads((part / "metrics.json").read_text())["steps"]["step"][-1] == 2
     # The periodic and the final save at step 2 went to two folders (never one over the other); the
-    # newest complete one is kept. A save that died half-way (no .metadata: DCP renames it into place
-    # last) at the same step, or a folder of a step checkpoint.pt does not name, is never read.
+    # newest complete one is checkpoint.pt's, the other checkpoint.prev.pt's. A save that died half-way
+    # (no .metadata: DCP renames it into place last) at the same step, or a folder checkpoint.pt does
+    # not name, is never read.
     from memfit.train.distributed import complete_folder
 
     good = complete_folder(part, 2)
-    assert [p.name for p in part.glob("sharded-*")] == [good.name] == ["sharded-2.1"]
+    assert sorted(p.name for p in part.glob("sharded-*")) == ["sharded-2", "sharded-2.1"] and good.name == "sharded-2.1"
     for torn in ("sharded-2.9", "sharded-3"):
         shutil.copytree(good, part / torn)
         next(p for p in (part / torn).iterdir() if p.suffix == ".distcp").write_bytes(b"torn")
@@ -103,7 +104,7 @@ def test_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, strategy, 
     assert len(whole[0]) == len(resumed[0]) == 4
     # The same arithmetic in the same order on the same ranks: bitwise.
     assert resumed[0] == whole[0]
-    assert sorted(p.name for p in part.glob("sharded-*")) == ["sharded-4"]
+    assert sorted(p.name for p in part.glob("sharded-*")) == ["sharded-2.1", "sharded-4"]  # prev's and the last
 
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

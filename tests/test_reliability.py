@@ -94,7 +94,9 @@ def test_resume_takes_the_checkpoint_file_too(tmp_path, capsys):
     assert main(["train", *FAST, "--steps", "2", "--out", str(run)]) == 0
     assert main(["train", "--resume", str(run / "checkpoint.pt"), "--steps", "3", "--quiet"]) == 0
     assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 3
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "metrics.json", "plot.png"]
+    # The step-2 checkpoint is kept as checkpoint.prev.pt; no lock or temporary file is left.
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.prev.pt", "checkpoint.pt", "metrics.json", "plot.png"]
+    assert torch.load(run / "checkpoint.prev.pt", weights_only=True)["step"] == 2
 
 
 # ---------------------------------------------------------------- a full disk

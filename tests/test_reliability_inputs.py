@@ -182,6 +182,10 @@ def test_edited_checkpoints(tmp_path, capsys, edit, needle):
     assert main(["train", *FAST, "--steps", "1", "--out", str(run)]) == 0
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
     edit(ckpt)
+    state.save_checkpoint(run / "checkpoint.pt", ckpt)  # the checksums saved with it no longer hold
+    _fails(capsys, ["train", "--resume", str(run), "--steps", "2"], "is corrupt: ")
+    # Without checksums (a checkpoint from before them), the layout checks say what is wrong with it.
+    ckpt.pop("checksums")
     state.save_checkpoint(run / "checkpoint.pt", ckpt)
     _fails(capsys, ["train", "--resume", str(run), "--steps", "2"], needle)
 

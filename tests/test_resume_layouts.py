@@ -99,7 +99,9 @@ def test_resume_keeps_the_global_batch_and_drops_the_old_layouts_options(tmp_pat
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)  # as if a 2-replica pipeline had written it
     ckpt["config"].update(strategy="pipeline", dp=2, microbatches=4, batch=2)
     ckpt["world"] = 2
-    torch.save(ckpt, run / "checkpoint.pt")
+    from memfit.train.integrity import seal
+
+    torch.save(seal(ckpt), run / "checkpoint.pt")  # with fresh checksums (the saved ones no longer hold)
     cfg, _ = loop.resume_config(run, {"strategy": "tensor"}, world=2)
     assert (cfg.strategy, cfg.dp, cfg.microbatches, cfg.tp, cfg.batch) == ("tensor", 1, None, None, 2)
     cfg, _ = loop.resume_config(run, {"strategy": "none"}, world=1)

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     weights = {k: v.detach().clone() for k, v in ckpt["model"].items()}
     strategy = ckpt["config"].get("strategy") or "none"
     if args.master or args.optimizer:
-        sharded = dist_train.complete_folder(folder, ckpt["step"]) if kind(strategy) != "pt" else None
+        sharded = dist_train.checkpoint_folder(folder, ckpt) if kind(strategy) != "pt" else None
         try:
             portable = read_portable(ckpt, sharded)
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:  # a damaged or foreign folder

@@ -9,6 +9,7 @@ what the API gets too. Exit codes: 0 done, 2 a request that cannot work (one lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -71,7 +72,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=integer(0), metavar="N",
                    help=f"checkpoint every N steps, 0 = at the end only (default {d.save_every})")
     g.add_argument("--out", metavar="DIR", help="run folder (default runs/<timestamp>, or the resumed run's)")
-    g.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (or RUN_DIR/checkpoint.pt)")
+    g.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (or RUN_DIR/checkpoint.pt, "
+                   "or RUN_DIR/checkpoint.prev.pt: the checkpoint before it)")
+    g.add_argument("--overwrite", action="store_true", help="start a new run in an --out folder that holds an "
+                   "earlier run's checkpoint, removing its checkpoints (without it such a folder is refused)")
     add(g, "device", shown="cuda when available")
     g.add_argument("--no-track", dest="track", action="store_false",
                    help="skip measuring one step's memory breakdown with the tracker")
@@ -105,6 +109,10 @@ def config_of(given: dict) -> tuple[TrainConfig, dict | None]:
     if overrides.get("clip") == 0:
         overrides["clip"] = None
     if "resume" in given:
+        if given.get("overwrite"):
+            from memfit.core.errors import ConfigError
+
+            raise ConfigError("--resume continues a run and --overwrite starts over in its folder; give one of them")
         return loop.resume_config(given["resume"], overrides, world=given.get("nproc"))
     return TrainConfig(**overrides), None
 
@@ -155,7 +163,8 @@ def _run(args: argparse.Namespace) -> int:
     # From here a signal is never fatal: the loop saves, and one after the loop changes nothing; in a
     # process of its own (the `memfit` command) that holds until it exits.
     with holding(restore=not given.get("_own_process", False)):
-        result = loop.train(cfg, ckpt, progress=not given.get("quiet", False))
+        result = loop.train(cfg, ckpt, progress=not given.get("quiet", False),
+                            overwrite=given.get("overwrite", False))
     if os.environ.get("RANK", "0") == "0":  # several processes: rank 0 speaks
         print(format_summary(result.metrics, result.run_dir, result.stopped))
         if result.stopped in EXIT_CODES:
@@ -185,5 +194,32 @@ def _launch(cfg: TrainConfig, given: dict, resuming: bool) -> int:
     precheck(cfg, resuming, world=given["nproc"])
     # Every rank, and every attempt after an elastic restart, writes to (and resumes from) one folder.
     given = {**given, "out": cfg.out or str(new_run_dir())}
-    return launch(given["nproc"], to_argv("train", given, drop=("nproc", "max_restarts")),
-                  max_restarts=given.get("max_restarts", 0), out=given["out"])
+    with hold_run_folder(given["out"], resuming, given.get("overwrite", False)):
+        return launch(given["nproc"], to_argv("train", given, drop=("nproc", "max_restarts", "overwrite")),
+                      max_restarts=given.get("max_restarts", 0), out=given["out"])
+
+
+@contextlib.contextmanager
+def hold_run_folder(out: str, resuming: bool, overwrite: bool):
+    """The launcher holds the run folder's lock for its ranks (and for every elastic restart); a
+    fresh run's folder is checked (or, with --overwrite, cleared) once, here. A folder this launch
+    created and left empty (the ranks refused the run) is removed."""
+    from memfit.train.rundir import prepare_run_dir
+    from memfit.train.runlock import HELD_ENV
+
+    created = not os.path.exists(out)
+    with contextlib.ExitStack() as stack:
+        path = prepare_run_dir(out, lambda msg: print(msg, file=sys.stderr, flush=True), stack.enter_context,
+                               fresh=not resuming, overwrite=overwrite)
+        before = os.environ.get(HELD_ENV)
+        os.environ[HELD_ENV] = os.path.abspath(path)  # spawned ranks inherit it: they do not lock
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(HELD_ENV, None)
+            else:
+                os.environ[HELD_ENV] = before
+    if created:
+        with contextlib.suppress(OSError):
+            os.rmdir(out)

@@ -11,3 +11,7 @@ class ConfigError(MemfitError, ValueError):
 
 class DoesNotFitError(MemfitError):
     """The requested configuration needs more memory than the budget allows."""
+
+
+class CorruptCheckpointError(ConfigError):
+    """A checkpoint whose checksums do not hold: the message names what is corrupt."""

@@ -72,7 +72,7 @@ def save_state(opt: Any, run_dir: Path, step: int) -> None:
 
     path = _file(run_dir, step, dist.get_rank())
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(path, state.state_dict())
+    save_checkpoint(path, state.state_dict(), sealed=True)  # checksummed: checked by load_checkpoint
     dist.barrier()  # checkpoint.pt (rank 0, next) may name this step only once every rank's file exists
 
 
@@ -90,10 +90,12 @@ def load_state(opt: Any, run_dir: Path, step: int) -> None:
         state.load_state_dict(load_checkpoint(path))
 
 
-def prune(run_dir: Path, step: int) -> None:
-    """Rank 0, after checkpoint.pt names `step`: remove the compressor states of older steps."""
+def prune(run_dir: Path, steps: int | list[int]) -> None:
+    """Rank 0, after checkpoint.pt names a step: remove the compressor states of other steps than
+    `steps` (checkpoint.pt's, and checkpoint.prev.pt's)."""
     import shutil
 
+    keep = {f"{FOLDER}-{s}" for s in ([steps] if isinstance(steps, int) else steps)}
     for old in Path(run_dir).glob(f"{FOLDER}-*"):
-        if old.name != f"{FOLDER}-{step}":
+        if old.name not in keep:
             shutil.rmtree(old, ignore_errors=True)

@@ -232,21 +232,24 @@ SHARDED = "sharded"
 """Folders sharded-<step> in the run folder hold ZeRO's optimizer state (torch.distributed.checkpoint)."""
 
 
-def save_states(opt, model: nn.Module, run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+def save_states(opt, model: nn.Module, run_dir: Path, step: int) -> tuple[dict[str, torch.Tensor], dict | None]:
     """Every rank: ZeRO writes its slices under run_dir/sharded-<step> (checkpoint.pt, written after
     it, names the folder, so a crash between the two leaves the previous pair intact); returns the
-    full model state dict. checkpoint.pt holds it with rank 0's optimizer state: all of it for ddp
-    and ps, whose rank 0 has the whole state."""
+    full model state dict and the folder's checksums (memfit.distributed.shard_sums; None: no
+    folder). checkpoint.pt holds both with rank 0's optimizer state: all of it for ddp and ps,
+    whose rank 0 has the whole state."""
+    from memfit.distributed import shard_sums
     from memfit.train import compression
 
     compression.save_state(opt, run_dir, step)  # --compress: each rank's residuals and momenta
+    folder = None
     if hasattr(opt, "save_sharded"):  # pipeline, tensor: memfit.distributed.parallel_checkpoint
-        opt.save_sharded(_fresh_folder(run_dir, step))
+        opt.save_sharded(folder := _fresh_folder(run_dir, step))
     elif getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import save_sharded
 
-        save_sharded(opt, _fresh_folder(run_dir, step))
-    return model_state(opt, model)
+        save_sharded(opt, folder := _fresh_folder(run_dir, step))
+    return model_state(opt, model), (shard_sums.gather(folder) if folder is not None else None)
 
 
 def _fresh_folder(run_dir: Path, step: int) -> Path:
@@ -264,6 +267,14 @@ def _fresh_folder(run_dir: Path, step: int) -> Path:
     return Path(box[0])
 
 
+def checkpoint_folder(run_dir: Path, checkpoint: dict) -> Path | None:
+    """The sharded folder `checkpoint` names (its checksums record it), else complete_folder's pick."""
+    named = (checkpoint.get("shards") or {}).get("folder")
+    if isinstance(named, str) and (run_dir / named / ".metadata").exists():
+        return run_dir / named
+    return complete_folder(run_dir, checkpoint["step"])
+
+
 def complete_folder(run_dir: Path, step: int) -> Path | None:
     """The newest complete folder saved at `step` (DCP renames its .metadata into place last)."""
     done = [f for f in run_dir.glob(f"{SHARDED}-{step}*")
@@ -271,23 +282,28 @@ def complete_folder(run_dir: Path, step: int) -> Path | None:
     return max(done, key=lambda f: (f / ".metadata").stat().st_mtime_ns) if done else None
 
 
-def prune_sharded(run_dir: Path, step: int) -> None:
-    """Rank 0, after checkpoint.pt names sharded-<step>: remove the older folders."""
+def prune_sharded(run_dir: Path, step: int, previous: tuple[int, str | None] | None = None) -> None:
+    """Rank 0, after checkpoint.pt names sharded-<step>: remove the older folders, except the one of
+    checkpoint.prev.pt (`previous`: its step and folder name), kept so a resume from it finds its shards."""
     import shutil
 
     from memfit.train import compression
 
-    compression.prune(run_dir, step)
-    keep = complete_folder(run_dir, step)
+    steps = [step] + ([previous[0]] if previous is not None else [])
+    compression.prune(run_dir, steps)
+    keep = {complete_folder(run_dir, step)}
+    if previous is not None:
+        keep.add(run_dir / previous[1] if previous[1] else complete_folder(run_dir, previous[0]))
     for old in run_dir.glob(f"{SHARDED}-*"):
-        if old != keep:
+        if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_torn(run_dir: Path, step: int, ctx: DistContext | None) -> list[str]:
-    """Resume: the sharded folders other than the one checkpoint.pt names (step `step`, complete),
-    removed by rank 0 once every rank has read its slices: a save a kill tore (no .metadata) or
-    one never named (killed before checkpoint.pt was replaced). Returns their names."""
+def remove_torn(run_dir: Path, checkpoint: dict, ctx: DistContext | None) -> list[str]:
+    """Resume: the sharded folders a kill left, removed by rank 0 once every rank has read its slices:
+    a save a kill tore (no .metadata), or one at or after the resumed step that checkpoint.pt does not
+    name (killed before checkpoint.pt was replaced). The folder the checkpoint names and complete older
+    ones (checkpoint.prev.pt's, kept for a resume from it) stay. Returns the names removed."""
     if ctx is not None:
         import torch.distributed as dist
 
@@ -296,11 +312,16 @@ def remove_torn(run_dir: Path, step: int, ctx: DistContext | None) -> list[str]:
             return []
     import shutil
 
-    keep = complete_folder(run_dir, step)
-    gone = sorted(f.name for f in run_dir.glob(f"{SHARDED}-*") if f != keep)
-    for name in gone:
+    keep, step = checkpoint_folder(run_dir, checkpoint), checkpoint["step"]
+    gone = []
+    for f in run_dir.glob(f"{SHARDED}-*"):
+        head = f.name.split(".")[0][len(SHARDED) + 1:]
+        older = head.isdigit() and int(head) < step and (f / ".metadata").exists()
+        if f != keep and not older:
+            gone.append(f.name)
+    for name in sorted(gone):
         shutil.rmtree(run_dir / name, ignore_errors=True)
-    return gone
+    return sorted(gone)
 
 
 def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
@@ -313,10 +334,13 @@ def restore(opt, model: nn.Module, checkpoint: dict, run_dir: Path) -> None:
     if sharded or getattr(opt, "engine", None) is not None:
         from memfit.distributed.checkpoint import load_sharded
 
-        folder = complete_folder(run_dir, checkpoint["step"])
+        folder = checkpoint_folder(run_dir, checkpoint)
         if folder is None:
             raise ConfigError(f"{run_dir} has no {SHARDED}-{checkpoint['step']}/: it was not written by a zero1-3, "
                               "pipeline or tensor run; resume it with the strategy it was written with")
+        from memfit.train.state import check_shards
+
+        check_shards(folder, checkpoint)  # every rank, before any of them loads
         opt.load_sharded(folder) if sharded else load_sharded(opt, folder)
         return
     model.load_state_dict(checkpoint["model"])

@@ -42,4 +42,5 @@ def resumed_options(given: dict[str, Any]) -> dict[str, Any]:
     path = path.parent if path.is_file() else path
     if not (path / state_mod.CHECKPOINT).exists():
         return given
-    return {**given, "resume": str(path)}
+    # --overwrite cleared the folder for the first attempt; a restart continues what that attempt saved.
+    return {**{k: v for k, v in given.items() if k != "overwrite"}, "resume": str(path)}

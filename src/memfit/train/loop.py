@@ -34,7 +34,7 @@ from memfit.train import distributed as dist_train, full_disk, report, state as 
 from memfit.train.config import DEFAULT_MODEL, DEFAULT_TIME_LIMIT, RESUMABLE, TrainConfig
 from memfit.train.data import absolute
 from memfit.train.resume import check_checkpoint, check_steps, resume_config
-from memfit.train.rundir import check_out
+from memfit.train.rundir import check_fresh, check_out, check_resume_into
 from memfit.train.schedule import CALIBRATION_STEPS, RECENT, Clock, fit_horizon, lr_at
 from memfit.train.setup import (Run, build_model, enter_tracker, live_memory, memory_errors, resolve_device,
                                 resolve_precision, setup)
@@ -65,14 +65,17 @@ def train(
     stop_at: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    overwrite: bool = False,
 ) -> TrainResult:
     """Train per `cfg` (from `checkpoint` when resuming) and write the run folder.
 
     `stop_at` ends this run after that many total steps without changing the schedule (a resume
     then continues it); `progress` shows a tqdm bar on a terminal, else a line every few seconds.
+    A fresh run into a folder that holds a checkpoint is refused unless `overwrite` (which removes
+    the earlier run's checkpoints); a folder another run is using is refused (memfit.train.runlock).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    cfg = _checked(cfg, checkpoint)
+    cfg = _checked(cfg, checkpoint, overwrite)
     if cfg.strategy not in (None, "none"):  # several processes: one GPU each, or the CPU
         cfg.device, note = dist_train.rank_device(cfg.device)
         if note and os.environ.get("RANK", "0") == "0":
@@ -84,7 +87,7 @@ def train(
     # hooks and restores the signal handlers, also when a step raises.
     with contextlib.ExitStack() as cleanup:
         signals = cleanup.enter_context(StopSignals(log))
-        run = setup(cfg, checkpoint, cleanup, log, ctx)
+        run = setup(cfg, checkpoint, cleanup, log, ctx, overwrite=overwrite)
         clock = Clock(cfg.time_limit, cfg.eval_every, run.auto_horizon)
         base_seconds = run.history["seconds"]
         bar = cleanup.enter_context(report.Progress(run.step, run.horizon, enabled=progress, log=log))
@@ -113,12 +116,12 @@ def train(
             _evaluate(run, clock)
         metrics = _save(run, base_seconds + clock.elapsed(), last=True)
         hurry = hurry or signals.hurry  # one that came during the save: no plot either (rank 0 alone plots)
-    if (ctx is None or ctx.main) and not hurry:
-        _plot(metrics, run.run_dir, log)
+        if (ctx is None or ctx.main) and not hurry:  # still inside: the run holds its folder's lock until the plot
+            _plot(metrics, run.run_dir, log)
     return TrainResult(run_dir=run.run_dir, metrics=metrics, step=run.step, stopped=stopped)
 
 
-def _checked(cfg: TrainConfig, checkpoint: dict[str, Any] | None) -> TrainConfig:
+def _checked(cfg: TrainConfig, checkpoint: dict[str, Any] | None, overwrite: bool = False) -> TrainConfig:
     """A validated copy of `cfg` with the default time limit and data paths that hold from any folder."""
     cfg = dataclasses.replace(cfg, data=list(cfg.data) if isinstance(cfg.data, (list, tuple)) else cfg.data)
     if cfg.steps is None and cfg.time_limit is None:
@@ -126,9 +129,12 @@ def _checked(cfg: TrainConfig, checkpoint: dict[str, Any] | None) -> TrainConfig
     cfg.validate()
     cfg.data = [absolute(d) for d in cfg.data]
     check_out(cfg.out)
-    if checkpoint is not None:
+    if checkpoint is None:  # early, before anything is built; checked again under the folder's lock
+        check_fresh(cfg.out, overwrite)
+    else:
         check_checkpoint(checkpoint, repr(cfg.out))
         check_steps(cfg, checkpoint)
+        check_resume_into(cfg.out, checkpoint.get("_source"))
     return cfg
 
 
@@ -248,7 +254,8 @@ def _save(run: Run, seconds: float, *, last: bool) -> dict[str, Any]:
     metrics = report.metrics_payload(run.cfg.to_dict(), {**run.info, "horizon": run.horizon, "compression": comp},
                                      run.history, run.breakdown)
     ctx = run.ctx
-    model_state = dist_train.save_states(run.opt, run.model, run.run_dir, run.step) if ctx else run.model.state_dict()
+    model_state, shards = (dist_train.save_states(run.opt, run.model, run.run_dir, run.step) if ctx
+                           else (run.model.state_dict(), None))
     if ctx is not None and not ctx.main:  # rank 0 writes checkpoint.pt and metrics.json
         return metrics
     run.saver.save(run.step, {
@@ -256,9 +263,10 @@ def _save(run: Run, seconds: float, *, last: bool) -> dict[str, Any]:
         "model": model_state, "optimizer": run.opt.state_dict(), "sampler": run.sampler.state_dict(),
         "rng": state_mod.rng_state(), "history": run.history, "breakdown": run.breakdown,
         "corpus": run.info["corpus"], "world": ctx.world if ctx else 1,
+        **({"shards": shards} if shards is not None else {}),
     }, metrics, last=last)
     if ctx is not None:
-        dist_train.prune_sharded(run.run_dir, run.step)
+        dist_train.prune_sharded(run.run_dir, run.step, run.saver.previous)
     return metrics
 
 

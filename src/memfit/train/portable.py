@@ -72,6 +72,9 @@ def read_portable(checkpoint: dict[str, Any], folder: Path | None) -> Portable:
         if folder is None:
             raise ConfigError(f"the checkpoint of step {checkpoint['step']} has no sharded folder beside it; "
                               "resume from a complete run folder")
+        from memfit.train.state import check_shards
+
+        check_shards(folder, checkpoint, alone=True)  # this process reads the whole folder
         full = _read_folder(folder)
         optim, step, scaler = (_from_zero if source == "zero" else _from_mp)(full, model)
     return Portable(dict(checkpoint["model"]), optim, step, _scaler(scaler))

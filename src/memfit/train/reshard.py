@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
+from memfit.core.errors import ConfigError, CorruptCheckpointError
 from memfit.train import distributed as dist_train
 from memfit.train.portable import kind, plain_model, read_portable
 from memfit.train.portable_load import load_into_pt, write_folder
@@ -23,7 +24,7 @@ RESHARD = "reshard"
 
 
 def source_folder(checkpoint: dict, run_dir: Path) -> Path | None:
-    return dist_train.complete_folder(run_dir, checkpoint["step"])
+    return dist_train.checkpoint_folder(run_dir, checkpoint)
 
 
 def restorer(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, ctx: Any) -> Callable[[], None] | None:
@@ -58,13 +59,16 @@ def restore_states(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, 
             shutil.rmtree(folder, ignore_errors=True)  # a conversion a kill cut short
             write_folder(read_portable(checkpoint, source_folder(checkpoint, run_dir)),
                          plain_model(checkpoint["config"]), target, folder)
+        except CorruptCheckpointError as exc:  # its own line, on every rank
+            failed = [("corrupt", str(exc))]
         except Exception as exc:  # every rank raises it, none waits for a folder that will not come
-            failed = [f"{type(exc).__name__}: {exc}"]
+            failed = [("other", f"{type(exc).__name__}: {exc}")]
     dist.broadcast_object_list(failed, src=0)
     if failed[0] is not None:
-        from memfit.core.errors import ConfigError
-
-        raise ConfigError(f"cannot resume this checkpoint in another layout ({failed[0]})".splitlines()[0])
+        what, said = failed[0]
+        if what == "corrupt":
+            raise CorruptCheckpointError(said)
+        raise ConfigError(f"cannot resume this checkpoint in another layout ({said})".splitlines()[0])
     try:
         if target == "zero":
             from memfit.distributed.checkpoint import load_sharded

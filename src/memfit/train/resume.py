@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from memfit.core.errors import ConfigError
+from memfit.core.errors import ConfigError, CorruptCheckpointError
 from memfit.train import state as state_mod
 from memfit.train.config import RESUMABLE, TrainConfig, flag
 
@@ -55,6 +55,9 @@ def resume_config(run_dir: str | Path, overrides: dict[str, Any],
     folder = path.parent if path.is_file() else path  # RUN/checkpoint.pt names the same run as RUN
     ckpt = state_mod.load_checkpoint(path)
     check_checkpoint(ckpt, repr(str(path)))
+    # Which file: a run resumed from checkpoint.pt keeps it as checkpoint.prev.pt at its first save
+    # (memfit.train.saver); one resumed from checkpoint.prev.pt replaces checkpoint.pt and keeps the former.
+    ckpt["_source"] = str(path / state_mod.CHECKPOINT if path.is_dir() else path)
     saved = dict(ckpt["config"])
     bad = sorted(k for k, v in overrides.items() if k not in RESUMABLE + LAYOUT and saved.get(k) != v)
     if bad:
@@ -115,6 +118,8 @@ def restore(ckpt: dict[str, Any], where: str, model: torch.nn.Module, opt: Any, 
     for what, load in parts:
         try:
             load()
+        except CorruptCheckpointError:  # a shard whose checksum fails: its own line names it
+            raise
         except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
             said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
             said = said if len(said) <= 200 else said[:197] + "..."

@@ -123,8 +123,31 @@ class Run:
     """Several processes (memfit.train.distributed.DistContext), or None for one."""
 
 
+def run_folder(cfg: TrainConfig, fresh: bool, overwrite: bool, cleanup: contextlib.ExitStack,
+               log: Callable[[str], None], ctx: Any = None) -> Path:
+    """prepare_run_dir for this process: one process holds the run lock (rank 0 of several), and
+    every rank raises the refusal rank 0 meets (none waits in a collective for a peer that left)."""
+    main = ctx is None or ctx.main
+    try:
+        path, failed = prepare_run_dir(cfg.out, log, cleanup.enter_context if main else None, fresh=fresh,
+                                       overwrite=overwrite), None
+    except ConfigError as exc:
+        if ctx is None:
+            raise
+        path, failed = None, str(exc)
+    if ctx is not None:
+        import torch.distributed as dist
+
+        said: list[Any] = [None] * ctx.world
+        dist.all_gather_object(said, failed)
+        failed = next((f for f in said if f is not None), None)
+        if failed is not None:
+            raise ConfigError(failed)
+    return path
+
+
 def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextlib.ExitStack,
-          log: Callable[[str], None], ctx: Any = None) -> Run:
+          log: Callable[[str], None], ctx: Any = None, overwrite: bool = False) -> Run:
     """Build the run of `cfg` (from `checkpoint` when resuming); what needs releasing goes on `cleanup`.
 
     Every refusal comes before the first step; the run folder is created last, so a bad request
@@ -150,7 +173,8 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
     val_batches = data_mod.fixed_windows(corpus.val, cfg.eval_batches, cfg.batch, cfg.seq, (cfg.seed + 1) % 2**64)
     opt = cleanup.enter_context(dist_train.make_optimizer(ctx, model, cfg, precision) if ctx
                                 else build_optimizer(cfg, model, precision))
-    run_dir = prepare_run_dir(cfg.out, log)  # the last refusal: a bad request leaves no empty run folder
+    # The last refusal (a bad request leaves no empty run folder); from here the run holds the folder.
+    run_dir = run_folder(cfg, checkpoint is None, overwrite, cleanup, log, ctx)
     info = {"device": str(device), "precision": precision, "params": n_params,
             # The resolved files beside their digest: a resume reads the same bytes from any folder.
             "corpus": {"name": corpus.name, "files": len(corpus.files), "bytes": corpus.num_bytes,
@@ -165,8 +189,8 @@ def setup(cfg: TrainConfig, checkpoint: dict[str, Any] | None, cleanup: contextl
         restore(checkpoint, repr(str(run_dir)), model, opt, sampler, restorer(opt, model, checkpoint, run_dir, ctx))
         run.step, run.history, run.breakdown = checkpoint["step"], checkpoint["history"], checkpoint.get("breakdown")
         run.horizon = cfg.steps if cfg.steps is not None else checkpoint["horizon"]
-        run.saver.saved_step = run.step
-        if gone := dist_train.remove_torn(run_dir, run.step, ctx):
+        run.saver.resumed(checkpoint)
+        if gone := dist_train.remove_torn(run_dir, checkpoint, ctx):
             log(f"memfit train: removed {', '.join(gone)} in {run_dir}: what an interrupted save left; resuming from "
                 f"step {run.step}")
     run.track_at = max(run.step, 1)
