@@ -267,6 +267,8 @@ def estimate_job(path: str, world: int = 1, **kw: Any):
         _fsdp2_states(est)
     if lay.get("strategy") == "tensor" and job.shard > 1:
         _fsdp_over_tp(est, spec, job)
+    if getattr(est, "reserve_overhead", None) is not None and est.device is not None:
+        est.per_device["reserved"] = est.per_device["total"] + est.reserve_overhead  # the GPU's reserve, again
     est.model = f"torchtitan llama3 {job.flavor}"
     est.note = describe(job, lay)
     return est
