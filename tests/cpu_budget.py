@@ -5,9 +5,9 @@ Each test's CPU time is measured from its set-up to its teardown: this process's
 of the children it has reaped, and that of every live descendant (with what they reaped), so the
 ranks a multi-process test forks from the forkserver count too. CPU time rather than wall time: on a
 shared machine the wall clock measures the neighbours. A default-tier test (not marked slow) over its
-budget (DEFAULT_BUDGET_S, or its `cpu_budget(seconds)` marker) fails in its teardown when the machine
-was idle as it started (1-minute load average below IDLE_LOAD per core); on a loaded machine, or
-with --cpu-budget=report, it is only listed. The summary gives each tier's total CPU and wall time.
+budget (DEFAULT_BUDGET_S, its entry in BUDGETS_S, or its `cpu_budget(seconds)` mark) fails in its
+teardown when the machine was idle as it started (1-minute load average below IDLE_LOAD per core); on
+a loaded machine, or with --cpu-budget=report, it is only listed. The summary gives each tier's total CPU and wall time.
 
 Under pytest-xdist each worker measures its own tests and sends the figures in the test reports;
 the controller adds them up. --cpu-json=PATH writes every test's figures (bench and budget work).
@@ -25,6 +25,21 @@ import pytest
 DEFAULT_BUDGET_S = 10.0  # CPU seconds (set-up + call + teardown) per default-tier test
 TIER_BUDGET_S = 480.0  # CPU seconds for the whole default tier: 4 minutes of wall on 2 cores
 IDLE_LOAD = 1.5  # 1-minute load average per core below which budgets are enforced
+# Default-tier tests allowed more than DEFAULT_BUDGET_S (CPU seconds, about 1.5 times their time alone on
+# a loaded machine): end-to-end runs of several processes, and the one default-tier case of a trace
+# grid. Listed here rather than marked in their files, so that docs/testing.md can show them in one place;
+# a `cpu_budget(seconds)` mark on a test does the same.
+BUDGETS_S = {
+    "tests/test_chaos.py::test_kill_9_of_a_rank_during_a_save_with_disk_offload_resumes_bitwise": 40,
+    "tests/test_plan_keep_output.py::test_memfit_gpt_loop_holding_its_logits_measures_within_the_budget": 25,
+    "tests/test_plan_chunked_head.py::test_a_loop_that_keeps_its_output_is_priced_exactly_with_a_chunked_head": 20,
+    "tests/test_measure_compose.py::test_composed_equals_full_trace[gpt-32-true]": 18,
+    "tests/test_measure_compose.py::test_hf_llama_ends_and_first_checkpointed_block_are_exact": 18,
+    "tests/test_distributed_rank_grid.py::test_covering_subset_each_rank_within_3_percent": 18,
+    "tests/test_distributed_fits.py::test_a_small_model_too_big_for_one_process_trains_with_zero3_on_two": 16,
+    "tests/test_plan_cluster_file_train.py::test_cluster_plan_file_trains_every_rank_at_its_predicted_peak": 15,
+    "tests/test_cli_compress.py::test_compressed_run_reports_bytes_ratio_and_coding_share": 15,
+}
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -62,15 +77,18 @@ def cpu_seconds() -> float:
 
 
 def _idle() -> bool:
+    per_core = float(os.environ.get("MEMFIT_TEST_IDLE_LOAD", IDLE_LOAD))  # tests/test_cpu_budget.py sets it
     try:
-        return os.getloadavg()[0] < IDLE_LOAD * (os.cpu_count() or 1)
+        return os.getloadavg()[0] < per_core * (os.cpu_count() or 1)
     except OSError:
         return False
 
 
 def _budget(item: pytest.Item) -> float:
     mark = item.get_closest_marker("cpu_budget")
-    return float(mark.args[0]) if mark else DEFAULT_BUDGET_S
+    if mark:
+        return float(mark.args[0])
+    return float(BUDGETS_S.get(item.nodeid.split("@")[0], DEFAULT_BUDGET_S))  # xdist's loadgroup adds "@group"
 
 
 class CpuBudget:
@@ -105,7 +123,7 @@ class CpuBudget:
                 and not item.get_closest_marker("skip"):
             report.outcome = "failed"
             report.longrepr = (f"{item.nodeid}: {row['cpu_s']:.1f} CPU-s, over the default tier's budget of "
-                               f"{row['budget_s']:.0f} s per test (docs/testing.md, Budgets): shrink it, share "
+                               f"{row['budget_s']:g} s per test (docs/testing.md, Budgets): shrink it, share "
                                f"its set-up, or mark it slow beside a smaller default-tier test")
 
     def pytest_runtest_logreport(self, report: pytest.TestReport):
@@ -139,7 +157,7 @@ class CpuBudget:
         over = [r for r in self.rows if r["budget_s"] is not None and r["cpu_s"] > r["budget_s"]]
         for r in sorted(over, key=lambda r: -r["cpu_s"]):
             tr.write_line(f"over budget{'' if r['idle'] else ' (machine busy: not enforced)'}: "
-                          f"{r['cpu_s']:.1f} > {r['budget_s']:.0f} CPU-s  {r['nodeid']}")
+                          f"{r['cpu_s']:.1f} > {r['budget_s']:g} CPU-s  {r['nodeid']}")
 
 
 def add_options(parser: pytest.Parser) -> None:
