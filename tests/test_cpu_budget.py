@@ -3,6 +3,7 @@ time counts, and a default-tier test over its budget fails on an idle machine, n
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,10 @@ def test_slow_has_no_budget():
                                  "over budget*test_burns*"])
     if failed:
         result.stdout.fnmatch_lines(["*over the default tier's budget of 0.2 s per test*"])
+
+
+def test_every_listed_budget_names_a_test_that_exists():
+    root = Path(__file__).resolve().parents[1]
+    for nodeid in cpu_budget.BUDGETS_S:
+        path, name = nodeid.split("::")
+        assert f"def {name.split('[')[0]}(" in (root / path).read_text(), nodeid
