@@ -8,7 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-# --dist load --maxschedchunk 1: each worker takes the next test in order as it finishes one (xdist
-# otherwise hands each a quarter of the list up front); tests/conftest.py puts the slow ones first
-# under --runslow, so both workers end on short tests together
-exec "${MEMFIT_VENV:-.venv}/bin/python" -m pytest -n "${MEMFIT_TEST_WORKERS:-2}" --dist load --maxschedchunk 1 "$@"
+# --dist loadgroup --no-loadscope-reorder: each worker takes the next test (or group) in collection
+# order as it nears the end of its queue (xdist's plain load hands each a quarter of the list up
+# front); tests/conftest.py groups the default-tier tests of a file that share traces, and under
+# --runslow puts the slow ones first, so both workers end on short tests together
+exec "${MEMFIT_VENV:-.venv}/bin/python" -m pytest -n "${MEMFIT_TEST_WORKERS:-2}" --dist loadgroup \
+  --no-loadscope-reorder "$@"

@@ -4,6 +4,8 @@ the budget and within a few percent of the plan's predicted peak for that rank (
 leave the sequence length out, so the run trained at memfit train's default --seq and went over)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -21,17 +23,25 @@ BUDGET = 8 * 2**20
 TOLERANCE = 0.03
 
 
-def _plan_file(tmp_path, capsys) -> tuple[Path, dict]:
-    assert main(["plan", TINY, "--budget", "8MiB", "--gpus", "2", "--batch", "4", "--seq", "32", "--device", "cpu",
-                 "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+@pytest.fixture(scope="module")
+def planned() -> str:
+    """`memfit plan ... --json`'s output, planned once for the module's tests (seconds of tracing)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", TINY, "--budget", "8MiB", "--gpus", "2", "--batch", "4", "--seq", "32", "--device",
+                     "cpu", "--json"]) == 0
+    return out.getvalue()
+
+
+def _plan_file(tmp_path, planned: str) -> tuple[Path, dict]:
+    data = json.loads(planned)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
     return path, data
 
 
-def test_the_plan_file_carries_the_shape_the_figures_were_made_for(tmp_path, capsys):
-    path, data = _plan_file(tmp_path, capsys)
+def test_the_plan_file_carries_the_shape_the_figures_were_made_for(tmp_path, planned):
+    path, data = _plan_file(tmp_path, planned)
     plan, cluster = data["plan"], data["cluster"]
     assert plan["seq"] == cluster["seq"] == 32 and plan["device"] == "cpu"
     lay = cluster["layout"]
@@ -45,8 +55,8 @@ def test_the_plan_file_carries_the_shape_the_figures_were_made_for(tmp_path, cap
 
 
 @pytest.mark.multiproc
-def test_cluster_plan_file_trains_every_rank_at_its_predicted_peak(tmp_path, capsys):
-    path, data = _plan_file(tmp_path, capsys)
+def test_cluster_plan_file_trains_every_rank_at_its_predicted_peak(tmp_path, planned):
+    path, data = _plan_file(tmp_path, planned)
     cluster = data["cluster"]
     assert cluster["gpus"] == 2 and cluster["peak"] <= BUDGET
     out = tmp_path / "run"
