@@ -11,7 +11,8 @@ from memfit.plan.plan import Candidate, Plan
 from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
 from memfit.plan.disk_profile import DiskProfile, disk_bases
 from memfit.plan.accumulate import accumulating
-from memfit.plan.loop_step import input_bytes, trace_plan
+from memfit.plan.host_memory import host_need
+from memfit.plan.loop_step import input_bytes, traced
 from memfit.apply.policy import BlockAction, to_string
 
 
@@ -67,6 +68,13 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
             if open_rows():
                 break
         if not open_rows():
+            host = [r[0] for r in rows if r[0].host > getattr(problem, "host_limit", 1 << 62)]
+            if host and not refused:
+                least = min(host, key=lambda c: c.host)
+                raise PlanError(f"no plan fits: those within {format_bytes(limit)} need at least "
+                                f"{format_bytes(least.host)} of host memory ({_label(least)}), more than the "
+                                f"{format_bytes(problem.host_limit)} there is ({problem.host_source}); give "
+                                "--host-memory (host_memory=) or a larger budget")
             if refused:
                 raise PlanError(f"no plan fits {format_bytes(limit)} once checked by a full trace; refused: "
                                 + "; ".join(refused))
@@ -135,7 +143,8 @@ def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_ba
                 offload_optimizer=cand.offload_optimizer, predicted_peak=cand.peak, predicted_time=cand.time,
                 n_blocks=n, head_chunks=cand.head_chunks, keep_output=getattr(problem, "keep_output", True),
                 ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
-                where=composed.where)
+                where=composed.where, device=getattr(problem, "device", "cpu"), host_need=cand.host,
+                host_memory=getattr(problem, "host_limit", 0), host_source=getattr(problem, "host_source", ""))
     base = prof.base if isinstance(prof, DiskProfile) else prof
     relief = _opt_bytes(base, n) if cand.offload_optimizer else 0
     t_block = _problem_cost(problem, getattr(base, "per_micro", base), cand.micro_batch)[1]
@@ -177,18 +186,26 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     device = getattr(problem, "device", "cpu")
     adjust = later_micro_batch(problem, micro, accum)
 
-    def row(chunks: int | None, p) -> tuple:
+    host_limit = getattr(problem, "host_limit", 1 << 62)
+
+    def row(chunks: int | None, p, allowed_bases=bases) -> tuple:
         cost = _problem_cost(problem, p, micro)[0]
-        choice = solve_any(adjust(p), limit + relief, bases, cost, n_blocks=n, max_segment=min(n, 16))
-        choice, p, _ = with_disk(src, p, choice, limit + relief, bases, disk, cost, t_fwd, bw, prec, optimizer, n,
-                                 adjust)
+        choice = solve_any(adjust(p), limit + relief, allowed_bases, cost, n_blocks=n, max_segment=min(n, 16))
+        choice, p, _ = with_disk(src, p, choice, limit + relief, allowed_bases, disk, cost, t_fwd, bw, prec, optimizer,
+                                 n, adjust)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
+        host = host_need(p, choice.actions, choice.peak, relief, device)
+        if host > host_limit:  # without cpu-offloaded activations, or not at all
+            if any(b.offload == "cpu" for b in allowed_bases):
+                return row(chunks, p, [b for b in allowed_bases if b.offload != "cpu"])
+            return Candidate(micro, accum, off, prec, choice.peak - relief, 0.0, to_string(choice.actions), False,
+                             chunks, host=host), None, p, n
         head = head_cost(costs, micro / problem.batch, chunks, lambda k: head_seconds(src, tokens, k, speed, prec, device),
                          sums_weight_grad(src, tokens, prec, device)) if chunks else 0.0
         time = accum * (3 * n * t_fwd + choice.time + head) + 2 * relief / HOST_BW
         return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
-                         chunks), choice, p, n
+                         chunks, host=host), choice, p, n
 
     out = [row(None, prof)]
     counts = _measured_counts(head_counts(src), costs) if "chunked-head" in allowed else []
@@ -231,8 +248,16 @@ def later_micro_batch(problem, micro: int, accum: int):
 
 def _trace_peak(problem, plan: Plan) -> int:
     """The chosen step's peak from a full trace on the device it will run on, as the loop runs it
-    (memfit.plan.loop_step: two micro-batches when it accumulates, the output kept or dropped)."""
-    return trace_plan(problem, plan)
+    (memfit.plan.loop_step: two micro-batches when it accumulates, the output kept or dropped). The
+    same trace's host bytes (plus the peak on a CPU device, one RAM) must fit the host memory."""
+    peak, host = traced(problem, plan)
+    need = host + (peak if plan.device == "cpu" else 0)
+    plan.host_need = need
+    limit = getattr(problem, "host_limit", 1 << 62)
+    if need > limit:
+        raise PlanError(f"the full trace needs {format_bytes(need)} of host memory, more than the "
+                        f"{format_bytes(limit)} there is ({problem.host_source})")
+    return peak
 
 
 def _verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0) -> None:
