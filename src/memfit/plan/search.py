@@ -59,11 +59,12 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
     while True:
         # Smaller micro-batches, offload and other precisions cost time: solved only while nothing fits.
         for (prec, micro, off), set_aside in ([] if open_rows() else _and_then(configs, below)):
-            if not set_aside and _over_floor(problem, prec, optimizer, off, limit, floors):
+            src = problem.source(micro)
+            profile = lambda: chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)  # noqa: E731
+            if not set_aside and _over_floor(problem, prec, optimizer, off, limit, floors, profile):
                 below.append((prec, micro, off))
                 continue
-            src = problem.source(micro)
-            prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
+            prof = profile()
             rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed)
             if open_rows():
                 break
@@ -113,16 +114,15 @@ def _minimal(configs: list[tuple]) -> list[tuple]:
     return [a for a in configs if not any(undercut(a, b) for b in configs)]
 
 
-def _over_floor(problem, prec: str, optimizer: str, off: str | None, limit: int, floors: dict) -> bool:
+def _over_floor(problem, prec: str, optimizer: str, off: str | None, limit: int, floors: dict, profile) -> bool:
     """Whether the bytes no block action, head chunking, disk offload or smaller micro-batch changes
     (parameters, gradients and optimizer state as the optimizer step begins, less the optimizer
-    state with optimizer offload) exceed the budget: then the configuration cannot fit and its
-    chain profile is not traced. From the all-keep profile (two short traces, which the chunked-head
-    profiles share) at the full batch, once per precision."""
+    state with optimizer offload) exceed the budget: then the configuration cannot fit and is not
+    solved. Read once per precision from the configuration's own chain profile (`profile()`), which
+    the search needs next anyway unless the floor rules it out (no separate all-keep trace)."""
     if prec not in floors:
         n = problem.source(problem.batch).n_blocks
-        keep = chain_profile(problem.source(problem.batch), prec, optimizer, bases=[BlockAction("keep")],
-                             with_segments=False)
+        keep = profile()
         floors[prec] = (_state_bytes(keep, n, BlockAction("keep")), _opt_bytes(keep, n))
     fixed, opt = floors[prec]
     return fixed - (opt if off else 0) > limit
