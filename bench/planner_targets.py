@@ -26,6 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 LLAMA_405B = "llama:layers=126,hidden=16384,heads=128,kv_heads=8,ffn=53248,vocab=128256,seq=8192"
+TIMEOUT_S = 1800
+"""Wall seconds a run may take (a loaded machine stretches wall time far beyond CPU time)."""
 ALLOW_8B = "recompute,selective,offload-cpu,offload-disk,accumulate,chunked-head,optimizer-offload"
 TARGETS = {  # name: (argv after python, CPU-second target)
     "gpt2 plan (README)": (["-m", "memfit", "plan", "gpt2", "--budget", "6GiB", "--batch", "8", "--seq", "1024"], 20),
@@ -69,11 +71,16 @@ def _run(argv: list[str], cache: str) -> dict:
     env.pop("MEMFIT_NO_CACHE", None)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT)
+    try:
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:  # killed and reaped: its CPU seconds are in the rusage
+        proc = subprocess.CompletedProcess(argv, -9, exc.stdout or "", f"timed out after {TIMEOUT_S} s wall")
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    tail = (proc.stdout or proc.stderr).strip().splitlines()[-12:]
+    out = proc.stdout if isinstance(proc.stdout, str) else (proc.stdout or b"").decode(errors="replace")
+    tail = (out or str(proc.stderr)).strip().splitlines()[-12:]
     return {"cpu": cpu, "wall": wall, "rc": proc.returncode, "tail": tail}
 
 

@@ -17,21 +17,26 @@ MiB = 2**20
 
 
 def test_one_gpu_plan_reports_the_offloaded_state_as_host_memory_and_respects_a_smaller_host():
-    plan = memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False)
+    allow = "recompute,selective,optimizer-offload"  # no accumulation: nothing else fits 8 MiB
+    plan = memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False, allow=allow)
     assert plan.offload_optimizer == "cpu"  # the budget needs it (the control for the refusal below)
     assert plan.host_memory == machine_ram() and "default: this machine's RAM" in plan.summary()
     assert plan.host_need > 0 and "host memory:" in plan.summary()
     with pytest.raises(PlanError, match="host memory") as err:
-        memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False,
+        memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False, allow=allow,
                    host_memory=plan.host_need - 1)
     assert "\n" not in str(err.value)
+    # With accumulation allowed, a plan that keeps its optimizer state on the device is chosen instead.
+    other = memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False,
+                       host_memory=plan.host_need - 1)
+    assert other.offload_optimizer is None and other.host_need <= plan.host_need - 1
 
 
 def test_on_a_cpu_device_the_whole_step_counts_against_host_memory():
     plan = memfit.fit(SPEC, budget="64MiB", batch=4, seq=64, device="cpu")
     assert plan.host_need >= plan.measured_peak  # one RAM: the device peak is host memory too
     with pytest.raises(PlanError, match="host memory"):
-        memfit.fit(SPEC, budget="64MiB", batch=4, seq=64, device="cpu", host_memory=plan.host_need // 2)
+        memfit.fit(SPEC, budget="64MiB", batch=4, seq=64, device="cpu", host_memory="1MiB")
 
 
 def test_cluster_plan_holds_each_node_to_its_host_memory():

@@ -8,6 +8,7 @@ from memfit.measure.blocks import chain_profile
 from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost, head_cost, measured
 from memfit.plan.head import head_counts, head_profile, head_seconds, sums_weight_grad
 from memfit.plan.plan import Candidate, Plan
+from memfit.plan import disk_plan
 from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
 from memfit.plan.disk_profile import DiskProfile, disk_bases
 from memfit.plan.accumulate import accumulating
@@ -56,6 +57,10 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
     floors: dict[str, tuple[int, int]] = {}
     below: list[tuple] = []  # configurations whose floor alone exceeds the budget (traced only for an error)
     open_rows = lambda: [r for r in rows if r[0].feasible and not r[0].refused]  # noqa: E731
+    # With offload-cpu allowed, disk kinds are traced only when nothing fits without them (disk_plan's
+    # CPU_BEFORE_DISK): in any configuration, not just the one being solved.
+    defer_disk = disk_plan.CPU_BEFORE_DISK and any(b.offload == "cpu" for b in bases)
+    solved: list[tuple] = []
     while True:
         # Smaller micro-batches, offload and other precisions cost time: solved only while nothing fits.
         for (prec, micro, off), set_aside in ([] if open_rows() else _and_then(configs, below)):
@@ -65,9 +70,19 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
                 below.append((prec, micro, off))
                 continue
             prof = profile()
-            rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed)
+            solved.append((src, prof, (prec, micro, off)))
+            rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed,
+                                 defer_disk)
             if open_rows():
                 break
+        if not open_rows() and defer_disk and disk:
+            # Nothing fits without disk offload: now the configurations tried are solved with it too.
+            defer_disk = False
+            rows = [r for r in rows if r[0].feasible or r[0].host]
+            for src, prof, config in solved:
+                rows += _config_rows(problem, src, prof, config, limit, (bases, disk), optimizer, allowed, False)
+                if open_rows():
+                    break
         if not open_rows():
             host = [r[0] for r in rows if r[0].host > getattr(problem, "host_limit", 1 << 62)]
             if host and not refused:
@@ -83,11 +98,11 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
         row = min(open_rows(), key=lambda r: r[0].time)
         try:
             plan = _chosen(problem, limit, row, rows, optimizer, verify, [*bases, *disk])
-        except PlanError:
+        except PlanError as exc:
             if len(refused) >= MAX_REFUSED:
                 raise
             row[0].refused = True
-            refused.append(_label(row[0]))
+            refused.append(_label(row[0]) + (f" ({exc})" if "host memory" in str(exc) else ""))
             continue
         plan.notes[:0] = [f"refused by the full trace, next fastest tried: {r}" for r in refused]
         plan.ranked += [Candidate(m, problem.batch // m, o, p, 0, 0.0, "", False) for p, m, o in below]
@@ -172,7 +187,8 @@ def _problem_cost(problem, prof, micro: int) -> tuple:
     return _cost(t_fwd, t_sel, prof, getattr(costs, "bandwidth", None), seg), t_fwd, speed, costs
 
 
-def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, allowed) -> list[tuple]:
+def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, allowed,
+                 defer_disk: bool = False) -> list[tuple]:
     """One configuration solved with the plain head and, where allowed, with the head in chunks:
     fewest chunks first, while more chunks still make the plan faster (or make it fit at all)."""
     prec, micro, off = config
@@ -191,8 +207,8 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     def row(chunks: int | None, p, allowed_bases=bases) -> tuple:
         cost = _problem_cost(problem, p, micro)[0]
         choice = solve_any(adjust(p), limit + relief, allowed_bases, cost, n_blocks=n, max_segment=min(n, 16))
-        choice, p, _ = with_disk(src, p, choice, limit + relief, allowed_bases, disk, cost, t_fwd, bw, prec, optimizer,
-                                 n, adjust)
+        choice, p, _ = with_disk(src, p, choice, limit + relief, allowed_bases, [] if defer_disk else disk, cost, t_fwd,
+                                 bw, prec, optimizer, n, adjust)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
         host = host_need(p, choice.actions, choice.peak, relief, device)
