@@ -2,7 +2,7 @@
 of the child, what a loaded 2-core machine does not inflate) and wall seconds, cold (an empty
 MEMFIT_CACHE_DIR: every trace made again) and warm (the same folder again).
 
-    PYTHONPATH=src python bench/planner_speed.py --targets [--rounds 3]   # bench/results/planner_targets.json
+    PYTHONPATH=src python bench/planner_speed.py --targets [--rounds 2]   # bench/results/planner_targets.json
 
 Targets (CPU seconds): `memfit plan gpt2 --budget 6GiB --batch 8 --seq 1024` cold <= 20; a few-MiB Hugging
 Face model through `fit_trainer` <= 10; llama-3-8b on one GPU (80 GB, batch 8 x 4096, bf16-master,

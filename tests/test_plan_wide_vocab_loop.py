@@ -65,6 +65,7 @@ def test_usual_loop_with_a_wide_vocabulary_measures_within_the_budget():
     assert plan.measured_peak <= budget  # the plan's own full trace
     measured = usual_loop_peak(plan, example)
     assert measured <= budget, f"{measured - budget} bytes over"
-    control = memfit.fit(model, example, budget=f"{keep + 2**20}B", allow=("recompute",), device="cpu")
+    control = memfit.fit(model, example, budget=f"{keep + 2**20}B", allow=("recompute", "selective"), device="cpu",
+                         verify=False)  # (the same model and allow: its profile is the one traced above)
     assert all(a.mode == "keep" for a in control.actions)
     assert usual_loop_peak(control, example) > budget  # the budget binds: keeping every block measures over it
