@@ -158,7 +158,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--targets", action="store_true", help="the answer-time targets (bench/planner_targets.py)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1, help="--targets: targets run side by side")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--only", action="append", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -170,7 +171,7 @@ def main() -> None:
     if args.targets:
         from planner_targets import targets
 
-        got = targets(args.rounds, args.only)
+        got = targets(args.rounds, args.only, args.jobs)
         print(save("planner_targets", got))
         return
     print("estimate (fresh processes)", flush=True)

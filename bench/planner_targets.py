@@ -67,38 +67,41 @@ def one(which: str) -> None:
 
 
 def _run(argv: list[str], cache: str) -> dict:
+    """One fresh process: its own CPU seconds (user + system, from /usr/bin/time, so runs may overlap)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MEMFIT_CACHE_DIR": cache, "MEMFIT_PROGRESS": "0"}
     env.pop("MEMFIT_NO_CACHE", None)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    fd, times = tempfile.mkstemp(prefix="memfit-time-")
+    os.close(fd)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT,
-                              timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:  # killed and reaped: its CPU seconds are in the rusage
-        proc = subprocess.CompletedProcess(argv, -9, exc.stdout or "", f"timed out after {TIMEOUT_S} s wall")
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    out = proc.stdout if isinstance(proc.stdout, str) else (proc.stdout or b"").decode(errors="replace")
-    tail = (out or str(proc.stderr)).strip().splitlines()[-12:]
-    return {"cpu": cpu, "wall": wall, "rc": proc.returncode, "tail": tail}
+        proc = subprocess.run(["/usr/bin/time", "-f", "%U %S", "-o", times, sys.executable, *argv], capture_output=True,
+                              text=True, env=env, cwd=ROOT, timeout=TIMEOUT_S)
+        rc, out = proc.returncode, proc.stdout or proc.stderr
+        user, system = (float(x) for x in Path(times).read_text().split()[-2:])
+    except subprocess.TimeoutExpired:
+        rc, out, user, system = -9, f"timed out after {TIMEOUT_S} s wall", float("nan"), 0.0
+    finally:
+        os.unlink(times)
+    return {"cpu": user + system, "wall": time.perf_counter() - t0, "rc": rc, "tail": out.strip().splitlines()[-12:]}
 
 
 def _spread(v: list[float]) -> dict:
     return {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
 
 
-def targets(rounds: int, only: list[str] | None = None) -> dict:
+def targets(rounds: int, only: list[str] | None = None, jobs: int = 1) -> dict:
+    """Each target's runs in order (cold, then warm on the same cache folder, `rounds` times); with
+    `jobs` > 1 that many targets run side by side (CPU seconds stay each process's own; wall grows)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from common import load
 
     names = [n for n in TARGETS if not only or n in only]
     runs: dict = {n: {"cold": [], "warm": []} for n in names}
-    rng = random.Random(0)
     load_before = load()
-    for r in range(rounds):
-        order = names[:]
-        rng.shuffle(order)
-        for n in order:
+
+    def target(n: str) -> None:
+        for r in range(rounds):
             cache = tempfile.mkdtemp(prefix="memfit-targets-")
             try:
                 for kind in ("cold", "warm"):  # the warm run reads what the cold one stored
@@ -108,6 +111,11 @@ def targets(rounds: int, only: list[str] | None = None) -> dict:
                           flush=True)
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
+
+    order = names[:]
+    random.Random(0).shuffle(order)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(target, order))
     out = {}
     for n in names:
         row = {"command": "python " + " ".join(TARGETS[n][0]).replace(str(ROOT) + "/", ""), "target_cpu_s": TARGETS[n][1],
@@ -117,12 +125,15 @@ def targets(rounds: int, only: list[str] | None = None) -> dict:
             row[f"{kind}_wall_s"] = _spread([g["wall"] for g in runs[n][kind]])
         row["met"] = row["cold_cpu_s"]["max"] <= TARGETS[n][1] and all(c == 0 for c in row["exit_codes"])
         out[n] = row
-    return {"rounds": rounds, "load_before": load_before, "load_after": load(), "targets": out}
+    return {"rounds": rounds, "jobs": jobs, "load_before": load_before, "load_after": load(), "targets": out}
 
 
 def table(d: dict) -> str:
-    lines = [f"From `PYTHONPATH=src python bench/planner_speed.py --targets --rounds {d['rounds']}`, run {d['date']} "
-             f"({d['rounds']} interleaved rounds, fresh processes, median (min-max); {d['machine']['cores']} cores, "
+    jobs = d.get("jobs", 1)
+    side = f", {jobs} targets side by side" if jobs > 1 else ""
+    lines = [f"From `PYTHONPATH=src python bench/planner_speed.py --targets --rounds {d['rounds']}"
+             + (f" --jobs {jobs}" if jobs > 1 else "") + f"`, run {d['date']} "
+             f"({d['rounds']} round(s){side}, fresh processes, median (min-max); {d['machine']['cores']} cores, "
              f"1-minute load {d['load_before'][0]:.1f} before and {d['load_after'][0]:.1f} after: wall seconds are "
              "mostly waiting for a core, CPU seconds are the measure).", "",
              "| target | cold CPU s | warm CPU s | cold wall s | target (CPU s) | met |", "|---|---:|---:|---:|---:|---|"]
