@@ -34,7 +34,9 @@ TARGETS = {  # name: (argv after python, CPU-second target)
     "HF model via fit_trainer": ([str(HERE / "planner_speed.py"), "--one", "hf_trainer"], 10),
     "llama-3-8b, one GPU, optimizer offload": ([str(HERE / "planner_speed.py"), "--one", "llama8b"], 60),
     "llama-2-70b --gpus auto": (["-m", "memfit", "plan", "llama-2-70b", "--budget", "80GiB", "--gpus", "auto"], 30),
-    "405B-class --gpus auto": (["-m", "memfit", "plan", LLAMA_405B, "--budget", "80GiB", "--gpus", "auto"], 30),
+    # (fp32 405B fits no count up to 256 devices at seq 4096; bf16-master as bench/cluster_paper.py plans it)
+    "405B-class --gpus auto": (["-m", "memfit", "plan", LLAMA_405B, "--budget", "80GiB", "--gpus", "auto", "--precision",
+                                "bf16-master"], 30),
 }
 
 
