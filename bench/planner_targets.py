@@ -144,3 +144,11 @@ def table(d: dict) -> str:
         lines.append(f"| {n}: `{r['command']}` | {f(r['cold_cpu_s'])} | {f(r['warm_cpu_s'])} | {f(r['cold_wall_s'])} | "
                      f"{r['target_cpu_s']} | {'yes' if r['met'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def snippets(d: dict) -> dict[str, str]:
+    return {"planner_targets": table(d)}
+
+
+def render(d: dict) -> str:
+    return "## planner_targets: how long a plan takes to answer\n\n" + table(d)
