@@ -34,7 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="time blocks on this machine (memfit profile, cached) instead of the FLOP time model")
     p.add_argument("--host-memory", metavar="SIZE", help="host RAM a node has for the plan (optimizer and "
                    "activation offload live there; on a CPU device the whole step does); default: this machine's "
-                   "RAM, with --gpus on GPUs 2TiB per node of 8 (a DGX H100's)")
+                   "RAM; a GPU this machine lacks 256GiB; with --gpus on GPUs 2TiB per node of 8 (a DGX H100's)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the chosen plan with a full trace of the step")
     add(p, "json", help="print one JSON object with a `plan` field (for memfit train --plan)")

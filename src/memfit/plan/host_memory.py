@@ -9,8 +9,10 @@ RAM, so the device peak counts too. A plan whose need exceeds the limit is not c
 fits, the error says so in one line.
 
 Defaults (stated in every plan's output):
-* one device (`memfit.fit`, `memfit plan` without --gpus), and ranks on this machine's CPU
-  (--gpus with --device cpu): this machine's RAM;
+* one device on this machine (its CPU, or its own GPU), and ranks on this machine's CPU (--gpus with
+  --device cpu): this machine's RAM;
+* one GPU planned from a machine without it (a CUDA device or a GPU name where torch sees no GPU):
+  256 GiB, one GPU's share of a DGX H100 node (2 TiB / 8);
 * a cluster of GPUs (--gpus N|auto): DEFAULT_NODE_HOST per node of 8 devices, a DGX H100 node's
   2 TiB of system memory.
 """
@@ -46,7 +48,15 @@ def host_limit(host_memory: Any, device: str, cluster: bool = False) -> tuple[in
         return parse_budget(host_memory, "host memory"), "given"
     if cluster and device != "cpu":
         return DEFAULT_NODE_HOST, "default: a DGX H100 node's 2 TiB"
+    if device != "cpu" and not _local_gpu(device):  # a GPU planned from elsewhere: its host is not this one
+        return DEFAULT_NODE_HOST // 8, "default: one GPU's share of a DGX H100 node, 2 TiB / 8"
     return machine_ram(), "default: this machine's RAM"
+
+
+def _local_gpu(device: str) -> bool:
+    import torch
+
+    return device.startswith("cuda") and torch.cuda.is_available()
 
 
 def describe(need: int, limit: int, source: str, per: str = "") -> str:
