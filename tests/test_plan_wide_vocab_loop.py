@@ -18,7 +18,7 @@ from memfit.plan.fit import _Problem
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 4000, 32, 3, 3, 64  # vocab / hidden = 125 (the finding's 24000 / 192)
+VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 4000, 32, 3, 3, 32  # vocab / hidden = 125 (the finding's 24000 / 192)
 
 
 def llama():
