@@ -152,3 +152,22 @@ def snippets(d: dict) -> dict[str, str]:
 
 def render(d: dict) -> str:
     return "## planner_targets: how long a plan takes to answer\n\n" + table(d)
+
+
+def main() -> None:
+    """`python bench/planner_targets.py --targets ...`: the same run as `bench/planner_speed.py --targets ...`."""
+    import argparse
+
+    from common import save
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--targets", action="store_true", help="(as bench/planner_speed.py takes it)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1, help="targets run side by side")
+    args = ap.parse_args()
+    print(save("planner_targets", targets(args.rounds, None, args.jobs)))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()
