@@ -138,14 +138,42 @@ def _table(d: dict) -> str:
 
 
 def snippets(d: dict) -> dict[str, str]:
+    if "targets" in d:  # bench/results/planner_targets.json (--targets)
+        from planner_targets import table
+
+        return {"planner_targets": table(d)}
     return {"planner_speed": _table(d)}
 
 
 def render(d: dict) -> str:
+    if "targets" in d:
+        from planner_targets import table
+
+        return "## planner_targets: how long a plan takes to answer\n\n" + table(d)
     return "## planner_speed: how fast the planner estimates, composes and solves\n\n" + _table(d)
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--targets", action="store_true", help="the answer-time targets (bench/planner_targets.py)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1, help="--targets: targets run side by side")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--only", action="append", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        from planner_targets import one
+
+        one(args.one)
+        return
+    if args.targets:
+        from planner_targets import targets
+
+        got = targets(args.rounds, args.only, args.jobs)
+        print(save("planner_targets", got))
+        return
     print("estimate (fresh processes)", flush=True)
     est = estimate_cli()
     print("100-block chain", flush=True)

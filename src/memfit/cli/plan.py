@@ -34,6 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "offload-cpu and optimizer-offload, which save no physical memory there)")
     p.add_argument("--profile", action="store_true",
                    help="time blocks on this machine (memfit profile, cached) instead of the FLOP time model")
+    p.add_argument("--host-memory", metavar="SIZE", help="host RAM a node has for the plan (optimizer and "
+                   "activation offload live there; on a CPU device the whole step does); default: this machine's "
+                   "RAM; a GPU this machine lacks 256GiB; with --gpus on GPUs 2TiB per node of 8 (a DGX H100's)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the chosen plan with a full trace of the step")
     add(p, "json", help="print one JSON object with a `plan` field (for memfit train --plan)")
@@ -69,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
                    allow=args.allow, batch=batch, seq=args.seq, verify=args.verify, costs=costs,
-                   device=device, keep_output=args.keep_output)
+                   device=device, keep_output=args.keep_output, host_memory=args.host_memory)
     except PlanError as exc:  # name the smallest cluster that would fit
         from memfit.cli.plan_cluster import smallest_cluster_hint
 

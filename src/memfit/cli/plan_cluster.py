@@ -32,7 +32,8 @@ def run_cluster(args: argparse.Namespace, model: str, device: str) -> int:
 
     cp = plan_cluster(model, args.budget, args.gpus, interconnect=args.interconnect, nodes=args.nodes,
                       batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
-                      allow=args.allow, device=device, verify=args.verify, cores=args.cores)
+                      allow=args.allow, device=device, verify=args.verify, cores=args.cores,
+                      host_memory=args.host_memory)
     if args.json:
         print(json.dumps({"plan": cp.plan, "cluster": cp.to_json()}, indent=1))
         return 0
@@ -72,7 +73,7 @@ def smallest_cluster_hint(args: argparse.Namespace, model: str, device: str) -> 
         # memory alone decides the hint: no link probe or compute calibration on a CPU device
         cp = plan_cluster(model, args.budget, "auto", interconnect=args.interconnect or "nvlink", nodes=args.nodes,
                           batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
-                          allow=args.allow, device=device, verify=False, flops=1e11)
+                          allow=args.allow, device=device, verify=False, flops=1e11, host_memory=args.host_memory)
     except MemfitError:
         return ""
     lay = cp.lay

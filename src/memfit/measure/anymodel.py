@@ -227,4 +227,7 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
                     step(model, opt)
     finally:
         opt.close()
+    from memfit.core.progress import tick
+
+    tick()  # a bar on stderr when a planner asked for one (memfit.core.progress)
     return RunResult(tr, model)

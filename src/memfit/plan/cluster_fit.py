@@ -19,8 +19,9 @@ from memfit.core.units import format_bytes
 from memfit.plan.cluster_links import parse_interconnect, topology
 from memfit.plan.cluster_memory import Layout, stage_sizes
 from memfit.plan.cluster_plan import ClusterPlan, degrees, per_process_batch
-from memfit.plan.cluster_search import ClusterProblem, Row, candidates, counts_to_try, smallest
+from memfit.plan.cluster_search import ClusterProblem, Row, candidates, counts_to_try, host_per_rank, smallest
 from memfit.plan.costs import FLOPS, PlanError, parse_budget
+from memfit.plan.host_memory import describe, host_limit
 from memfit.plan.plan import Plan, parse_allow
 
 DEVICE_FLOPS = {"cuda": 4e14, "cpu": FLOPS}
@@ -57,7 +58,7 @@ def actions_of(lay: Layout, layers: int) -> list[BlockAction]:
 
 
 def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precision, optimizer, allow, device,
-               flops, cores: int | None = None) -> ClusterProblem:
+               flops, cores: int | None = None, host_memory: Any = None) -> ClusterProblem:
     """The search's inputs, checked (a model name or spec with memfit's GPT config; the allow list for
     `device`; the FLOP rate for the time model). On a CPU device the devices are this machine's
     cores (memfit.plan.cluster_host): the ranks share them; with `interconnect` "measured" (or
@@ -77,9 +78,12 @@ def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precisi
         host, flops, interconnect = _host(model, spec, seq, precision, optimizer, flops, cores, interconnect)
         nodes = nodes or 1
     parse_interconnect(interconnect)  # fail on a bad name before any work
+    host_bytes, host_source = host_limit(host_memory, device, cluster=True)
     rate = flops or DEVICE_FLOPS.get(device, FLOPS) / (2 if precision == "32-true" and device == "cuda" else 1)
-    return ClusterProblem(spec, seq, batch or DEFAULT_BATCH, parse_budget(budget),
-                          lambda n: topology(n, interconnect, nodes), precisions, optimizer, allowed, rate, host=host)
+    p = ClusterProblem(spec, seq, batch or DEFAULT_BATCH, parse_budget(budget),
+                       lambda n: topology(n, interconnect, nodes), precisions, optimizer, allowed, rate, host=host,
+                       host_memory=host_bytes, host_source=host_source)
+    return p
 
 
 def _host(model, spec, seq, precision, optimizer, flops, cores, interconnect):
@@ -103,17 +107,30 @@ def _host(model, spec, seq, precision, optimizer, flops, cores, interconnect):
 def plan_cluster(model: Any, budget: Any, gpus: int | str = "auto", *, interconnect: Any = None,
                  nodes: int | None = None, batch: int | None = None, seq: int | None = None,
                  precision: str = "32-true", optimizer: str = "adamw", allow: Any = None, device: str = "cuda",
-                 verify: bool = True, flops: float | None = None, cores: int | None = None) -> ClusterPlan:
+                 verify: bool = True, flops: float | None = None, cores: int | None = None,
+                 host_memory: Any = None) -> ClusterPlan:
     """The cluster plan (see the module docstring). `batch`: the global batch in sequences (default 256);
     `flops`: sustained FLOP/s per device (measured: the time basis says calibrated); `cores`: on a CPU
-    device, the cores the ranks share (default: this machine's)."""
+    device, the cores the ranks share (default: this machine's); `host_memory`: per node (default: a
+    DGX H100 node's 2 TiB on GPUs, this machine's RAM for ranks on its CPU; memfit.plan.host_memory)."""
+    from memfit.core.progress import progress
+
+    with progress(f"planning {getattr(model, 'name', model)} on devices"):
+        return _plan_cluster(model, budget, gpus, interconnect, nodes, batch, seq, precision, optimizer, allow, device,
+                             verify, flops, cores, host_memory)
+
+
+def _plan_cluster(model, budget, gpus, interconnect, nodes, batch, seq, precision, optimizer, allow, device, verify,
+                  flops, cores, host_memory) -> ClusterPlan:
     t0 = time.perf_counter()
-    p = problem_of(model, budget, interconnect, nodes, batch, seq, precision, optimizer, allow, device, flops, cores)
+    p = problem_of(model, budget, interconnect, nodes, batch, seq, precision, optimizer, allow, device, flops, cores,
+                   host_memory)
     if gpus == "auto":
         n, rows = smallest(p)
         if n is None:
             raise PlanError(f"no layout of up to {counts_to_try(p.batch)[-1]} devices fits {format_bytes(p.budget)} "
-                            f"at a global batch of {p.batch}; give a larger --budget or a smaller --seq")
+                            f"with {format_bytes(p.host_memory)} of host memory per node at a global batch of "
+                            f"{p.batch}; give a larger --budget, more --host-memory or a smaller --seq")
     else:
         n = int(gpus)
         if n < 1 or p.batch % n:
@@ -134,6 +151,13 @@ def _checked(p: ClusterProblem, rows: list[Row], verify: bool) -> tuple[tuple[Ro
     notes = []
     feasible = [r for r in rows if r.feasible]
     if not feasible:
+        host = [r for r in rows if r.peak <= p.budget]  # fit the devices, not the host
+        if host:
+            least = min(host, key=lambda r: r.host)
+            raise PlanError(f"no layout on {rows[0].layout.gpus} devices fits: the ones within "
+                            f"{format_bytes(p.budget)} per device need at least {format_bytes(least.host)} of host "
+                            f"memory per node, more than {format_bytes(p.host_memory)} ({p.host_source}); give "
+                            "--host-memory or try --gpus auto")
         least = min(rows, key=lambda r: r.peak) if rows else None
         raise PlanError(f"no layout on {rows[0].layout.gpus if rows else '?'} devices fits {format_bytes(p.budget)}"
                         + (f"; the smallest needs {format_bytes(least.peak)} per rank" if least else "")
@@ -166,16 +190,14 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
     topo = p.topo_of(n)
     link = topo.intra.name + (f" in nodes of {topo.per_node}, {topo.inter.name} between" if topo.nodes > 1 else "")
     if lay.offload_optimizer:
-        from memfit.plan.cluster_memory import rank_peaks
-
-        on = rank_peaks(Layout(**{**lay.__dict__, "offload_optimizer": None}), p.unit(lay.tp, lay.precision), layers)
-        host = max(r["optimizer"] + r["grad_bytes"] for r in on)
-        notes.append(f"optimizer offload: each rank's optimizer state and gradients ({format_bytes(host)}) live in "
-                     f"host memory: {format_bytes(host * min(n, 8))} per node of {min(n, 8)}")
+        notes.append(f"optimizer offload: each rank's optimizer state and gradients ({format_bytes(host_per_rank(p, lay))})"
+                     " live in host memory")
+    host_text = describe(row.host, p.host_memory, p.host_source, " per node")
     return ClusterPlan(model=p.spec.name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
                        ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
                        time_basis=_basis(p.flops, calibrated, p.host), interconnect=link, global_batch=p.batch, seq=p.seq,
-                       plan=single.to_json(), traced_peak=traced, ranked=[_brief(r) for r in rows[:20]], notes=notes)
+                       plan=single.to_json(), traced_peak=traced, ranked=[_brief(r) for r in rows[:20]], notes=notes,
+                       host_memory=p.host_memory, host_need=row.host, host_text=host_text)
 
 
 def _digest(spec) -> str:
@@ -191,7 +213,7 @@ def _brief(r: Row) -> dict:
     return {"strategy": lay.strategy, "degrees": degrees(lay), "gpus": lay.gpus, "micro_batch": b, "accumulation": a,
             "precision": lay.precision, "offload_optimizer": lay.offload_optimizer, "head_chunks": lay.head_chunks,
             "counts": lay.counts, "peak": r.peak, "feasible": r.feasible, "step_s": r.time["total"],
-            "tokens_per_s": r.tokens_per_s, "comm_bytes": r.time["comm_bytes"]}
+            "tokens_per_s": r.tokens_per_s, "comm_bytes": r.time["comm_bytes"], "host": r.host}
 
 
 def by_count(p: ClusterProblem, n: int, rows: list[Row], more: int = 3) -> list[dict]:

@@ -69,6 +69,11 @@ class ClusterPlan:
     notes: list = field(default_factory=list)
     seconds: float = 0.0
     """Seconds the search took."""
+    host_memory: int = 0
+    """Host memory per node the plan was held to (bytes; memfit.plan.host_memory)."""
+    host_need: int = 0
+    """Host memory per node the chosen layout needs (bytes)."""
+    host_text: str = ""
 
     @property
     def lay(self) -> Layout:
@@ -109,6 +114,7 @@ class ClusterPlan:
                  + f"; {self.tokens_per_s:,.0f} tokens/s"
                  f" ({self.tokens_per_s / self.gpus:,.0f} per device); comm {format_bytes(t['comm_bytes'])} per rank",
                  f"  time basis: {self.time_basis}",
+                 *([f"  {self.host_text}"] if self.host_text else []),
                  f"  run it: {self.train_command()}",
                  f"  or: {self.torchrun_command()}"]
         lines += [f"  note: {n}" for n in self.notes]

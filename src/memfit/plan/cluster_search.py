@@ -43,6 +43,9 @@ class ClusterProblem:
     units: dict = field(default_factory=dict)
     host: object = None
     """memfit.plan.cluster_host.Host when the devices are this machine's CPU cores, else None."""
+    host_memory: int = 1 << 62
+    """Host memory per node (bytes, memfit.plan.host_memory): a layout needing more is not feasible."""
+    host_source: str = ""
 
     def unit(self, tp: int, precision: str):
         key = (tp, precision)
@@ -60,6 +63,8 @@ class Row:
     feasible: bool
     tokens: int = 0
     """Tokens per optimizer step (global batch x sequence)."""
+    host: int = 0
+    """Host memory per node the layout needs (bytes; `host_need`)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -150,7 +155,26 @@ def evaluate(p: ClusterProblem, lay: Layout) -> Row:
     ranks = rank_peaks(lay, unit, cfg.layers, bool(getattr(cfg, "tied_embeddings", False)))
     peak = max(r["total"] for r in ranks)
     t = step_time(lay, unit, cfg, p.seq, p.topo_of(lay.gpus), p.flops, p.host)
-    return Row(lay, peak, ranks, t, peak <= p.budget, p.batch * p.seq)
+    host = host_need(p, lay, peak)
+    return Row(lay, peak, ranks, t, peak <= p.budget and host <= p.host_memory, p.batch * p.seq, host)
+
+
+def host_per_rank(p: ClusterProblem, lay: Layout) -> int:
+    """Host bytes of one rank: with optimizer offload its optimizer state and its gradients (on their
+    way to the host step), the largest rank's; else none that the plan puts there."""
+    if not lay.offload_optimizer:
+        return 0
+    on = rank_peaks(replace(lay, offload_optimizer=None), p.unit(lay.tp, lay.precision), p.spec.config.layers,
+                    bool(getattr(p.spec.config, "tied_embeddings", False)))
+    return max(r["optimizer"] + r["grad_bytes"] for r in on)
+
+
+def host_need(p: ClusterProblem, lay: Layout, peak: int) -> int:
+    """Host bytes per node: the ranks a node holds (8 a node on GPUs) times each one's host bytes; ranks
+    on this machine's CPU (p.host) share its RAM with their device bytes too."""
+    if p.host is not None:
+        return lay.gpus * (peak + host_per_rank(p, lay))
+    return min(lay.gpus, p.topo_of(lay.gpus).per_node) * host_per_rank(p, lay)
 
 
 def candidates(p: ClusterProblem, n: int) -> list[Row]:

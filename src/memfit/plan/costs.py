@@ -32,20 +32,20 @@ UNITLESS_MIN = 2**20
 """A budget given as a plain number below this many bytes is taken for a forgotten unit and refused."""
 
 
-def parse_budget(budget: Any) -> int:
+def parse_budget(budget: Any, what: str = "budget") -> int:
     """The budget in bytes (core/units.py's rule). A plain number under a MiB is refused: no model
-    trains in a few bytes, and `budget=8` almost always meant 8GiB."""
+    trains in a few bytes, and `budget=8` almost always meant 8GiB. `what` names it in errors."""
     try:
         value = parse_bytes(budget)
     except ConfigError:
         raise
     except Exception:
-        raise ConfigError(f"budget {budget!r} is not a size; use e.g. 8GiB, 300MiB or a byte count") from None
+        raise ConfigError(f"{what} {budget!r} is not a size; use e.g. 8GiB, 300MiB or a byte count") from None
     if value <= 0:
-        raise ConfigError(f"budget must be positive, got {budget!r}")
+        raise ConfigError(f"{what} must be positive, got {budget!r}")
     plain = isinstance(budget, (int, float)) or str(budget).strip().replace(".", "", 1).isdigit()
     if plain and value < UNITLESS_MIN:
-        raise ConfigError(f"budget {budget!r} reads as {value} bytes; give a unit, e.g. '{budget}GiB' or "
+        raise ConfigError(f"{what} {budget!r} reads as {value} bytes; give a unit, e.g. '{budget}GiB' or "
                           f"'{budget}MiB' (KiB/MiB/GiB binary, KB/MB/GB decimal)")
     return value
 

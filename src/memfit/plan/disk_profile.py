@@ -239,10 +239,62 @@ def disk_profile(src, base: ChainProfile, disk: Sequence[BlockAction], precision
     on the chain source alone, so one trace serves every base profile of it with the same cpu kinds (a
     base with a chunked head grafted on included: the head's stretches are the base's)."""
     key = src.key + (precision, optimizer, tuple(str(d) for d in disk), tuple(sorted(base.fwd)))
-    got = _CACHE.get(key)
+    got = _CACHE.get(key) or _load(key, base)
     if got is None:
-        got = _CACHE[key] = trace_disk(src, base, disk, precision, optimizer)
+        got = trace_disk(src, base, disk, precision, optimizer)
+        _store(key, got)
+    _CACHE[key] = got
     return got if got.base is base else replace(got, base=base)
+
+
+# On disk (memfit.measure.chain_cache's key and folder): the traced parts, not the base profile, which
+# is cached on its own. Dicts keyed by tuples are stored as [key, value] pairs.
+def _to_json(dp: DiskProfile) -> dict:
+    pair = lambda t: [t[0].to_json(), t[1].to_json()]  # noqa: E731
+    parts = lambda d: {n: s.to_json() for n, s in d.items()}  # noqa: E731
+    return {"fwd": {k: v.to_json() for k, v in dp.fwd.items()},
+            "bwd": [[list(k), v.to_json()] for k, v in dp.bwd.items()],
+            "first": [[list(k), pair(v)] for k, v in dp.first.items()],
+            "last": {k: pair(v) for k, v in dp.last.items()}, "restore": dp.restore,
+            "first_around": [[list(k), parts(v)] for k, v in dp.first_around.items()],
+            "last_around": {k: parts(v) for k, v in dp.last_around.items()}}
+
+
+def _from_json(d: dict, base: ChainProfile) -> DiskProfile:
+    st = Stretch.from_json
+    pair = lambda v: (st(v[0]), st(v[1]))  # noqa: E731
+    parts = lambda v: {n: st(s) for n, s in v.items()}  # noqa: E731
+    return DiskProfile(base, fwd={k: st(v) for k, v in d["fwd"].items()},
+                       bwd={tuple(k): st(v) for k, v in d["bwd"]},
+                       first={tuple(k): pair(v) for k, v in d["first"]},
+                       last={k: pair(v) for k, v in d["last"].items()},
+                       restore={k: int(v) for k, v in d["restore"].items()},
+                       first_around={tuple(k): parts(v) for k, v in d["first_around"]},
+                       last_around={k: parts(v) for k, v in d["last_around"].items()})
+
+
+def _load(key: tuple, base: ChainProfile) -> DiskProfile | None:
+    from memfit.core import cache
+    from memfit.measure.chain_cache import disk_key
+
+    dk = disk_key(key)
+    hit = cache.load(dk, "disk-chains") if dk is not None else None
+    try:
+        return _from_json(hit["profile"], base) if hit is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _store(key: tuple, dp: DiskProfile) -> None:
+    from memfit.core import cache
+    from memfit.measure.chain_cache import disk_key
+
+    dk = disk_key(key)
+    try:
+        if dk is not None:
+            cache.store(dk, {"profile": _to_json(dp)}, "disk-chains")
+    except OSError:  # a read-only or full cache folder only costs the next run a trace
+        pass
 
 
 _CACHE: dict[tuple, DiskProfile] = {}

@@ -142,7 +142,7 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
         precision: str = "32-true", allow: Any = None, loss_fn: Callable | None = None,
         batch: int | None = None, seq: int | None = None, verify: bool = True, costs: Any = None,
         device: str | None = None, keep_output: bool = True, gpus: int | str | None = None,
-        interconnect: Any = None) -> Plan:
+        interconnect: Any = None, host_memory: Any = None) -> Plan:
     """Plan `model` (a module, a zero-argument factory, or a model name/spec for the CLI) to fit `budget`.
 
     `gpus`: N or "auto" plans a cluster of devices of `budget` each over `interconnect` (nvlink, pcie, ib
@@ -154,7 +154,10 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
     when it drops the output before backward (memfit.plan.loop_step).
     A named GPU as `device` (h100, a100-80gb, ...: memfit.core.gpus) plans for it from any machine: its
     kernels and caching allocator in the full-trace check, `budget` by default its capacity less the CUDA
-    context, `precision` by default bf16-master (else 32-true)."""
+    context, `precision` by default bf16-master (else 32-true).
+    `host_memory`: the host RAM the plan may use (per node with `gpus`): optimizer and activation offload
+    live there, and on a CPU device the whole step does; default this machine's RAM (a cluster of GPUs:
+    2 TiB per node). A plan that needs more is not chosen (memfit.plan.host_memory)."""
     from memfit.core.gpus import target
 
     gpu = target(device)
@@ -172,7 +175,8 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
         from memfit.plan.cluster_fit import plan_cluster
 
         return plan_cluster(model, budget, gpus, interconnect=interconnect, batch=batch, seq=seq, precision=precision,
-                            optimizer=optimizer, allow=allow, device=device or "cuda", verify=verify)
+                            optimizer=optimizer, allow=allow, device=device or "cuda", verify=verify,
+                            host_memory=host_memory)
     limit = _budget(budget)
     device = device or _device_of(model)
     allowed = parse_allow(allow, device)
@@ -181,14 +185,20 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
         from memfit.measure.anymodel import check_example
 
         check_example(example)
+    from memfit.plan.host_memory import host_limit
+
     problem = _Problem(model, example, loss_fn, batch, seq)
     problem.keep_output = bool(keep_output)
+    problem.host_limit, problem.host_source = host_limit(host_memory, device)
     _check_weights(problem, limit, precision, allowed)
     from memfit.plan.search import search
 
     problem.costs = costs  # memfit.profile BlockCosts measured at the full batch, or None for the FLOP model
     problem.device = device
-    plan = search(problem, limit, allowed, optimizer, precision, verify)
+    from memfit.core.progress import progress
+
+    with progress(f"planning {problem.name}"):
+        plan = search(problem, limit, allowed, optimizer, precision, verify)
     plan.device, plan.keep_output, plan.seq = device, problem.keep_output, problem.seq
     plan.global_batch, plan.model_digest = problem.batch, problem.digest()
     if precision_note:
@@ -198,5 +208,5 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
                           "is the same RAM); name them in allow to plan them anyway")
     plan.fit_args = dict(model=model, example=example, budget=limit, optimizer=optimizer, precision=precision,
                          allow=allowed, loss_fn=loss_fn, batch=batch, seq=seq, verify=verify, costs=costs, device=device,
-                         keep_output=keep_output)
+                         keep_output=keep_output, host_memory=host_memory)
     return plan

@@ -76,10 +76,37 @@ def head_size(src: ChainSource) -> tuple[int, int]:
 
 def head_profile(src: ChainSource, prof: ChainProfile, chunks: int, precision: str, optimizer: str) -> ChainProfile:
     """`prof` (the plain head's) with the head stretches of the head in `chunks` chunks."""
-    keep = [BlockAction("keep")]
-    plain = chain_profile(src, precision, optimizer, bases=keep, with_segments=False)
-    chunked = chain_profile(head_source(src, chunks), precision, optimizer, bases=keep, with_segments=False)
+    plain = head_parts(src, None, precision, optimizer)
+    chunked = head_parts(src, chunks, precision, optimizer)
     return _graft(prof, plain, chunked)
+
+
+def head_parts(src: ChainSource, chunks: int | None, precision: str, optimizer: str,
+               device: str = "cpu") -> ChainProfile:
+    """The stretches around the blocks of a one-block chain (all kept) with the head in `chunks` chunks
+    (None: plain). Only the differences between two of these are used (`_graft`): what the head
+    changes does not depend on how many blocks precede it, so one trace of one block is enough, where
+    a whole chain profile costs two traces of three and four blocks. Cached as chain profiles are
+    (in this process, and on disk for model specs: memfit.measure.chain_cache)."""
+    from memfit.measure import chain_cache
+    from memfit.measure.blocks import _CACHE
+    from memfit.measure.chain_ends import fwd_kinds
+    from memfit.measure.compose import _trace, _without_deferred
+    from memfit.measure.timeline import ZERO, Stretch
+
+    hs = head_source(src, chunks)
+    key = hs.key + (precision, optimizer, device, ("head-parts",))
+    got = _CACHE.get(key) or chain_cache.load(key)
+    if got is None:
+        keep = [BlockAction("keep")]
+        st = _trace(hs.build_k, 1, hs.step, keep, precision, optimizer, device)
+        parts, deferred = _without_deferred(st, fwd_kinds(keep))
+        none = Stretch(ZERO, ZERO)
+        got = ChainProfile(n_blocks=1, start=st.start, start_per_block=ZERO, **parts, per_block={}, fwd={"keep": none},
+                           bwd={"keep": none}, seg_extra={}, deferred=deferred, traced_blocks=1, bw_temps=st.bw_temps)
+        chain_cache.store(key, got)
+    _CACHE[key] = got
+    return got
 
 
 def _graft(prof: ChainProfile, plain: ChainProfile, chunked: ChainProfile) -> ChainProfile:

@@ -105,21 +105,69 @@ def loop_source(problem: Any, src: ChainSource, micro: int, keep_output: bool) -
 
 
 def trace_plan(problem: Any, plan: Any) -> int:
+    """The plan's traced device peak (`traced`'s first figure)."""
+    return traced(problem, plan)[0]
+
+
+def traced(problem: Any, plan: Any) -> tuple[int, int]:
     """The plan's step traced whole (nothing allocated): two micro-batches when it accumulates, the
     step's other micro-batches on the device, the output held as `plan.keep_output` says. On CUDA the
-    figure is the caching allocator's predicted reserve (what a memory limit refuses)."""
+    figure is the caching allocator's predicted reserve (what a memory limit refuses). A model spec's
+    figure is cached on disk (memfit.core.cache, kind `plan-traces`): the same plan is not traced twice."""
+    device = str(getattr(problem, "device", None) or "cpu")
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    key = _trace_key(problem, plan, device) if not cuda else None
+    hit = _load(key)
+    if hit is not None:
+        return hit
+    got = _trace_plan(problem, plan, device, cuda)
+    _store(key, got)
+    return got
+
+
+def _trace_key(problem: Any, plan: Any, device: str) -> tuple | None:
+    """What a model spec's traced plan depends on (None for a module: no identity across processes)."""
+    if problem.spec is None:
+        return None
+    from memfit.apply.policy import to_string
+
+    src = problem.source(plan.micro_batch)
+    return src.key + ("plan-trace", device, plan.precision, plan.optimizer, to_string(plan.actions), plan.micro_batch,
+                      plan.accumulation, plan.keep_output, plan.head_chunks, plan.offload_optimizer)
+
+
+def _load(key: tuple | None) -> tuple[int, int] | None:
+    """A traced plan's peak from the disk cache (memfit.measure.chain_cache's key: the code digest included)."""
+    from memfit.core import cache
+    from memfit.measure.chain_cache import disk_key
+
+    dk = disk_key(key) if key is not None else None
+    hit = cache.load(dk, "plan-traces") if dk is not None else None
+    return (int(hit["peak"]), int(hit["host"])) if hit is not None and "host" in hit else None
+
+
+def _store(key: tuple | None, got: tuple[int, int]) -> None:
+    from memfit.core import cache
+    from memfit.measure.chain_cache import disk_key
+
+    dk = disk_key(key) if key is not None else None
+    try:
+        if dk is not None:
+            cache.store(dk, {"peak": int(got[0]), "host": int(got[1])}, "plan-traces")
+    except OSError:
+        pass
+
+
+def _trace_plan(problem: Any, plan: Any, device: str, cuda: bool) -> tuple[int, int]:
     from memfit.apply.head_swap import chunk_head
+    from memfit.core.gpus import target
     from memfit.core.tracker import MemoryTracker
     from memfit.measure.anymodel import module_builder, run_steps
     from memfit.measure.caching_allocator import replay_step
     from memfit.measure.fake_mode import fake_mode
-
-    from memfit.core.gpus import target
     from memfit.measure.gpu_kernels import replay_on
 
-    device = str(getattr(problem, "device", None) or "cpu")
     gpu = target(device)  # a named GPU (h100, ...): traced on the CPU as that GPU runs the step
-    cuda = device.startswith("cuda") and torch.cuda.is_available()
     if problem.spec is not None:
         if problem.spec.hf_config is not None:
             import transformers  # noqa: F401  (imported before tracing, as trace_step does)
@@ -141,10 +189,10 @@ def trace_plan(problem: Any, plan: Any) -> int:
         r = run_steps(build, step, plan.precision, plan.optimizer, plan.actions, device if cuda else "cpu",
                       tracker=tracker, prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None,
                       offload=plan.offload_optimizer)
-    peak = r.tracker.peak_bytes
+    peak, host = r.tracker.peak_bytes, r.tracker.host_peak_bytes
     if gpu is not None:
-        return max(peak, replay_on(gpu, r.tracker.events).peak_reserved)
-    return max(peak, replay_step(r.tracker.events, device).peak_reserved) if cuda else peak
+        return max(peak, replay_on(gpu, r.tracker.events).peak_reserved), host
+    return (max(peak, replay_step(r.tracker.events, device).peak_reserved) if cuda else peak), host
 
 
 def input_bytes(problem: Any, micro: int) -> int:

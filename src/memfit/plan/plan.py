@@ -46,6 +46,8 @@ class Candidate:
     """The LM head and loss in this many chunks (memfit.apply.chunked_head); None = the plain head."""
     refused: bool = False
     """Feasible by the composed figure, refused by the full trace of its step (the search went on)."""
+    host: int = 0
+    """Host memory it needs (bytes; memfit.plan.host_memory); over the plan's host memory: not feasible."""
 
 
 @dataclass
@@ -84,6 +86,12 @@ class Plan:
     """What predicted_time is: "flop-model" (uncalibrated, for ranking only) or "profile" (seconds)."""
     baseline_time: float = 0.0
     """The same time model's step with every activation kept, at the same global batch."""
+    host_memory: int = 0
+    """Host memory the plan was held to (bytes; memfit.plan.host_memory; 0: not known)."""
+    host_need: int = 0
+    """Host memory the plan needs: optimizer offload's state, cpu-offloaded activations, and on a CPU
+    device the step itself (predicted; the full trace's figure when it checked the plan)."""
+    host_source: str = ""
 
     def memory_note(self) -> str | None:
         """On a CPU device, what the device figures mean for the process's physical memory."""
@@ -108,6 +116,10 @@ class Plan:
                  f"  {self.time_text()}",
                  "  the caller's output: " + ("budgeted as held through backward (keep_output=True)" if self.keep_output
                                               else "assumed dropped before backward (keep_output=False)")]
+        if self.host_memory:
+            from memfit.plan.host_memory import describe
+
+            lines.append("  " + describe(self.host_need, self.host_memory, self.host_source or "given"))
         if self.measured_peak is not None:
             two = " (two micro-batches, the second holding the first's gradients)" if self.accumulation > 1 else ""
             lines.append(f"  checked by a full trace of the step{two}: peak {format_bytes(self.measured_peak)}")

@@ -8,10 +8,12 @@ from memfit.measure.blocks import chain_profile
 from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost, head_cost, measured
 from memfit.plan.head import head_counts, head_profile, head_seconds, sums_weight_grad
 from memfit.plan.plan import Candidate, Plan
+from memfit.plan import disk_plan
 from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
 from memfit.plan.disk_profile import DiskProfile, disk_bases
 from memfit.plan.accumulate import accumulating
-from memfit.plan.loop_step import input_bytes, trace_plan
+from memfit.plan.host_memory import host_need
+from memfit.plan.loop_step import input_bytes, traced
 from memfit.apply.policy import BlockAction, to_string
 
 
@@ -55,18 +57,40 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
     floors: dict[str, tuple[int, int]] = {}
     below: list[tuple] = []  # configurations whose floor alone exceeds the budget (traced only for an error)
     open_rows = lambda: [r for r in rows if r[0].feasible and not r[0].refused]  # noqa: E731
+    # With offload-cpu allowed, disk kinds are traced only when nothing fits without them (disk_plan's
+    # CPU_BEFORE_DISK): in any configuration, not just the one being solved.
+    defer_disk = disk_plan.CPU_BEFORE_DISK and any(b.offload == "cpu" for b in bases)
+    solved: list[tuple] = []
     while True:
         # Smaller micro-batches, offload and other precisions cost time: solved only while nothing fits.
         for (prec, micro, off), set_aside in ([] if open_rows() else _and_then(configs, below)):
-            if not set_aside and _over_floor(problem, prec, optimizer, off, limit, floors):
+            src = problem.source(micro)
+            profile = lambda: chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)  # noqa: E731
+            if not set_aside and _over_floor(problem, prec, optimizer, off, limit, floors, profile):
                 below.append((prec, micro, off))
                 continue
-            src = problem.source(micro)
-            prof = chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)
-            rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed)
+            prof = profile()
+            solved.append((src, prof, (prec, micro, off)))
+            rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed,
+                                 defer_disk)
             if open_rows():
                 break
+        if not open_rows() and defer_disk and disk:
+            # Nothing fits without disk offload: now the configurations tried are solved with it too.
+            defer_disk = False
+            rows = [r for r in rows if r[0].feasible or r[0].host]
+            for src, prof, config in solved:
+                rows += _config_rows(problem, src, prof, config, limit, (bases, disk), optimizer, allowed, False)
+                if open_rows():
+                    break
         if not open_rows():
+            host = [r[0] for r in rows if r[0].host > getattr(problem, "host_limit", 1 << 62)]
+            if host and not refused:
+                least = min(host, key=lambda c: c.host)
+                raise PlanError(f"no plan fits: those within {format_bytes(limit)} need at least "
+                                f"{format_bytes(least.host)} of host memory ({_label(least)}), more than the "
+                                f"{format_bytes(problem.host_limit)} there is ({problem.host_source}); give "
+                                "--host-memory (host_memory=) or a larger budget")
             if refused:
                 raise PlanError(f"no plan fits {format_bytes(limit)} once checked by a full trace; refused: "
                                 + "; ".join(refused))
@@ -74,11 +98,11 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
         row = min(open_rows(), key=lambda r: r[0].time)
         try:
             plan = _chosen(problem, limit, row, rows, optimizer, verify, [*bases, *disk])
-        except PlanError:
+        except PlanError as exc:
             if len(refused) >= MAX_REFUSED:
                 raise
             row[0].refused = True
-            refused.append(_label(row[0]))
+            refused.append(_label(row[0]) + (f" ({exc})" if "host memory" in str(exc) else ""))
             continue
         plan.notes[:0] = [f"refused by the full trace, next fastest tried: {r}" for r in refused]
         plan.ranked += [Candidate(m, problem.batch // m, o, p, 0, 0.0, "", False) for p, m, o in below]
@@ -105,16 +129,15 @@ def _minimal(configs: list[tuple]) -> list[tuple]:
     return [a for a in configs if not any(undercut(a, b) for b in configs)]
 
 
-def _over_floor(problem, prec: str, optimizer: str, off: str | None, limit: int, floors: dict) -> bool:
+def _over_floor(problem, prec: str, optimizer: str, off: str | None, limit: int, floors: dict, profile) -> bool:
     """Whether the bytes no block action, head chunking, disk offload or smaller micro-batch changes
     (parameters, gradients and optimizer state as the optimizer step begins, less the optimizer
-    state with optimizer offload) exceed the budget: then the configuration cannot fit and its
-    chain profile is not traced. From the all-keep profile (two short traces, which the chunked-head
-    profiles share) at the full batch, once per precision."""
+    state with optimizer offload) exceed the budget: then the configuration cannot fit and is not
+    solved. Read once per precision from the configuration's own chain profile (`profile()`), which
+    the search needs next anyway unless the floor rules it out (no separate all-keep trace)."""
     if prec not in floors:
         n = problem.source(problem.batch).n_blocks
-        keep = chain_profile(problem.source(problem.batch), prec, optimizer, bases=[BlockAction("keep")],
-                             with_segments=False)
+        keep = profile()
         floors[prec] = (_state_bytes(keep, n, BlockAction("keep")), _opt_bytes(keep, n))
     fixed, opt = floors[prec]
     return fixed - (opt if off else 0) > limit
@@ -135,7 +158,8 @@ def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_ba
                 offload_optimizer=cand.offload_optimizer, predicted_peak=cand.peak, predicted_time=cand.time,
                 n_blocks=n, head_chunks=cand.head_chunks, keep_output=getattr(problem, "keep_output", True),
                 ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
-                where=composed.where)
+                where=composed.where, device=getattr(problem, "device", "cpu"), host_need=cand.host,
+                host_memory=getattr(problem, "host_limit", 0), host_source=getattr(problem, "host_source", ""))
     base = prof.base if isinstance(prof, DiskProfile) else prof
     relief = _opt_bytes(base, n) if cand.offload_optimizer else 0
     t_block = _problem_cost(problem, getattr(base, "per_micro", base), cand.micro_batch)[1]
@@ -163,7 +187,8 @@ def _problem_cost(problem, prof, micro: int) -> tuple:
     return _cost(t_fwd, t_sel, prof, getattr(costs, "bandwidth", None), seg), t_fwd, speed, costs
 
 
-def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, allowed) -> list[tuple]:
+def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, allowed,
+                 defer_disk: bool = False) -> list[tuple]:
     """One configuration solved with the plain head and, where allowed, with the head in chunks:
     fewest chunks first, while more chunks still make the plan faster (or make it fit at all)."""
     prec, micro, off = config
@@ -177,18 +202,26 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     device = getattr(problem, "device", "cpu")
     adjust = later_micro_batch(problem, micro, accum)
 
-    def row(chunks: int | None, p) -> tuple:
+    host_limit = getattr(problem, "host_limit", 1 << 62)
+
+    def row(chunks: int | None, p, allowed_bases=bases) -> tuple:
         cost = _problem_cost(problem, p, micro)[0]
-        choice = solve_any(adjust(p), limit + relief, bases, cost, n_blocks=n, max_segment=min(n, 16))
-        choice, p, _ = with_disk(src, p, choice, limit + relief, bases, disk, cost, t_fwd, bw, prec, optimizer, n,
-                                 adjust)
+        choice = solve_any(adjust(p), limit + relief, allowed_bases, cost, n_blocks=n, max_segment=min(n, 16))
+        choice, p, _ = with_disk(src, p, choice, limit + relief, allowed_bases, [] if defer_disk else disk, cost, t_fwd,
+                                 bw, prec, optimizer, n, adjust)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
+        host = host_need(p, choice.actions, choice.peak, relief, device)
+        if host > host_limit:  # without cpu-offloaded activations, or not at all
+            if any(b.offload == "cpu" for b in allowed_bases):
+                return row(chunks, p, [b for b in allowed_bases if b.offload != "cpu"])
+            return Candidate(micro, accum, off, prec, choice.peak - relief, 0.0, to_string(choice.actions), False,
+                             chunks, host=host), None, p, n
         head = head_cost(costs, micro / problem.batch, chunks, lambda k: head_seconds(src, tokens, k, speed, prec, device),
                          sums_weight_grad(src, tokens, prec, device)) if chunks else 0.0
         time = accum * (3 * n * t_fwd + choice.time + head) + 2 * relief / HOST_BW
         return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
-                         chunks), choice, p, n
+                         chunks, host=host), choice, p, n
 
     out = [row(None, prof)]
     counts = _measured_counts(head_counts(src), costs) if "chunked-head" in allowed else []
@@ -231,8 +264,16 @@ def later_micro_batch(problem, micro: int, accum: int):
 
 def _trace_peak(problem, plan: Plan) -> int:
     """The chosen step's peak from a full trace on the device it will run on, as the loop runs it
-    (memfit.plan.loop_step: two micro-batches when it accumulates, the output kept or dropped)."""
-    return trace_plan(problem, plan)
+    (memfit.plan.loop_step: two micro-batches when it accumulates, the output kept or dropped). The
+    same trace's host bytes (plus the peak on a CPU device, one RAM) must fit the host memory."""
+    peak, host = traced(problem, plan)
+    need = host + (peak if plan.device == "cpu" else 0)
+    plan.host_need = need
+    limit = getattr(problem, "host_limit", 1 << 62)
+    if need > limit:
+        raise PlanError(f"the full trace needs {format_bytes(need)} of host memory, more than the "
+                        f"{format_bytes(limit)} there is ({problem.host_source})")
+    return peak
 
 
 def _verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0) -> None:

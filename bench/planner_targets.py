@@ -1,0 +1,173 @@
+"""The planner's answer times of issue 33 (finding 6), each in fresh processes: CPU seconds (user + system
+of the child, what a loaded 2-core machine does not inflate) and wall seconds, cold (an empty
+MEMFIT_CACHE_DIR: every trace made again) and warm (the same folder again).
+
+    PYTHONPATH=src python bench/planner_speed.py --targets [--rounds 2]   # bench/results/planner_targets.json
+
+Targets (CPU seconds): `memfit plan gpt2 --budget 6GiB --batch 8 --seq 1024` cold <= 20; a few-MiB Hugging
+Face model through `fit_trainer` <= 10; llama-3-8b on one GPU (80 GB, batch 8 x 4096, bf16-master,
+optimizer offload allowed: memfit.fit(device="cuda"), traced on this CPU) <= 60; `memfit plan llama-2-70b
+--budget 80GiB --gpus auto` and the 405B-class model <= 30. Runs interleaved in shuffled rounds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+LLAMA_405B = "llama:layers=126,hidden=16384,heads=128,kv_heads=8,ffn=53248,vocab=128256,seq=8192"
+TIMEOUT_S = 1800
+"""Wall seconds a run may take (a loaded machine stretches wall time far beyond CPU time)."""
+ALLOW_8B = "recompute,selective,offload-cpu,offload-disk,accumulate,chunked-head,optimizer-offload"
+TARGETS = {  # name: (argv after python, CPU-second target)
+    "gpt2 plan (README)": (["-m", "memfit", "plan", "gpt2", "--budget", "6GiB", "--batch", "8", "--seq", "1024"], 20),
+    "HF model via fit_trainer": ([str(HERE / "planner_speed.py"), "--one", "hf_trainer"], 10),
+    "llama-3-8b, one GPU, optimizer offload": ([str(HERE / "planner_speed.py"), "--one", "llama8b"], 60),
+    "llama-2-70b --gpus auto": (["-m", "memfit", "plan", "llama-2-70b", "--budget", "80GiB", "--gpus", "auto"], 30),
+    # (fp32 405B fits no count up to 256 devices at seq 4096; bf16-master as bench/cluster_paper.py plans it)
+    "405B-class --gpus auto": (["-m", "memfit", "plan", LLAMA_405B, "--budget", "80GiB", "--gpus", "auto", "--precision",
+                                "bf16-master"], 30),
+}
+
+
+def one(which: str) -> None:
+    """In this process: the API targets (fit_trainer on a tiny HF model; the 8B one-GPU plan)."""
+    import memfit
+
+    if which == "llama8b":
+        plan = memfit.fit("llama-3-8b", budget="80GB", batch=8, seq=4096, precision="bf16-master", device="cuda",
+                          allow=ALLOW_8B)
+        print(plan.summary())
+        return
+    import torch
+    import transformers
+
+    from memfit.integrations.hf import fit_trainer
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=4096, n_positions=128, bos_token_id=0,
+                                 eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)  # 0.37M parameters, 1.4 MiB
+    ids = torch.randint(0, 4096, (32, 128))
+    rows = [{"input_ids": r, "labels": r} for r in ids]
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, max_steps=1, use_cpu=True, report_to=[],
+                                              per_device_train_batch_size=8, disable_tqdm=True, save_strategy="no")
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+        plan = fit_trainer(trainer, "24MiB")
+    print(plan.summary())
+
+
+def _run(argv: list[str], cache: str) -> dict:
+    """One fresh process: its own CPU seconds (user + system, from /usr/bin/time, so runs may overlap)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MEMFIT_CACHE_DIR": cache, "MEMFIT_PROGRESS": "0"}
+    env.pop("MEMFIT_NO_CACHE", None)
+    fd, times = tempfile.mkstemp(prefix="memfit-time-")
+    os.close(fd)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(["/usr/bin/time", "-f", "%U %S", "-o", times, sys.executable, *argv], capture_output=True,
+                              text=True, env=env, cwd=ROOT, timeout=TIMEOUT_S)
+        rc, out = proc.returncode, proc.stdout or proc.stderr
+        user, system = (float(x) for x in Path(times).read_text().split()[-2:])
+    except subprocess.TimeoutExpired:
+        rc, out, user, system = -9, f"timed out after {TIMEOUT_S} s wall", float("nan"), 0.0
+    finally:
+        os.unlink(times)
+    return {"cpu": user + system, "wall": time.perf_counter() - t0, "rc": rc, "tail": out.strip().splitlines()[-12:]}
+
+
+def _spread(v: list[float]) -> dict:
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
+
+
+def targets(rounds: int, only: list[str] | None = None, jobs: int = 1) -> dict:
+    """Each target's runs in order (cold, then warm on the same cache folder, `rounds` times); with
+    `jobs` > 1 that many targets run side by side (CPU seconds stay each process's own; wall grows)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common import load
+
+    names = [n for n in TARGETS if not only or n in only]
+    runs: dict = {n: {"cold": [], "warm": []} for n in names}
+    load_before = load()
+
+    def target(n: str) -> None:
+        for r in range(rounds):
+            cache = tempfile.mkdtemp(prefix="memfit-targets-")
+            try:
+                for kind in ("cold", "warm"):  # the warm run reads what the cold one stored
+                    got = _run(TARGETS[n][0], cache)
+                    runs[n][kind].append(got)
+                    print(f"round {r + 1} {n} {kind}: {got['cpu']:.1f} s CPU, {got['wall']:.1f} s wall, rc {got['rc']}",
+                          flush=True)
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+
+    order = names[:]
+    random.Random(0).shuffle(order)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(target, order))
+    out = {}
+    for n in names:
+        row = {"command": "python " + " ".join(TARGETS[n][0]).replace(str(ROOT) + "/", ""), "target_cpu_s": TARGETS[n][1],
+               "answer": runs[n]["cold"][-1]["tail"], "exit_codes": [g["rc"] for k in runs[n].values() for g in k]}
+        for kind in ("cold", "warm"):
+            row[f"{kind}_cpu_s"] = _spread([g["cpu"] for g in runs[n][kind]])
+            row[f"{kind}_wall_s"] = _spread([g["wall"] for g in runs[n][kind]])
+        row["met"] = row["cold_cpu_s"]["max"] <= TARGETS[n][1] and all(c == 0 for c in row["exit_codes"])
+        out[n] = row
+    return {"rounds": rounds, "jobs": jobs, "load_before": load_before, "load_after": load(), "targets": out}
+
+
+def table(d: dict) -> str:
+    jobs = d.get("jobs", 1)
+    side = f", {jobs} targets side by side" if jobs > 1 else ""
+    lines = [f"From `PYTHONPATH=src python bench/planner_speed.py --targets --rounds {d['rounds']}"
+             + (f" --jobs {jobs}" if jobs > 1 else "") + f"`, run {d['date']} "
+             f"({d['rounds']} round(s){side}, fresh processes, median (min-max); {d['machine']['cores']} cores, "
+             f"1-minute load {d['load_before'][0]:.1f} before and {d['load_after'][0]:.1f} after: wall seconds are "
+             "mostly waiting for a core, CPU seconds are the measure).", "",
+             "| target | cold CPU s | warm CPU s | cold wall s | target (CPU s) | met |", "|---|---:|---:|---:|---:|---|"]
+    f = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"  # noqa: E731
+    for n, r in d["targets"].items():
+        lines.append(f"| {n}: `{r['command']}` | {f(r['cold_cpu_s'])} | {f(r['warm_cpu_s'])} | {f(r['cold_wall_s'])} | "
+                     f"{r['target_cpu_s']} | {'yes' if r['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def snippets(d: dict) -> dict[str, str]:
+    return {"planner_targets": table(d)}
+
+
+def render(d: dict) -> str:
+    return "## planner_targets: how long a plan takes to answer\n\n" + table(d)
+
+
+def main() -> None:
+    """`python bench/planner_targets.py --targets ...`: the same run as `bench/planner_speed.py --targets ...`."""
+    import argparse
+
+    from common import save
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--targets", action="store_true", help="(as bench/planner_speed.py takes it)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1, help="targets run side by side")
+    args = ap.parse_args()
+    print(save("planner_targets", targets(args.rounds, None, args.jobs)))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()

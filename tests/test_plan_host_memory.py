@@ -1,0 +1,78 @@
+"""Host memory per node is a planning constraint (memfit.plan.host_memory): `host_memory=` /
+`--host-memory`, a stated default, reported in the plan, and a plan that needs more host memory is not
+chosen (refused in one line when nothing else fits). Also: the planner's progress bar, and its traced
+parts cached on disk (a second process does not trace them again)."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+import memfit
+from memfit.cli import main
+from memfit.plan.cluster_fit import plan_cluster
+from memfit.plan.costs import PlanError
+from memfit.plan.host_memory import DEFAULT_NODE_HOST, machine_ram
+
+SPEC = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=256,vocab=256,seq=64"
+MiB = 2**20
+
+
+def test_one_gpu_plan_reports_the_offloaded_state_as_host_memory_and_respects_a_smaller_host():
+    allow = "recompute,selective,optimizer-offload"  # no accumulation: nothing else fits 8 MiB
+    plan = memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False, allow=allow)
+    assert plan.offload_optimizer == "cpu"  # the budget needs it (the control for the refusal below)
+    local = torch.cuda.is_available()  # planned for a GPU elsewhere: a GPU's share of a DGX node
+    assert plan.host_memory == (machine_ram() if local else DEFAULT_NODE_HOST // 8)
+    assert ("this machine's RAM" if local else "2 TiB / 8") in plan.summary()
+    assert plan.host_need > 0 and "host memory:" in plan.summary()
+    with pytest.raises(PlanError, match="host memory") as err:
+        memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False, allow=allow,
+                   host_memory=plan.host_need - 1)
+    assert "\n" not in str(err.value)
+
+
+def test_on_a_cpu_device_the_whole_step_counts_against_host_memory():
+    plan = memfit.fit(SPEC, budget="64MiB", batch=4, seq=64, device="cpu")
+    assert plan.host_need >= plan.measured_peak  # one RAM: the device peak is host memory too
+    with pytest.raises(PlanError, match="host memory"):
+        memfit.fit(SPEC, budget="64MiB", batch=4, seq=64, device="cpu", host_memory="1MiB")
+
+
+def test_cluster_plan_holds_each_node_to_its_host_memory():
+    cp = plan_cluster(SPEC, "6MiB", 2, batch=8, verify=False)
+    assert cp.lay.offload_optimizer == "cpu" and cp.host_memory == DEFAULT_NODE_HOST
+    assert 0 < cp.host_need <= cp.host_memory and "host memory per node" in cp.summary()
+    with pytest.raises(PlanError, match="host memory per node") as err:
+        plan_cluster(SPEC, "6MiB", 2, batch=8, verify=False, host_memory=cp.host_need - 1)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_host_memory_bad_value_is_one_line_exit_2(capsys):
+    assert main(["plan", SPEC, "--budget", "8MiB", "--host-memory", "lots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lots" in err
+
+
+def test_progress_bar_on_stderr_counts_traces(monkeypatch, capsys):
+    from memfit.core import progress
+
+    monkeypatch.setenv("MEMFIT_PROGRESS", "1")
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    memfit.fit("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16", budget="64MiB", batch=2, seq=16, device="cpu",
+               allow="recompute")
+    err = capsys.readouterr().err
+    assert "planning" in err and "trace" in err
+
+
+def test_disk_profile_round_trips_through_its_json():
+    from memfit.measure.blocks import chain_profile, spec_source
+    from memfit.models.spec import parse_model
+    from memfit.plan.costs import _bases
+    from memfit.plan.disk_profile import _from_json, _to_json, disk_bases, trace_disk
+
+    src = spec_source(parse_model("gpt:layers=3,hidden=32,heads=2,vocab=64,seq=16"), 2, 16)
+    allow = ("recompute", "offload-disk")
+    base = chain_profile(src, "32-true", "adamw", bases=_bases(allow))
+    dp = trace_disk(src, base, disk_bases(allow), "32-true", "adamw")
+    back = _from_json(_to_json(dp), base)
+    assert back == replace(dp, seconds=0.0)  # every traced stretch, key and byte count, through the file and back
