@@ -25,6 +25,11 @@ import pytest
 DEFAULT_BUDGET_S = 10.0  # CPU seconds (set-up + call + teardown) per default-tier test
 TIER_BUDGET_S = 480.0  # CPU seconds for the whole default tier: 4 minutes of wall on 2 cores
 IDLE_LOAD = 1.5  # 1-minute load average per core below which budgets are enforced
+# A test fails only past twice its budget: its CPU seconds vary with what the other worker runs beside
+# it (cache and memory-bandwidth contention: one pair of tests measured 16.5 CPU-s alone and 29.5 beside
+# the other worker), so the budget itself is the target that the summary reports, and the failure
+# catches a test that has grown, not one that met a busy neighbour.
+ENFORCE_FACTOR = 2.0
 # Default-tier tests allowed more than DEFAULT_BUDGET_S (CPU seconds, about 1.5 times their time alone on
 # a loaded machine): end-to-end runs of several processes, and the one default-tier case of a trace
 # grid. Listed here rather than marked in their files, so that docs/testing.md can show them in one place;
@@ -129,10 +134,10 @@ class CpuBudget:
         if call.when != "teardown" or start is None or self.mode != "enforce" or report.failed:
             return
         row = dict(report.user_properties).get("cpu_budget")
-        if row and row["budget_s"] is not None and row["idle"] and row["cpu_s"] > row["budget_s"] \
+        if row and row["budget_s"] is not None and row["idle"] and row["cpu_s"] > ENFORCE_FACTOR * row["budget_s"] \
                 and not item.get_closest_marker("skip"):
             report.outcome = "failed"
-            report.longrepr = (f"{item.nodeid}: {row['cpu_s']:.1f} CPU-s, over the default tier's budget of "
+            report.longrepr = (f"{item.nodeid}: {row['cpu_s']:.1f} CPU-s, over twice the default tier's budget of "
                                f"{row['budget_s']:g} s per test (docs/testing.md, Budgets): shrink it, share "
                                f"its set-up, or mark it slow beside a smaller default-tier test")
 

@@ -38,7 +38,7 @@ def test_a_test_over_its_budget_fails_only_on_an_idle_machine(pytester, monkeypa
     pytester.makepyfile(f"""
 import pytest
 
-@pytest.mark.cpu_budget(0.2)
+@pytest.mark.cpu_budget(0.1)
 def test_burns():
     exec({BURN!r})
 
@@ -55,7 +55,7 @@ def test_slow_has_no_budget():
     result.stdout.fnmatch_lines(["*default tier: 2 tests*", "*slow tier: 1 tests*",
                                  "over budget*test_burns*"])
     if failed:
-        result.stdout.fnmatch_lines(["*over the default tier's budget of 0.2 s per test*"])
+        result.stdout.fnmatch_lines(["*over twice the default tier's budget of 0.1 s per test*"])
 
 
 def test_every_listed_budget_names_a_test_that_exists():
