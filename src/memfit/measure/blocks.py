@@ -55,25 +55,45 @@ def truncate(model: nn.Module, k: int) -> nn.Module:
         raise NotAChain("no identical repeated blocks")
     n = len(blocks)
     del blocks[k:]
-    # Hugging Face models run `layers[:config.num_hidden_layers]` (and may list a type per layer).
+    # Hugging Face models run `layers[:config.num_hidden_layers]` and may describe each layer in the config.
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if cfg is not None and getattr(cfg, "num_hidden_layers", None) == n:
-            cfg.num_hidden_layers = k
-            types = getattr(cfg, "layer_types", None)
-            if isinstance(types, list) and len(types) == n and len(set(types)) == 1:
-                cfg.layer_types = types[:1] * k
+            per_layer_config(cfg, n, k)
     from memfit.measure.anymodel import _materialise, _meta_copy
 
     while len(blocks) < k:
-        # Fresh empty parameters (a deepcopy of fake tensors would not be seen as the same storages).
-        dev = next(iter(blocks[0].parameters())).device
-        new = _materialise(_meta_copy(blocks[0]), dev)
+        # Block i is a copy of block i mod n, so a pattern of layer kinds (sliding and full attention, ...)
+        # runs on as the config's per-layer lists do. Fresh empty parameters: a deepcopy of fake tensors
+        # would not be seen as the same storages.
+        source = blocks[len(blocks) % n]
+        dev = next(iter(source.parameters())).device
+        new = _materialise(_meta_copy(source), dev)
         for m in new.modules():  # Hugging Face layers know their index (KV cache slots)
             if isinstance(getattr(m, "layer_idx", None), int):
                 m.layer_idx = len(blocks)
         blocks.append(new)
     return model
+
+
+INDEX_LISTS = ("mlp_only_layers",)
+"""Config lists of layer indices (not one entry per layer): Qwen2/3-MoE's dense layers."""
+
+
+def per_layer_config(cfg: Any, n: int, k: int) -> None:
+    """Set a Hugging Face config of n layers to k, each per-layer list kept consistent with the layers:
+    the first k entries, or (k > n) entry i mod n for the copies of block i mod n. Lists of one entry
+    per layer (`layer_types`, `no_rope_layers`, ...) are found by their length; lists of layer indices
+    (INDEX_LISTS) keep the indices of the layers there are."""
+    def rows(values: Any) -> Any:
+        return type(values)(values[i % n] for i in range(k))
+
+    for name, values in list(vars(cfg).items()):
+        if name in INDEX_LISTS and isinstance(values, (list, tuple)):
+            setattr(cfg, name, type(values)(i for i in range(k) if i % n in values))
+        elif isinstance(values, (list, tuple)) and len(values) == n and not name.startswith("_"):
+            setattr(cfg, name, rows(values))
+    cfg.num_hidden_layers = k
 
 
 def spec_source(spec: Any, batch: int, seq: int) -> ChainSource:
