@@ -19,6 +19,7 @@ from memfit.apply.policy import BlockAction, resolve_policy, segments
 from memfit.core.errors import ConfigError
 from memfit.measure.compose import BASE_ACTIONS, ChainProfile, profile_chain
 from memfit.measure.timeline import NotAChain
+from memfit.models.hf_check import per_layer_config
 
 
 @dataclass
@@ -74,26 +75,6 @@ def truncate(model: nn.Module, k: int) -> nn.Module:
                 m.layer_idx = len(blocks)
         blocks.append(new)
     return model
-
-
-INDEX_LISTS = ("mlp_only_layers",)
-"""Config lists of layer indices (not one entry per layer): Qwen2/3-MoE's dense layers."""
-
-
-def per_layer_config(cfg: Any, n: int, k: int) -> None:
-    """Set a Hugging Face config of n layers to k, each per-layer list kept consistent with the layers:
-    the first k entries, or (k > n) entry i mod n for the copies of block i mod n. Lists of one entry
-    per layer (`layer_types`, `no_rope_layers`, ...) are found by their length; lists of layer indices
-    (INDEX_LISTS) keep the indices of the layers there are."""
-    def rows(values: Any) -> Any:
-        return type(values)(values[i % n] for i in range(k))
-
-    for name, values in list(vars(cfg).items()):
-        if name in INDEX_LISTS and isinstance(values, (list, tuple)):
-            setattr(cfg, name, type(values)(i for i in range(k) if i % n in values))
-        elif isinstance(values, (list, tuple)) and len(values) == n and not name.startswith("_"):
-            setattr(cfg, name, rows(values))
-    cfg.num_hidden_layers = k
 
 
 def spec_source(spec: Any, batch: int, seq: int) -> ChainSource:
