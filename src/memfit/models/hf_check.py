@@ -159,6 +159,10 @@ def checked(data: dict, path: Any, image_size: int | None = None) -> Any:
     return config
 
 
+TRACING_MODULES = ("torch._subclasses", "torch.fx", "torch._dynamo")
+"""Where the exceptions of a build under FakeTensorMode come from (not the config's fault)."""
+
+
 def build_quietly(build: Any, what: str, path: Any) -> Any:
     """`build()` (a model from a checked config) with other libraries' warnings silenced; what a check
     above did not foresee is refused in one line rather than as a traceback."""
@@ -170,6 +174,8 @@ def build_quietly(build: Any, what: str, path: Any) -> Any:
     except (ConfigError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001  (a config transformers accepts but cannot build)
+        if type(exc).__module__.startswith(TRACING_MODULES):
+            raise  # the fake-tensor build's own limits: its callers fall back to a build on the meta device
         raise ConfigError(f"cannot build a {what} from Hugging Face config {path}: {type(exc).__name__}: "
                           f"{_one_line(exc)}") from None
 
