@@ -33,6 +33,10 @@ OPTIONAL_COUNTS = ("n_inner", "head_dim", "num_key_value_heads", "num_kv_heads",
 """Positive integers, or null for the family's default (GPT-2's n_inner: 4 x n_embd)."""
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "num_experts_per_tok", "n_routed_experts", "n_shared_experts")
 """Integers >= 0 (0: a dense model in some families)."""
+MAX_SIZE = 2**31 - 1
+"""Largest width, count or length: beyond it a size is a typo (torch could not index such a tensor row)."""
+PER_LAYER_NAMES = ("layer_types",)
+"""Lists of one string per layer."""
 POSITIVE_NUMBERS = ("rope_theta", "partial_rotary_factor", "factor")
 EPSILONS = ("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "norm_eps", "initializer_range")
 
@@ -63,11 +67,15 @@ def _problem(key: str, value: Any) -> str | None:
     """What is wrong with `value` for `key`, or None."""
     name = key.rsplit(".", 1)[-1]
     if name in COUNTS or (name in OPTIONAL_COUNTS and value is not None):
-        if not _is_int(value) or value < 1:
-            return "must be a positive integer" + (" (null: the family's default)" if name in OPTIONAL_COUNTS else "")
+        if not _is_int(value) or not 1 <= value <= MAX_SIZE:
+            return (f"must be a positive integer (at most {MAX_SIZE})"
+                    + (" or null (the family's default)" if name in OPTIONAL_COUNTS else ""))
     elif name in EXPERT_COUNTS and value is not None:
-        if not _is_int(value) or value < 0:
-            return "must be an integer >= 0"
+        if not _is_int(value) or not 0 <= value <= MAX_SIZE:
+            return f"must be an integer in [0, {MAX_SIZE}]"
+    elif name in PER_LAYER_NAMES and value is not None:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return "must be a list with one layer type (a string) per layer"
     elif name in POSITIVE_NUMBERS and value is not None:
         if not _is_number(value) or value <= 0:
             return "must be a positive finite number"
