@@ -83,3 +83,30 @@ def test_the_grid_covers_fifteen_families_the_installed_transformers_builds():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     assert len(fam.FAMILIES) >= 15 and all(f in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES for f in fam.FAMILIES)
+
+
+@pytest.mark.slow
+def test_trl_sft_trainer_plans_gemma2_within_budget(tmp_path):
+    """trl's SFTTrainer on Gemma-2 (alternating sliding and full attention layers): planned and trained, each
+    measured step within a budget below the plain step's peak."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import tiny_llama as tl
+    from memfit.integrations.hf import fit_trainer
+    from memfit.integrations.hf_callback import MemfitCallback
+
+    ds = datasets.Dataset.from_dict({"input_ids": [r.tolist() for r in fam.batch(rows=8)["input_ids"]]})
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True,
+                         report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=1e-3)
+
+    def trainer():
+        return trl.SFTTrainer(model=fam.model("gemma2"), args=args, train_dataset=ds, processing_class=tl.tokenizer())
+
+    plain = fit_trainer(trainer(), "1GiB").predicted_peak
+    budget = int(plain * 0.85)
+    sft = trainer()
+    plan = fit_trainer(sft, f"{budget}B")
+    cb = MemfitCallback(budget=budget, check_steps=2)
+    sft.add_callback(cb)
+    sft.train()
+    assert plan.predicted_peak <= budget and len(cb.peaks) == 2 and max(cb.peaks) <= budget, (cb.peaks, budget)
