@@ -33,6 +33,7 @@ OPTIONAL_COUNTS = ("n_inner", "head_dim", "num_key_value_heads", "num_kv_heads",
 """Positive integers, or null for the family's default (GPT-2's n_inner: 4 x n_embd)."""
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "num_experts_per_tok", "n_routed_experts", "n_shared_experts")
 """Integers >= 0 (0: a dense model in some families)."""
+LAYER_COUNTS = ("n_layer", "num_hidden_layers", "num_layers", "n_layers")
 MAX_SIZE = 2**31 - 1
 """Largest width, count or length: beyond it a size is a typo (torch could not index such a tensor row)."""
 PER_LAYER_NAMES = ("layer_types",)
@@ -67,8 +68,9 @@ def _problem(key: str, value: Any) -> str | None:
     """What is wrong with `value` for `key`, or None."""
     name = key.rsplit(".", 1)[-1]
     if name in COUNTS or (name in OPTIONAL_COUNTS and value is not None):
-        if not _is_int(value) or not 1 <= value <= MAX_SIZE:
-            return (f"must be a positive integer (at most {MAX_SIZE})"
+        high = MAX_LAYERS if name in LAYER_COUNTS else MAX_SIZE
+        if not _is_int(value) or not 1 <= value <= high:
+            return (f"must be a positive integer (at most {high})"
                     + (" or null (the family's default)" if name in OPTIONAL_COUNTS else ""))
     elif name in EXPERT_COUNTS and value is not None:
         if not _is_int(value) or not 0 <= value <= MAX_SIZE:
