@@ -74,9 +74,9 @@ def test_fit_trainer_each_measured_step_within_budget(family, tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
                                           use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
                                           learning_rate=1e-3, seed=0)
-    cb = MemfitCallback(budget=budget, check_steps=2)
+    cb = MemfitCallback(budget=f"{budget}B", check_steps=2)  # (a plain number under a MiB reads as a typo)
     trainer = transformers.Trainer(model=fam.model(family), args=args, train_dataset=rows, callbacks=[cb])
-    plan = fit_trainer(trainer, budget)
+    plan = fit_trainer(trainer, f"{budget}B")
     assert plan.predicted_peak <= budget
     trainer.train()
     assert len(cb.peaks) == 2 and max(cb.peaks) <= budget, (family, cb.peaks, budget, plan.summary())
@@ -109,7 +109,7 @@ def test_trl_sft_trainer_plans_gemma2_within_budget(tmp_path):
     budget = int(plain * 0.85)
     sft = trainer()
     plan = fit_trainer(sft, f"{budget}B")
-    cb = MemfitCallback(budget=budget, check_steps=2)
+    cb = MemfitCallback(budget=f"{budget}B", check_steps=2)
     sft.add_callback(cb)
     sft.train()
     assert plan.predicted_peak <= budget and len(cb.peaks) == 2 and max(cb.peaks) <= budget, (cb.peaks, budget)
