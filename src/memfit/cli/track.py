@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
 
     spec = parse_model(model_of(args))
     spec.check_shape(args.batch, args.seq)
+    from memfit.models.host_fit import check_fits_host
+
+    check_fits_host(spec, "measure")  # the step runs for real: its weights must fit in this machine
     seq = args.seq or min(spec.seq or 1024, 1024)
     device = resolve_device(args.device)
     common = dict(batch=args.batch, seq=seq, precision=args.precision, optimizer=args.optimizer,

@@ -19,6 +19,7 @@ from memfit.apply.policy import BlockAction, resolve_policy, segments
 from memfit.core.errors import ConfigError
 from memfit.measure.compose import BASE_ACTIONS, ChainProfile, profile_chain
 from memfit.measure.timeline import NotAChain
+from memfit.models.hf_check import per_layer_config
 
 
 @dataclass
@@ -55,20 +56,20 @@ def truncate(model: nn.Module, k: int) -> nn.Module:
         raise NotAChain("no identical repeated blocks")
     n = len(blocks)
     del blocks[k:]
-    # Hugging Face models run `layers[:config.num_hidden_layers]` (and may list a type per layer).
+    # Hugging Face models run `layers[:config.num_hidden_layers]` and may describe each layer in the config.
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if cfg is not None and getattr(cfg, "num_hidden_layers", None) == n:
-            cfg.num_hidden_layers = k
-            types = getattr(cfg, "layer_types", None)
-            if isinstance(types, list) and len(types) == n and len(set(types)) == 1:
-                cfg.layer_types = types[:1] * k
+            per_layer_config(cfg, n, k)
     from memfit.measure.anymodel import _materialise, _meta_copy
 
     while len(blocks) < k:
-        # Fresh empty parameters (a deepcopy of fake tensors would not be seen as the same storages).
-        dev = next(iter(blocks[0].parameters())).device
-        new = _materialise(_meta_copy(blocks[0]), dev)
+        # Block i is a copy of block i mod n, so a pattern of layer kinds (sliding and full attention, ...)
+        # runs on as the config's per-layer lists do. Fresh empty parameters: a deepcopy of fake tensors
+        # would not be seen as the same storages.
+        source = blocks[len(blocks) % n]
+        dev = next(iter(source.parameters())).device
+        new = _materialise(_meta_copy(source), dev)
         for m in new.modules():  # Hugging Face layers know their index (KV cache slots)
             if isinstance(getattr(m, "layer_idx", None), int):
                 m.layer_idx = len(blocks)

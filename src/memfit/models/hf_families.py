@@ -74,27 +74,20 @@ def task_of(data: dict, requested: str | None = None, path: Any = "config.json")
 
 
 def hf_config(data: dict, image_size: int | None = None, path: Any = "config.json") -> Any:
-    import transformers
+    """transformers' config object of `data`, checked (memfit.models.hf_check): one line for what is wrong."""
+    from memfit.models.hf_check import checked
 
-    if image_size is not None:
-        data = {**data, "image_size": image_size}
-    try:
-        return transformers.AutoConfig.for_model(**data)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"cannot build a model from Hugging Face config {path}: {message}") from None
+    return checked(data, path, image_size)
 
 
 def build_family(data: dict, task: str, image_size: int | None = None, path: Any = "config.json") -> nn.Module:
     """The task's model for this config, with random weights, in the current device / fake-tensor context."""
     import transformers
 
+    from memfit.models.hf_check import build_quietly
+
     config = hf_config(data, image_size, path)
-    try:
-        return getattr(transformers, TASKS[task][1]).from_config(config)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"cannot build a {task} model from Hugging Face config {path}: {message}") from None
+    return build_quietly(lambda: getattr(transformers, TASKS[task][1]).from_config(config), f"{task} model", path)
 
 
 def family_batch(task: str, config: Any, batch: int, seq: int | None,

@@ -14,6 +14,7 @@ import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -21,6 +22,7 @@ import torch.nn as nn
 from memfit.core.errors import ConfigError
 from memfit.core.patching import patched
 from memfit.models.gpt import GPT, GPTConfig
+from memfit.models.hf_check import MAX_LAYERS, check_values, checked
 from memfit.models.lora import LoraConfig, apply_lora
 
 _GPT2 = dict(vocab=50257, seq=1024, arch="gpt2")
@@ -58,8 +60,6 @@ SUPPORTED = ("memfit builds decoder-only causal language models: a named archite
              "a gpt:/llama: spec, or a Hugging Face config.json whose model_type has a causal-LM class "
              "(gpt2, llama, mistral, qwen2, gpt_neox, opt, phi, ...)")
 """The supported families, named in every refusal of a model memfit cannot build."""
-MAX_LAYERS = 10_000
-"""Deeper than any published model by far; building more blocks (even on the meta device) takes minutes."""
 MAX_ELEMENTS = 2**63 // 8
 """torch sizes tensors in signed 64-bit bytes: no tensor may hold more 8-byte elements than this."""
 
@@ -267,12 +267,15 @@ def parse_model(text: str, task: str | None = None, image_size: int | None = Non
         data = read_hf_config(path, families=families)
         name = path.parent.name or path.stem
         if not families:
+            _check_causal_lm(data, path)
+            checked(data, path)  # every size, count and ratio, before anything is built
             return ModelSpec(name, hf_config=path)
         from memfit.models.hf_families import task_of
 
         found = task_of(data, task, path)
         if image_size is not None and found != "image-classification":
             raise ConfigError(f"--image-size applies to image models; {path} is a {found} model")
+        checked(data, path, image_size)
         return ModelSpec(name, hf_config=path, task=found, image_size=image_size)
     raise ConfigError(
         f"unknown model {text!r}; accepted: one of {', '.join(ARCHITECTURES)}, a custom spec like "
@@ -294,6 +297,7 @@ def read_hf_config(path: Path | None, families: bool = False) -> dict:
         raise ConfigError(f"Hugging Face config {path} has no model_type; {SUPPORTED}")
     if data.get("is_encoder_decoder") and not families:
         raise ConfigError(f"Hugging Face config {path} is an encoder-decoder ({kind}); {SUPPORTED}")
+    check_values(data, path)
     return data
 
 
@@ -316,23 +320,28 @@ def _hf_widths(data: dict) -> tuple[int, int, int]:
 
 def build_hf(config_path: Path | None) -> nn.Module:
     """A Hugging Face causal LM from its config.json, with random weights (never downloads)."""
+    from memfit.models.hf_check import build_quietly
+
+    data = read_hf_config(config_path)
+    _check_causal_lm(data, config_path)
+    hidden, widest, _ = _hf_widths(data)
+    if hidden * widest > MAX_ELEMENTS:
+        raise ConfigError(f"Hugging Face config {config_path}: a {hidden} x {widest} weight is beyond torch's sizes")
+    config = checked(data, config_path)
+    import transformers
+
+    return build_quietly(lambda: transformers.AutoModelForCausalLM.from_config(config), "model", config_path)
+
+
+def _check_causal_lm(data: dict, path: Any) -> None:
+    """Refuse a config whose model_type has no causal-LM class (or is unknown to transformers)."""
     try:
         import transformers
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         raise ConfigError("a config.json model needs `transformers`: pip install 'memfit[hf]'") from None
-    data = read_hf_config(config_path)
     kind = data["model_type"]
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         known = kind in transformers.CONFIG_MAPPING
-        raise ConfigError(f"Hugging Face config {config_path}: model_type {kind!r} "
+        raise ConfigError(f"Hugging Face config {path}: model_type {kind!r} "
                           f"{'has no causal-LM class' if known else 'is unknown to transformers'}; {SUPPORTED}")
-    hidden, widest, _ = _hf_widths(data)
-    if hidden * widest > MAX_ELEMENTS:
-        raise ConfigError(f"Hugging Face config {config_path}: a {hidden} x {widest} weight is beyond torch's sizes")
-    try:
-        config = transformers.AutoConfig.for_model(**data)
-        return transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"cannot build a model from Hugging Face config {config_path}: {message}") from None

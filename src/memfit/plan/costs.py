@@ -43,6 +43,11 @@ def parse_budget(budget: Any, what: str = "budget") -> int:
         raise ConfigError(f"{what} {budget!r} is not a size; use e.g. 8GiB, 300MiB or a byte count") from None
     if value <= 0:
         raise ConfigError(f"{what} must be positive, got {budget!r}")
+    from memfit.plan.plan_schema import MAX_BUDGET
+
+    if value > MAX_BUDGET:
+        raise ConfigError(f"{what} {budget!r} is more than any machine holds (at most 2**60 bytes, 1 EiB); give the "
+                          "device's memory, e.g. 80GiB")
     plain = isinstance(budget, (int, float)) or str(budget).strip().replace(".", "", 1).isdigit()
     if plain and value < UNITLESS_MIN:
         raise ConfigError(f"{what} {budget!r} reads as {value} bytes; give a unit, e.g. '{budget}GiB' or "

@@ -55,8 +55,29 @@ def head_source(src: ChainSource, chunks: int | None) -> ChainSource:
 
 def head_counts(src: ChainSource) -> list[int]:
     """The chunk counts worth trying: each chunk keeps at least MIN_CHUNK vocabulary columns."""
+    if not chunkable(src):
+        return []
     vocab = head_size(src)[0]
     return [k for k in HEAD_CHUNKS if k * MIN_CHUNK <= vocab]
+
+
+_CHUNKABLE: dict[tuple, bool] = {}
+
+
+def chunkable(src: ChainSource) -> bool:
+    """Whether the model's head can run in chunks at all (Gemma-2's soft-capped logits cannot): a model
+    that cannot is planned with its plain head, whatever --allow says, as with any other action the
+    model cannot take."""
+    from memfit.core.errors import ConfigError
+
+    if src.key not in _CHUNKABLE:
+        try:
+            with torch.device("meta"):
+                chunk_head(src.build_k(1), HEAD_CHUNKS[0])
+            _CHUNKABLE[src.key] = True
+        except ConfigError:
+            _CHUNKABLE[src.key] = False
+    return _CHUNKABLE[src.key]
 
 
 _SIZES: dict[tuple, tuple[int, int, bool]] = {}

@@ -143,15 +143,24 @@ class Plan:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Plan":
-        if not isinstance(d, dict) or "actions" not in d:
-            raise ConfigError("not a memfit plan: expected a JSON object with a 'plan' field from `memfit plan --json`")
+    def from_json(cls, d: dict[str, Any], where: str = "the plan") -> "Plan":
+        """The plan of `d` (its JSON form), every field checked first (memfit.plan.plan_schema)."""
+        from memfit.plan.plan_schema import check_plan
+
+        check_plan(d, where)
         d = dict(d)
         parsed = parse_items(d["actions"])
         if isinstance(parsed, str):
-            raise ConfigError("a plan's actions must be a per-block list")
+            raise ConfigError(f"{where}: actions must be a per-block list, got {d['actions']!r}")
+        if len(parsed) != d["n_blocks"]:
+            raise ConfigError(f"{where}: actions name {len(parsed)} blocks, n_blocks says {d['n_blocks']}; write it "
+                              "again with `memfit plan ... --json`")
         d["actions"] = list(parsed)
-        d["ranked"] = [Candidate(**c) for c in d.get("ranked", [])]
+        try:
+            d["ranked"] = [Candidate(**c) for c in d.get("ranked", [])]
+        except TypeError:
+            raise ConfigError(f"{where}: ranked holds a configuration that is not a memfit candidate; write it again "
+                              "with `memfit plan ... --json`") from None
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 

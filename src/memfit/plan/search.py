@@ -286,7 +286,9 @@ def _verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0)
         if traced <= plan.budget:
             return
         over = traced - plan.budget
-        bound -= over
+        # The composed figure missed by traced - predicted (more than `over` when it was under the budget):
+        # the next solve's figure must leave that much room, or it picks the same actions again.
+        bound = min(bound - over, plan.budget + relief - (traced - plan.predicted_peak))
         plan.notes.append(f"the full trace found {format_bytes(traced)}, {format_bytes(over)} over the composed "
                           "figure's budget: solved again with the bound lowered by that much")
         choice = solve_any(prof, bound, bases, cost, n_blocks=plan.n_blocks, max_segment=min(plan.n_blocks, 16),

@@ -38,7 +38,7 @@ def load_plan(path: str) -> Plan:
         raise ConfigError(f"cannot read plan file {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"plan file {path} is not JSON ({exc.msg}); write it with `memfit plan ... --json`") from None
-    return Plan.from_json(data.get("plan", data) if isinstance(data, dict) else data)
+    return Plan.from_json(data.get("plan", data) if isinstance(data, dict) else data, f"plan file {path}")
 
 
 def plan_config(cfg: Any, budget: str | None = None, plan_file: str | None = None, allow: str | None = None,

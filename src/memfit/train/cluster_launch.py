@@ -33,7 +33,7 @@ def cluster_options(path: str) -> dict | None:
         return None
     try:
         flags = train_flags(Layout(**cluster["layout"]))
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"plan file {path} has a malformed cluster field ({exc}); write it again with "
                           "`memfit plan ... --gpus N --json`") from None
     out = {}
