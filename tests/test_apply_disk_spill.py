@@ -20,7 +20,7 @@ def test_a_truncated_spill_file_is_a_clear_error_not_short_data(tmp_path):
     try:
         t = torch.arange(1024, dtype=torch.float32)
         path = spill.new_path()
-        spill.write(path, t, None)
+        spill.write(path, [t], None)  # the write takes its tensor in a box (disk_spill.DiskSpill.write)
         os.truncate(path, t.numel() * 4 - 100)
         buf = torch.zeros(t.numel() * 4, dtype=torch.uint8)
         with pytest.raises(SpillError, match="is truncated"):
