@@ -25,7 +25,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--drop-output", dest="keep_output", action="store_false",
                    help="the training loop drops the model's output (logits) before backward, as memfit train does "
                    "(default: budget for `out = model(...)` held through backward)")
-    add(p, "precision", default=None, shown="32-true; bf16-master for a named GPU or with --gpus")
+    add(p, "precision", default=None, shown="32-true; bf16-master for a named GPU or with --gpus (not --device cpu)")
     add(p, "optimizer", default="adamw")
     add(p, "device", default=None, shown="cuda when available", help="where the model will train: cpu, cuda, or a "
         "GPU to plan for from any machine (h100, h200, a100-80gb, a100-40gb, l40s, rtx4090, ...)")
@@ -106,7 +106,8 @@ def _target(args: argparse.Namespace) -> tuple[str, str]:
         args.budget = f"{room:.2f}GiB"
         said.append(f"budget {args.budget}: {gpu.label}'s capacity less the CUDA context")
     if args.precision is None:
-        on_gpu = gpu is not None or args.gpus is not None or device == "cuda"
+        # --gpus plans GPUs unless --device cpu says the ranks are this machine's CPU processes
+        on_gpu = gpu is not None or device == "cuda" or (args.gpus is not None and args.device != "cpu")
         args.precision = (gpu.default_precision if gpu is not None else "bf16-master") if on_gpu else "32-true"
         if on_gpu:
             said.append(f"precision {args.precision}: the default on a GPU (16-bit weights and activations, fp32 "
