@@ -26,9 +26,10 @@ from memfit.distributed.spawn import run_world
 # worth one block's weights (1.1% to 2.3% of a rank at hidden 32, e.g. ZeRO-3 gathering one block
 # ahead instead of two) fails it; the old flat 3% passed that. Tensor parallel is the exception: its
 # rank 1 is not the same on every run (a collective's receive buffer is sometimes still held when
-# the peak is taken: -2.1%, -3.0% and -3.2% seen on loaded machines, never over), so it keeps 3.5%.
+# the peak is taken: -2.1%, -3.0%, -3.2% and, on four ranks under load, -4.7% seen; never over), so
+# it keeps 5%.
 TOLERANCE = {"none": 0.005, "ps": 0.005, "zero1": 0.005, "zero2": 0.01, "zero3": 0.005, "pipeline": 0.005,
-             "ddp": 0.015, "tensor": 0.035}
+             "ddp": 0.015, "tensor": 0.05}
 
 
 # torch 2.15's pipeline schedules hold sends differently (core/compat.py); the stage trace follows

@@ -49,15 +49,18 @@ def hold() -> None:
 @contextlib.contextmanager
 def holding(restore: bool = True) -> Iterator[None]:
     """`hold()` within the block; after it the previous handlers again (restore=False: kept until
-    the process ends, for a process that only trains: a signal while it exits changes nothing)."""
+    the process ends, as ignored signals, for a process that only trains: one while it exits changes nothing)."""
     before = {s: signal.getsignal(s) for s in STOPPED}
     hold()
     try:
         yield
     finally:
-        if restore and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             for s, h in before.items():
-                signal.signal(s, h if h is not None else signal.SIG_DFL)
+                # restore=False: ignored from here to the exit. Not the counting handler: Python puts
+                # SIG_DFL back under every Python-level handler as the interpreter finalizes, so a
+                # signal in the process's last milliseconds would kill it (-15) after its line
+                signal.signal(s, (h if h is not None else signal.SIG_DFL) if restore else signal.SIG_IGN)
             _held.clear()
 
 
