@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -19,6 +18,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from time_limit import time_limit
 
 from memfit.cli import SUBCOMMANDS, build_parser, main
 
@@ -132,30 +133,12 @@ def _base_run() -> Path:
     return _BASE[0]
 
 
-class _TookTooLong(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: int) -> Iterator[None]:
-    def expire(signum, frame):
-        raise _TookTooLong(f"took more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def check_exit(argv: list[str], capsys) -> None:
     """Run `memfit *argv` in this process; the property holds or the example fails."""
     capsys.readouterr()
     with _places() as places:
         argv = [a.format(**places) if "{" in a else a for a in argv]
-        with _time_limit(EXAMPLE_SECONDS):
+        with time_limit(EXAMPLE_SECONDS):
             code = main(argv)  # an uncaught exception fails the example: that would be exit 1
     out, err = capsys.readouterr()
     assert code in (0, 2), (argv, code, err)

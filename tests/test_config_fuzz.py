@@ -14,15 +14,15 @@ import contextlib
 import io
 import json
 import resource
-import signal
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from time_limit import time_limit
 
 from memfit.cli import main
 
@@ -66,20 +66,6 @@ def hf_configs(draw) -> dict:
     return base
 
 
-@contextlib.contextmanager
-def _time_limit(seconds: int) -> Iterator[None]:
-    def expire(signum, frame):
-        raise TimeoutError(f"took more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -93,7 +79,7 @@ def check_exit(argv: list[str], capsys) -> int:
     if not _START_RSS:
         _START_RSS.append(_peak_rss())
     capsys.readouterr()
-    with _time_limit(EXAMPLE_SECONDS):
+    with time_limit(EXAMPLE_SECONDS):
         code = main(argv)  # an uncaught exception fails the example: that would be exit 1
     out, err = capsys.readouterr()
     assert code in (0, 2), (argv, code, err)
