@@ -236,8 +236,9 @@ def checkpoint(
         r = _Region(blocks, region, a, store)
         for i in region:
             _install(blocks[i], _region_forward(r, i))
-    if any(a.mode != "keep" for a in actions):
-        # Hugging Face models would append to a KV cache again while recomputing; they switch it off too.
+    if any(a.mode != "keep" and not a.cache for a in actions):
+        # Hugging Face models would append to a KV cache again while recomputing; they switch it off too
+        # (+cache leaves it, as torch's checkpoint_wrapper does: apply.policy).
         config = getattr(model, "config", None)
         if config is not None and getattr(config, "use_cache", False):
             config.use_cache = False

@@ -3,7 +3,8 @@
 A policy is what the planner emits and what `memfit.checkpoint` carries out. It can be written as
 
 - a name for the whole model: ``none``, ``full``, ``every:K``, ``sqrt``, ``selective`` (or
-  ``selective:torchtitan``: torchtitan's op list, memfit.apply.selective)
+  ``selective:torchtitan``: torchtitan's op list, memfit.apply.selective), ``wrapper`` (torch's
+  ``checkpoint_wrapper`` on every block, as torchtitan and accelerate apply it: ``recompute+cache``)
   (optionally with modifiers: ``full+offload:disk``, ``selective+compress:int8``);
 - a compact per-block list: ``keep*4,selective*4,recompute+offload:disk*4`` (``*N`` repeats an item;
   a single item applies to every block);
@@ -15,6 +16,11 @@ Every block is one mode (keep / selective / recompute) plus, optionally, where w
 ``recompute`` and ``selective`` (the input is what recomputation starts from). ``seg=N`` joins
 consecutive recomputed blocks with the same N into one recomputed segment (Chen et al.'s sqrt(L)
 scheme): only the segment's input is kept, and the whole segment is recomputed in backward.
+``+cache`` (recompute only) leaves a Hugging Face model's KV cache as its config has it: memfit
+switches the cache off under recomputation, as ``gradient_checkpointing_enable`` does (so ``full``
+is what Hugging Face's own checkpointing keeps), but torch's ``checkpoint_wrapper`` does not, and the
+cache then holds each layer's keys and values from forward and their recomputed copies appended in
+backward (docs/activations.md).
 """
 from __future__ import annotations
 
@@ -29,14 +35,14 @@ from memfit.core.errors import ConfigError
 MODES = ("keep", "selective", "recompute")
 OFFLOADS = ("cpu", "disk")
 COMPRESSIONS = ("int8", "int8-channel", "fp8", "bf16", "fp16")
-NAMED = ("none", "full", "every:K", "sqrt", "selective")
+NAMED = ("none", "full", "every:K", "sqrt", "selective", "wrapper")
 SELECTIVE_OPS = ("torchtitan",)
 """Op lists a selective block may follow instead of memfit's (memfit.apply.selective): `selective:torchtitan`."""
 
 ACCEPTED = (
-    "accepted: none, full, every:K, sqrt, selective, selective:torchtitan "
+    "accepted: none, full, every:K, sqrt, selective, selective:torchtitan, wrapper "
     "(each optionally +offload:cpu|disk, +compress:CODEC), "
-    "or a comma list of per-block items MODE[+offload:cpu|disk][+compress:CODEC][+seg=N][*COUNT] "
+    "or a comma list of per-block items MODE[+offload:cpu|disk][+compress:CODEC][+seg=N][+cache][*COUNT] "
     f"with MODE in {'/'.join(MODES)} and CODEC in {'/'.join(COMPRESSIONS)}, "
     "or a JSON list of such items / {\"mode\": ..., \"offload\": ..., \"compress\": ..., \"segment\": ...} "
     "(inline or in a .json file)"
@@ -58,6 +64,9 @@ class BlockAction:
     """Recompute only: consecutive blocks with the same id are recomputed as one segment."""
     ops: str | None = None
     """Selective only: whose op list decides what is kept (None: memfit's; one of SELECTIVE_OPS)."""
+    cache: bool = False
+    """Recompute only: the model's KV cache stays as configured (torch's checkpoint_wrapper); without
+    it memfit switches a Hugging Face cache off, as Hugging Face's own checkpointing does."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,6 +80,8 @@ class BlockAction:
         if self.ops is not None and (self.mode != "selective" or self.ops not in SELECTIVE_OPS):
             raise ConfigError(f"op list {self.ops!r} for a {self.mode} block; accepted: "
                               + ", ".join(f"selective:{o}" for o in SELECTIVE_OPS))
+        if self.cache and self.mode != "recompute":
+            raise ConfigError(f"+cache is only meaningful for recompute blocks, got mode {self.mode!r}")
 
     @property
     def is_plain(self) -> bool:
@@ -85,6 +96,8 @@ class BlockAction:
             parts.append(f"compress:{self.compress}")
         if self.segment is not None:
             parts.append(f"seg={self.segment}")
+        if self.cache:
+            parts.append("cache")
         return "+".join(parts)
 
 
@@ -103,7 +116,7 @@ def to_string(actions: Sequence[BlockAction]) -> str:
 
 
 def to_json(actions: Sequence[BlockAction]) -> str:
-    return json.dumps([{k: v for k, v in asdict(a).items() if v is not None} for a in actions])
+    return json.dumps([{k: v for k, v in asdict(a).items() if v is not None and v is not False} for a in actions])
 
 
 def _apply_modifiers(base: BlockAction, mods: list[str], where: str) -> BlockAction:
@@ -113,6 +126,8 @@ def _apply_modifiers(base: BlockAction, mods: list[str], where: str) -> BlockAct
             base = replace(base, offload=value)
         elif key == "compress" and value:
             base = replace(base, compress=value)
+        elif mod == "cache":
+            base = replace(base, cache=True)
         elif mod.startswith("seg=") and mod[4:].isdigit():
             base = replace(base, segment=int(mod[4:]))
         else:
@@ -125,7 +140,7 @@ def _parse_item(item: Any) -> list[BlockAction]:
     if isinstance(item, BlockAction):
         return [item]
     if isinstance(item, dict):
-        unknown = set(item) - {"mode", "offload", "compress", "segment", "ops", "repeat"}
+        unknown = set(item) - {"mode", "offload", "compress", "segment", "ops", "cache", "repeat"}
         if unknown:
             raise ConfigError(f"unknown keys {sorted(unknown)} in block action {item}; {ACCEPTED}")
         fields = {k: v for k, v in item.items() if k != "repeat"}
@@ -159,6 +174,8 @@ def _named(text: str, n_blocks: int) -> list[BlockAction] | None:
         base = [BlockAction("recompute")] * n_blocks
     elif name == "selective":
         base = [BlockAction("selective")] * n_blocks
+    elif name == "wrapper":  # torch's checkpoint_wrapper per block: recomputed, the KV cache as configured
+        base = [BlockAction("recompute", cache=True)] * n_blocks
     elif name.startswith("selective:"):
         base = [BlockAction("selective", ops=name[len("selective:"):])] * n_blocks
     elif name == "sqrt":
