@@ -97,6 +97,27 @@ def test_hugging_face_models_bit_equal(kind, policy, tmp_path):
     assert_same(hf_step(model, policy, spill_dir=str(tmp_path)), ref)
 
 
+def test_wrapper_leaves_the_kv_cache_on_as_torchs_checkpoint_wrapper_does():
+    """`wrapper` is torch's checkpoint_wrapper per block: the cache stays on (full switches it off, as
+    Hugging Face's own checkpointing does), and the step is bit-equal to the plain one and to torch's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def run(model):
+        torch.manual_seed(1)
+        x = torch.randint(0, 64, (2, 16))
+        model(input_ids=x, labels=x).loss.backward()  # the config's use_cache: on
+        return {k.replace("._checkpoint_wrapped_module", ""): p.grad for k, p in model.named_parameters()}
+
+    ref, wrapped, torchs = _hf("llama"), _hf("llama"), _hf("llama")
+    memfit.checkpoint(wrapped, "wrapper")
+    assert wrapped.config.use_cache and not memfit.checkpoint(_hf("llama"), "full").config.use_cache
+    for i, layer in enumerate(torchs.model.layers):
+        torchs.model.layers[i] = checkpoint_wrapper(layer)
+    want = run(ref)
+    for got in (run(wrapped), run(torchs)):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_state_dict_keys_unchanged_and_policy_replaceable():
     model = tiny()
     keys = list(model.state_dict())

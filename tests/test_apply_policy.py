@@ -79,3 +79,14 @@ def test_errors_list_accepted_forms():
         parse_items("bogus")
     with pytest.raises(ConfigError, match="must be a string or a list"):
         parse_items(3)
+
+
+def test_wrapper_is_recompute_with_the_cache_left_on():
+    """torch's checkpoint_wrapper per block: every block recomputed, a Hugging Face KV cache as configured."""
+    W = BlockAction("recompute", cache=True)
+    assert resolve_policy("wrapper", 3) == [W, W, W]
+    assert resolve_policy("keep,recompute+cache", 2) == [K, W]
+    assert resolve_policy(to_string([K, W]), 2) == [K, W] and resolve_policy(to_json([K, W]), 2) == [K, W]
+    assert "cache" not in to_json([R])
+    with pytest.raises(ConfigError, match="only meaningful for recompute"):
+        resolve_policy("keep+cache", 1)
