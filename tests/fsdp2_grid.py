@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-WRAPPERS = ("none", "checkpoint_wrapper", "hf")
-"""How the blocks are checkpointed: not at all, torch's checkpoint_wrapper, Hugging Face's own."""
-ESTIMATE_POLICY = {"none": "none", "checkpoint_wrapper": "wrapper", "hf": "full"}
+WRAPPERS = ("none", "checkpoint_wrapper", "hf", "full")
+"""How the blocks are checkpointed: not at all, torch's checkpoint_wrapper, Hugging Face's own, memfit's full."""
+ESTIMATE_POLICY = {"none": "none", "checkpoint_wrapper": "wrapper", "hf": "full", "full": "full"}
 """The memfit policy that estimates each (measured: Hugging Face's own drops the KV cache, as full does)."""
 
 
@@ -30,11 +30,14 @@ class Case:
     wrapper: str = "none"
     batch: int = 2
     seq: int = 32
+    engine: str = "fsdp2"
+    """fsdp2 (memfit.distributed.fsdp2, measured by torch's MemTracker) or memfit's own flat engine
+    (measured by memfit's tracker, as tests/rank_grid.py does)."""
 
     @property
     def name(self) -> str:
         model = Path(self.model).parent.name if self.model.endswith(".json") else self.model.split(",")[0]
-        return f"{model} reshard={self.reshard} ckpt={self.wrapper}"
+        return f"{model} {self.engine} reshard={self.reshard} ckpt={self.wrapper}"
 
     @property
     def strategy(self) -> str:
@@ -43,12 +46,12 @@ class Case:
         return "zero3" if self.reshard else "zero2"
 
 
-def _build(case: Case, world: int):
+def _build(case: Case):
+    """(optimizer with memfit's strategy interface, vocabulary size)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from memfit.apply.checkpoint import find_blocks
+    from memfit.apply.checkpoint import checkpoint, find_blocks
+    from memfit.distributed import distribute
     from memfit.models.spec import parse_model
 
     spec = parse_model(case.model)
@@ -56,16 +59,14 @@ def _build(case: Case, world: int):
     model.train()
     if case.wrapper == "hf":
         model.gradient_checkpointing_enable()
-    blocks = find_blocks(model)
-    if case.wrapper == "checkpoint_wrapper":
+    elif case.wrapper == "full":
+        checkpoint(model, "full")
+    elif case.wrapper == "checkpoint_wrapper":
+        blocks = find_blocks(model)
         for i in range(len(blocks)):
             blocks[i] = checkpoint_wrapper(blocks[i])
-    mesh = init_device_mesh("cpu", (world,))
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=case.reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=case.reshard)
-    vocab = spec.config.vocab if spec.config is not None else model.config.vocab_size
-    return model, vocab
+    opt = distribute(model, case.strategy, "adamw", lr=1e-3, engine=case.engine)
+    return opt, spec.config.vocab if spec.config is not None else model.config.vocab_size
 
 
 def _loss(model, x):
@@ -80,27 +81,35 @@ def _loss(model, x):
 def _one(case: Case, rank: int, world: int) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from memfit.core.tracker import track
+
     torch.manual_seed(0)
-    model, vocab = _build(case, world)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt, vocab = _build(case)
     g = torch.Generator().manual_seed(1)
-    losses = []
+    losses, cats = [], {}
     for step in range(3):
         x = torch.randint(0, vocab, (case.batch * world, case.seq), generator=g)
         x = x[rank * case.batch:(rank + 1) * case.batch]
-        mt = MemTracker() if step == 2 else None
-        if mt is not None:
-            mt.track_external(model, opt)
-        with mt if mt is not None else contextlib.nullcontext():
-            loss = _loss(model, x)
-            loss.backward()
+        if step < 2:
+            tracker = contextlib.nullcontext()
+        elif case.engine == "fsdp2":
+            tracker = MemTracker()
+            tracker.track_external(opt.model, opt.inner)
+        else:
+            tracker = track(opt.tracked_module, opt, device="cpu")
+        with tracker:
+            with opt.micro_batch(True), opt.autocast():
+                loss = _loss(opt.model, x)
+            opt.backward(loss / world if case.engine == "memfit" else loss, final=True)  # memfit's sum over ranks
             opt.step()
-            opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    peak = mt.get_tracker_snapshot("peak")
-    cats = next(iter(peak.values()))
-    return {"total": int(cats["Total"]), "losses": losses,
-            **{getattr(k, "value", str(k)): int(v) for k, v in cats.items() if k != "Total"}}
+    if case.engine == "fsdp2":
+        cats = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        total = int(cats.pop("Total"))
+    else:
+        total = tracker.breakdown["total"]
+    opt.close()
+    return {"total": total, "losses": losses, **{getattr(k, "value", str(k)): int(v) for k, v in cats.items()}}
 
 
 def tracked(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:

@@ -34,12 +34,29 @@ def check_strategy(name: str) -> str:
     return name
 
 
-def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: float = 3e-4, **kw: Any):
+ENGINES = ("memfit", "fsdp2")
+"""Who carries out zero2/zero3: memfit's flat engine (memfit.distributed.sharded) or torch's FSDP2
+(memfit.distributed.fsdp2: fully_shard per block; zero2 is reshard_after_forward=False)."""
+
+
+def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: float = 3e-4,
+               engine: str = "memfit", **kw: Any):
     """The strategy's optimizer over `model` (cast to the precision in place); see the module docstring.
 
     Keyword arguments are TrainingOptimizer's (weight_decay, precision, clip, offload, spill_dir, ...),
-    plus group= (a process group; default the world) and, for zero3, prefetch=."""
+    plus group= (a process group; default the world) and, for zero3, prefetch=. `engine`: see ENGINES."""
     check_strategy(strategy)
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown engine {engine!r}; accepted: {', '.join(ENGINES)}")
+    if engine == "fsdp2":
+        if strategy not in ("zero2", "zero3"):
+            raise ConfigError(f"engine fsdp2 carries out zero2 and zero3, not {strategy}; use --engine memfit")
+        if not dist.is_initialized():
+            raise ConfigError("distribute() needs a process group: call memfit.distributed.init() under torchrun first")
+        from memfit.distributed.fsdp2 import FSDP2Optimizer
+
+        kw.pop("prefetch", None)  # FSDP2 prefetches the next block itself
+        return FSDP2Optimizer(model, optimizer, lr, reshard=strategy == "zero3", **kw)
     if not dist.is_initialized():
         raise ConfigError("distribute() needs a process group: call memfit.distributed.init() under torchrun first")
     if strategy == "ddp":

@@ -1,0 +1,135 @@
+"""ZeRO-3 (and a ZeRO-2-like layout) on torch's FSDP2: `fully_shard` on each repeated block, then the root.
+
+    opt = FSDP2Optimizer(model, "adamw", lr=3e-4, precision="bf16-master")       # zero3
+    opt = distribute(model, "zero3", engine="fsdp2")                             # the same
+    opt = distribute(model, "zero2", engine="fsdp2")   # reshard_after_forward=False
+
+Any module whose repeated blocks memfit finds (memfit.apply.checkpoint.find_blocks: memfit's GPT,
+Hugging Face causal LMs, the largest nn.ModuleList otherwise) is sharded block by block, as
+torchtitan and accelerate do; apply a checkpoint policy (memfit's, or torch's checkpoint_wrapper)
+before. The interface is memfit's strategies' (model, micro_batch, autocast, backward, step,
+tracked_module), so a loop written for `distribute` runs on it unchanged.
+
+Precision: 32-true shards float32 weights; bf16-mixed and bf16-master shard float32 weights (they
+are the master) and gather them as bf16 for compute (MixedPrecisionPolicy, gradients reduced in
+float32); bf16-true shards bf16 weights. fp16 modes are refused (FSDP2 has no loss scaler here).
+CPUOffloadPolicy (`offload="cpu"`) only with CUDA ranks: on a CPU rank there is nothing to offload to.
+
+What differs from memfit's own engine (memfit.distributed.sharded): zero2 here still shards the
+weights (FSDP2 gathers each block in forward and keeps it gathered to its backward, so between steps
+a rank holds a shard; memfit's zero2 keeps every weight whole); under bf16-master memfit keeps bf16
+weights beside a float32 master shard, FSDP2 only the float32 shard; clipping, gradient compression
+and optimizer offload to disk are memfit's engine's only.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from memfit.apply.checkpoint import find_blocks
+from memfit.apply.optimizer import StepResult
+from memfit.apply.precision import precision_mode
+from memfit.apply.torch_optim import make_torch_optimizer
+from memfit.core.errors import ConfigError
+
+_MIXED = ("bf16-mixed", "bf16-master")
+_AS_IS = ("32-true", "bf16-true")
+
+
+def _policies(precision: str, offload: str | None, device: torch.device) -> dict[str, Any]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    out: dict[str, Any] = {}
+    if precision in _MIXED:
+        out["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif precision not in _AS_IS:
+        raise ConfigError(f"precision {precision!r} on the fsdp2 engine is not supported (fp16 needs a loss "
+                          f"scaler); use one of {', '.join(_AS_IS + _MIXED)}, or the memfit engine")
+    if offload not in (None, "none"):
+        if offload != "cpu" or device.type != "cuda":
+            raise ConfigError(f"offload={offload!r} on the fsdp2 engine: only 'cpu' with CUDA ranks (CPUOffloadPolicy); "
+                              "on CPU ranks leave it out, for disk use the memfit engine")
+        out["offload_policy"] = CPUOffloadPolicy()
+    return out
+
+
+class FSDP2Optimizer:
+    """See the module docstring. `reshard`: FSDP2's reshard_after_forward (True: zero3, False: zero2)."""
+
+    def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
+                 precision: str = "32-true", clip: float | None = None, offload: str | None = None, *,
+                 reshard: bool = True, group=None, blocks: nn.ModuleList | None = None,
+                 **optimizer_kwargs: Any) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        if clip is not None and not clip > 0:
+            raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
+        self.mode = precision_mode(precision)
+        self.precision, self.clip = self.mode.name, clip
+        device = next(model.parameters()).device
+        policies = _policies(self.precision, offload, device)
+        if self.precision == "bf16-true":
+            model.to(torch.bfloat16)
+        group = group or dist.group.WORLD
+        mesh = DeviceMesh.from_group(group, device.type)
+        for block in blocks if blocks is not None else find_blocks(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
+        self.model = self.tracked_module = model
+        self.device_type = device.type
+        self.inner = make_torch_optimizer(optimizer, model.parameters(), lr=lr, weight_decay=weight_decay,
+                                          **optimizer_kwargs)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # FSDP2 casts the gathered weights itself (MixedPrecisionPolicy)
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """Earlier micro-batches keep their gradients unreduced (FSDP2's set_requires_gradient_sync)."""
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, *, final: bool = False) -> None:
+        loss.backward()
+
+    def step(self) -> StepResult:
+        norm = None
+        if self.clip is not None:
+            norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), self.clip).full_tensor())
+            if not math.isfinite(norm):
+                self.zero_grad()
+                return StepResult(stepped=False, grad_norm=norm)
+        self.inner.step()
+        self.zero_grad()
+        return StepResult(stepped=True, grad_norm=norm)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t.to_local() if hasattr(t, "to_local") else t
+                for s in self.inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+    def state_dict(self) -> dict:
+        return {"precision": self.precision, "engine": "fsdp2", "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["inner"])
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "FSDP2Optimizer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
