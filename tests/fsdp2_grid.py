@@ -31,13 +31,19 @@ class Case:
     batch: int = 2
     seq: int = 32
     engine: str = "fsdp2"
+    policy: str | None = None
+    """The --checkpoint the estimate is asked with; None: ESTIMATE_POLICY's for the wrapper."""
     """fsdp2 (memfit.distributed.fsdp2, measured by torch's MemTracker) or memfit's own flat engine
     (measured by memfit's tracker, as tests/rank_grid.py does)."""
 
     @property
     def name(self) -> str:
         model = Path(self.model).parent.name if self.model.endswith(".json") else self.model.split(",")[0]
-        return f"{model} {self.engine} reshard={self.reshard} ckpt={self.wrapper}"
+        return f"{model} {self.engine} reshard={self.reshard} ckpt={self.wrapper} est={self.estimate_policy}"
+
+    @property
+    def estimate_policy(self) -> str:
+        return self.policy or ESTIMATE_POLICY[self.wrapper]
 
     @property
     def strategy(self) -> str:
@@ -122,7 +128,7 @@ def estimated(case: Case, world: int) -> int:
     from memfit.cli import main
 
     args = ["estimate", case.model, "--batch", str(case.batch), "--seq", str(case.seq), "--json",
-            "--strategy", case.strategy, "--world", str(world), "--checkpoint", ESTIMATE_POLICY[case.wrapper]]
+            "--strategy", case.strategy, "--world", str(world), "--checkpoint", case.estimate_policy]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(args) == 0, args
@@ -136,7 +142,7 @@ def errors(cases: list[Case], world: int, measured: list[dict]) -> list[dict]:
         est = estimated(c, world)
         got = [measured[r][c]["total"] for r in range(world)]
         rows.append({"case": c.name, "model": c.model, "reshard": c.reshard, "wrapper": c.wrapper,
-                     "strategy": c.strategy, "policy": ESTIMATE_POLICY[c.wrapper], "world": world,
+                     "engine": c.engine, "strategy": c.strategy, "policy": c.estimate_policy, "world": world,
                      "batch": c.batch, "seq": c.seq, "estimate": est, "measured": got,
                      "error": [(est - m) / m for m in got]})
     return rows
