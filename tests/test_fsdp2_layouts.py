@@ -22,13 +22,13 @@ SEQ, BATCH, HIDDEN = 128, 4, 64
 TOLERANCE = 0.03
 
 
-def _llama(tmp_path, tie: bool = False) -> str:
+def _llama(tmp_path, layers: int = 4, kv_heads: int = 4) -> str:
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
-                         tie_word_embeddings=tie, architectures=["LlamaForCausalLM"])
-    (tmp_path / "llama").mkdir()
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
+                         architectures=["LlamaForCausalLM"])
+    (tmp_path / "llama").mkdir(parents=True)
     (tmp_path / "llama" / "config.json").write_text(cfg.to_json_string())
     return str(tmp_path / "llama" / "config.json")
 
@@ -36,7 +36,8 @@ def _llama(tmp_path, tie: bool = False) -> str:
 def _gpt2(tmp_path) -> str:
     import transformers as tf
 
-    cfg = tf.GPT2Config(vocab_size=256, n_embd=HIDDEN, n_layer=4, n_head=4, n_positions=SEQ, architectures=["GPT2LMHeadModel"])
+    cfg = tf.GPT2Config(vocab_size=256, n_embd=HIDDEN, n_layer=4, n_head=4, n_positions=SEQ,
+                        architectures=["GPT2LMHeadModel"])
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(cfg.to_json_string())
     return str(tmp_path / "gpt2" / "config.json")
@@ -68,6 +69,9 @@ def test_fsdp2_with_the_frameworks_checkpointing_within_3_percent(tmp_path):
     llama, gpt2 = _llama(tmp_path), _gpt2(tmp_path)
     cases = [grid.Case(m, True, w, BATCH, SEQ) for m in (GPT, llama, gpt2) for w in ("none", "checkpoint_wrapper")]
     cases += [grid.Case(llama, True, "hf", BATCH, SEQ)]
+    # 13 blocks with grouped-query attention: the estimate composed from short traces (12 blocks and more)
+    deep = _llama(tmp_path / "deep", layers=13, kv_heads=2)
+    cases += [grid.Case(deep, True, w, 4, 64) for w in ("checkpoint_wrapper", "hf")]
     measured = run_world(grid.tracked, 2, (cases,), timeout_s=1200)
     rows = grid.errors(cases, 2, measured)
     bad = [(r["case"], r["estimate"], r["measured"]) for r in rows if max(map(abs, r["error"])) > TOLERANCE]

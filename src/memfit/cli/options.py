@@ -36,6 +36,7 @@ OPTIONS: dict[str, Option] = {
     "precision": Option("--precision", f"one of {', '.join(PRECISIONS)}", dict(metavar="MODE")),
     "optimizer": Option("--optimizer", f"one of {', '.join(OPTIMIZERS)}", dict(metavar="NAME", choices=OPTIMIZERS)),
     "checkpoint": Option("--checkpoint", "activation checkpoint policy: none, full, every:K, sqrt, selective, "
+                         "wrapper (torch's checkpoint_wrapper per block), "
                          "with +offload:cpu|disk or +compress:CODEC, ...", dict(metavar="POLICY")),
     "offload_optimizer": Option("--offload-optimizer", "keep optimizer state off the device",
                                 dict(choices=("none", "cpu", "disk"))),

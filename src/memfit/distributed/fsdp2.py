@@ -52,8 +52,8 @@ def _policies(precision: str, offload: str | None, device: torch.device) -> dict
                           f"scaler); use one of {', '.join(_AS_IS + _MIXED)}, or the memfit engine")
     if offload not in (None, "none"):
         if offload != "cpu" or device.type != "cuda":
-            raise ConfigError(f"offload={offload!r} on the fsdp2 engine: only 'cpu' with CUDA ranks (CPUOffloadPolicy); "
-                              "on CPU ranks leave it out, for disk use the memfit engine")
+            raise ConfigError(f"offload={offload!r} on the fsdp2 engine: only 'cpu' with CUDA ranks "
+                              "(CPUOffloadPolicy); on CPU ranks leave it out, for disk use the memfit engine")
         out["offload_policy"] = CPUOffloadPolicy()
     return out
 
