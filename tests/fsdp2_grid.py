@@ -31,10 +31,11 @@ class Case:
     batch: int = 2
     seq: int = 32
     engine: str = "fsdp2"
-    policy: str | None = None
-    """The --checkpoint the estimate is asked with; None: ESTIMATE_POLICY's for the wrapper."""
     """fsdp2 (memfit.distributed.fsdp2, measured by torch's MemTracker) or memfit's own flat engine
     (measured by memfit's tracker, as tests/rank_grid.py does)."""
+    policy: str | None = None
+    """The --checkpoint the estimate is asked with; None: ESTIMATE_POLICY's for the wrapper."""
+    precision: str = "32-true"
 
     @property
     def name(self) -> str:
@@ -71,7 +72,7 @@ def _build(case: Case):
         blocks = find_blocks(model)
         for i in range(len(blocks)):
             blocks[i] = checkpoint_wrapper(blocks[i])
-    opt = distribute(model, case.strategy, "adamw", lr=1e-3, engine=case.engine)
+    opt = distribute(model, case.strategy, "adamw", lr=1e-3, engine=case.engine, precision=case.precision)
     return opt, spec.config.vocab if spec.config is not None else model.config.vocab_size
 
 
@@ -128,6 +129,7 @@ def estimated(case: Case, world: int) -> int:
     from memfit.cli import main
 
     args = ["estimate", case.model, "--batch", str(case.batch), "--seq", str(case.seq), "--json",
+            "--precision", case.precision,
             "--strategy", case.strategy, "--world", str(world), "--checkpoint", case.estimate_policy]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

@@ -115,11 +115,17 @@ def test_fsdp2_engine_trains_as_one_process_with_the_global_batch(tmp_path):
     in the last bits, and three AdamW steps carry that into the weights (seen: 1.1e-7)."""
     llama = _llama(tmp_path)
     gpt = "gpt:layers=2,hidden=32,heads=4,vocab=128,seq=32"
-    cases = [grid.Case(gpt, True), grid.Case(gpt, False), grid.Case(llama, True, "checkpoint_wrapper", 2, 32)]
+    cases = [grid.Case(gpt, True), grid.Case(gpt, False), grid.Case(llama, True, "checkpoint_wrapper", 2, 32),
+             grid.Case(gpt, True, precision="bf16-master")]
     measured = run_world(grid.tracked, 2, (cases,), timeout_s=600)
     for c in cases:
         ranks = [measured[r][c]["losses"] for r in range(2)]
         mean = [(a + b) / 2 for a, b in zip(*ranks)]
-        assert mean == pytest.approx(_one_process_losses(c, 2), rel=1e-5), c.name
+        # bf16-master: float32 shards gathered as bf16 (MixedPrecisionPolicy), the loss itself a bf16
+        # number (spacing 1/64 near 4: 0.4%) after three steps on bf16 weights (seen on a hidden-64 GPT: 0.9%)
+        rel = 2e-2 if c.precision != "32-true" else 1e-5
+        assert mean == pytest.approx(_one_process_losses(c, 2), rel=rel), c.name
     zero3 = grid.errors(cases[:1], 2, measured)[0]  # and each rank within the estimate's bound (seen: -0.09%)
     assert max(map(abs, zero3["error"])) <= TOLERANCE, zero3
+    # the gathered weights and the activations in bf16: less memory than float32
+    assert measured[0][cases[3]]["total"] < measured[0][cases[0]]["total"]
