@@ -18,7 +18,7 @@ def deepspeed(path: str) -> dict:
     c = DeepSpeedConfig(path)  # parses and validates (pydantic ZeRO, offload, TP configs); world 1 here
     off = c.zero_config.offload_optimizer
     return {"stage": c.zero_optimization_stage, "bf16": c.bfloat16_config.enabled, "fp16": c.float16_config.enabled,
-            "autocast": c.torch_autocast_enabled, "offload": off.device.value if off else None,
+            "autocast": c.torch_autocast_enabled, "offload": getattr(off.device, "value", off.device) if off else None,
             "micro": c.train_micro_batch_size_per_gpu, "accum": c.gradient_accumulation_steps,
             "autotp": c.tensor_parallel_config.autotp_size, "stages": c.pipeline["stages"],
             "checkpoints": c.activation_checkpointing_config.number_checkpoints}
