@@ -17,6 +17,7 @@ from typing import Any
 from memfit.core.errors import ConfigError
 
 TARGETS = ("torchtitan", "accelerate", "lightning", "deepspeed")
+STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "pipeline", "tensor")
 
 
 @dataclass
@@ -92,22 +93,38 @@ def plan_view(doc: dict, where: str = "the plan") -> PlanView:
     plan = doc.get("plan", doc)
     check_plan(plan, where)
     cluster = doc.get("cluster") or {}
-    lay = cluster.get("layout") or {"strategy": "none"}
+    lay = (cluster.get("layout") if isinstance(cluster, dict) else None) or {"strategy": "none"}
     actions = resolve_policy(plan["actions"], plan["n_blocks"])
-    strategy = lay.get("strategy", "none")
-    dp, tp, pp = (int(lay.get(k, 1) or 1) for k in ("dp", "tp", "pp"))
-    zero = int(strategy[-1]) if strategy.startswith("zero") else int(lay.get("dp_shard", 0) or 0)
+    strategy = lay.get("strategy", "none") if isinstance(lay, dict) else None
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"{where}: cluster.layout.strategy must be one of {', '.join(STRATEGIES)}, got "
+                          f"{strategy!r}; write it again with `memfit plan ... --json`")
+    dp, tp, pp = (_count(lay, k, 1, where) for k in ("dp", "tp", "pp"))
+    zero = int(strategy[-1]) if strategy.startswith("zero") else min(_count(lay, "dp_shard", 0, where), 3)
     if strategy == "pipeline":  # a replica's micro-batch of the schedule, and the schedule's count
-        micro, accum = int(lay.get("rows", 1)), int(lay.get("accum", 1))
+        micro, accum = _count(lay, "rows", 1, where), _count(lay, "accum", 1, where)
     elif strategy == "tensor":  # the TP group runs the replica's rows together
-        micro, accum = int(lay.get("rows", plan["micro_batch"] * tp)), int(plan["accumulation"])
+        micro, accum = _count(lay, "rows", plan["micro_batch"] * tp, where), plan["accumulation"]
     else:
-        micro, accum = int(plan["micro_batch"]), int(plan["accumulation"])
-    return PlanView(model=plan["model"], strategy=strategy, world=int(cluster.get("gpus", dp * tp * pp)),
+        micro, accum = plan["micro_batch"], plan["accumulation"]
+    schedule = lay.get("schedule", "1f1b")
+    if not isinstance(schedule, str):
+        raise ConfigError(f"{where}: cluster.layout.schedule must be a string, got {schedule!r}")
+    return PlanView(model=plan["model"], strategy=strategy, world=dp * tp * pp,
                     dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro, accumulation=accum, seq=plan.get("seq"),
                     precision=plan["precision"], optimizer=plan["optimizer"],
                     offload_optimizer=plan["offload_optimizer"], actions=actions,
-                    schedule=lay.get("schedule", "1f1b"), head_chunks=plan.get("head_chunks"))
+                    schedule=schedule, head_chunks=plan.get("head_chunks"))
+
+
+def _count(lay: dict, key: str, default: int, where: str) -> int:
+    value = lay.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if default else 0) or value > 2**31:
+        raise ConfigError(f"{where}: cluster.layout.{key} must be a positive integer, got {value!r}; write it again "
+                          "with `memfit plan ... --json`")
+    return value
 
 
 def common_unexpressed(view: PlanView, framework: str) -> list[str]:
