@@ -72,3 +72,20 @@ def test_torchtitan_manager_refuses_a_key_it_lacks(tmp_path):
     got = subprocess.run([str(TT), str(CHECKS), "torchtitan", str(path)], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path)
     assert got.returncode != 0  # so the loads above are checks, not a parser that takes anything
+
+
+def test_hugging_face_model_names_its_decoder_layer(tmp_path):
+    import transformers
+
+    from memfit.integrations.emit_lightning import trainer_kwargs
+
+    transformers.Qwen3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, vocab_size=512, head_dim=16).save_pretrained(tmp_path)
+    doc = plan_doc()
+    doc["plan"].update(model=str(tmp_path / "config.json"), n_blocks=2, actions="recompute*2", precision="bf16-mixed")
+    acc = emitted(doc, "accelerate")
+    assert "fsdp_transformer_layer_cls_to_wrap: Qwen3DecoderLayer" in acc.text and not acc.unexpressed
+    path = tmp_path / "lightning.yaml"
+    path.write_text(emitted(doc, "lightning").text)
+    policy = trainer_kwargs(str(path))["strategy"]._activation_checkpointing_kwargs["auto_wrap_policy"]
+    assert transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer in policy._module_classes
