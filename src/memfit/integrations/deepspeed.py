@@ -18,6 +18,8 @@ What is read (DeepSpeed is not needed: the JSON, with DeepSpeed's own defaults f
   model calls per block; with the section present the estimate recomputes every block (full) unless
   --checkpoint says otherwise.
 
+Stages 1 and 2 add DeepSpeed's own buffers to memfit's per-rank figures (_buffers: its gradient bucket and
+the fp32 copy of the partition when the weights are fp32); ZeRO-3's are not modelled (the note says so).
 Tensor parallelism (tensor_parallel.autotp_size > 1) and pipeline stages are refused: estimate them
 with --strategy tensor / pipeline.
 """
@@ -43,6 +45,12 @@ class DeepSpeedJob:
     offload_optimizer: str | None
     optimizer: str | None
     checkpointing: bool
+    bucket: int = int(5e8)
+    """zero_optimization.reduce_bucket_size (elements), DeepSpeed's default 5e8."""
+    contiguous: bool = True
+    """zero_optimization.contiguous_gradients (default true): the bucket is allocated whole."""
+    overlap: bool = False
+    """zero_optimization.overlap_comm (stage 1/2 default false): a second bucket."""
 
 
 def _load(path: str) -> dict:
@@ -114,9 +122,43 @@ def read_config(path: str, world: int = 1) -> DeepSpeedJob:
     else:
         micro = 1
     kind = str(_section(path, cfg, "optimizer").get("type", "")).lower()
+    bucket = zero.get("reduce_bucket_size", int(5e8))
+    if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket < 1:
+        raise ConfigError(f"--deepspeed {path}: reduce_bucket_size = {bucket!r} must be a number of elements >= 1")
     return DeepSpeedJob(path=path, stage=stage, precision=_precision(path, cfg), micro_batch=micro,
                         accumulation=accum, offload_optimizer={"none": None, "cpu": "cpu", "nvme": "disk"}[device],
-                        optimizer=_OPTIMIZERS.get(kind), checkpointing="activation_checkpointing" in cfg)
+                        optimizer=_OPTIMIZERS.get(kind), checkpointing="activation_checkpointing" in cfg,
+                        bucket=int(bucket), contiguous=bool(zero.get("contiguous_gradients", True)),
+                        overlap=bool(zero.get("overlap_comm", stage == 3)))
+
+
+def _buffers(est: Any, job: DeepSpeedJob, world: int) -> str:
+    """DeepSpeed ZeRO-1/2's own device buffers beside memfit's figures (deepspeed/runtime/zero/stage_1_and_2.py):
+    the gradient bucket (reduce_bucket_size elements, allocated whole with contiguous_gradients, twice with
+    overlap_comm; fp32 under ZeRO-1 or fp32 gradients, else 16-bit) and, when the weights are fp32, the
+    fp32 copy of the rank's partition the optimizer steps (16-bit weights: that copy is the master weights
+    memfit already counts; offloaded: it lives in host memory). ZeRO-3's are not modelled."""
+    from memfit.measure.rank_estimate import per_device
+
+    if job.stage not in (1, 2):
+        return ""
+    fp32_weights = job.precision in ("32-true", "bf16-mixed", "16-mixed")
+    grad_bytes = 4 if (job.stage == 1 or fp32_weights) else 2
+    bucket = job.bucket * grad_bytes * (2 if job.overlap else 1) if job.contiguous else 0
+    copy = -(-est.n_params // world) * 4 if fp32_weights and not job.offload_optimizer else 0
+    rows = est.ranks or []
+    for row in rows:
+        row["in_flight"] += bucket
+        row["optimizer"] += copy
+        row["total"] += bucket + copy
+    if rows:
+        est.per_device = per_device(max(rows, key=lambda r: r["total"]))
+    else:
+        est.per_device["grads"] += bucket
+        est.per_device["optimizer"] += copy
+        est.per_device["total"] += bucket + copy
+    return (f"DeepSpeed's buffers added: gradient bucket {bucket:,} B (reduce_bucket_size {job.bucket:,} elements)"
+            + (f", fp32 copy of the partition {copy:,} B" if copy else ""))
 
 
 def describe(job: DeepSpeedJob, world: int, checkpoint: str) -> str:
@@ -140,7 +182,10 @@ def estimate_config(path: str, model: Any, world: int = 1, *, checkpoint: str | 
     est = estimate(model, batch=job.micro_batch, accum=job.accumulation, precision=job.precision,
                    optimizer=job.optimizer or optimizer or "adamw", world=world, checkpoint=ckpt,
                    offload_optimizer=job.offload_optimizer, **zero_kw, **kw)
-    est.note = describe(job, world, ckpt) + (f"; {est.note}" if est.note else "")
+    added = _buffers(est, job, world)
+    if job.stage == 3:
+        added = "DeepSpeed ZeRO-3's own buffers (partition copies, gradient partitions, prefetch buckets) not modelled"
+    est.note = "; ".join(x for x in (describe(job, world, ckpt), added, est.note) if x)
     return est
 
 
