@@ -139,7 +139,7 @@ def table(result: dict) -> str:
              "| estimate / measured |", "|---|---|---|---|"]
     for k, r in result["results"].items():
         lines.append(f"| ZeRO-{k[-1]} | {fmt_bytes(r['estimate'])} | {fmt_bytes(r['measured'][0])} / "
-                     f"{fmt_bytes(r['measured'][1])} | {r['ratio']:.2f} |")
+                     f"{fmt_bytes(r['measured'][1])} | {r['ratio']:.3f} |")
     return "\n".join(lines)
 
 
