@@ -187,8 +187,12 @@ def block_class(model: str) -> tuple[str, str]:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    kind = json.loads(open(spec.hf_config).read())["model_type"]
-    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
-    layer = (cls._no_split_modules or ["DecoderLayer"])[0]
+    try:
+        kind = json.loads(open(spec.hf_config).read())["model_type"]
+        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
+        layer = (cls._no_split_modules or ["DecoderLayer"])[0]
+    except (OSError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        raise ConfigError(f"cannot name the decoder layer class of {model} for the framework's wrap policy "
+                          f"({type(exc).__name__}: {exc}); give a causal LM's config.json") from None
     module = importlib.import_module(cls.__module__)
     return (module.__name__ if hasattr(module, layer) else cls.__module__), layer
