@@ -26,6 +26,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="estimate a torchtitan job as its train-config TOML sets it up (model flavor, local batch, "
                    "seq_len, mixed precision, parallel degrees, activation checkpointing) on --world ranks; "
                    "the other shape and strategy options come from the file")
+    p.add_argument("--deepspeed", metavar="DS_CONFIG.json",
+                   help="estimate MODEL under a DeepSpeed config: ZeRO stage, optimizer offload, bf16/fp16, "
+                   "micro-batch, gradient accumulation and activation checkpointing from the file, per rank on --world "
+                   "ranks (docs/integrations.md)")
     p.add_argument("--params", type=str, help="parameter count (e.g. 7B) for a model-states-only estimate")
     add(p, "batch", default=1)
     add(p, "seq", default=None, shown="the model's, at most 4096")
@@ -81,6 +85,8 @@ def _estimate(args: argparse.Namespace):
     model = model_of(args, required=False)
     if args.torchtitan:
         return _torchtitan(args, model)
+    if args.deepspeed:
+        return _deepspeed(args, model)
     if model is None and args.params is None:
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
@@ -129,6 +135,27 @@ def _torchtitan(args: argparse.Namespace, model: str | None):
     return estimate_job(args.torchtitan, args.world, **kw)
 
 
+def _deepspeed(args: argparse.Namespace, model: str | None):
+    from memfit.integrations.deepspeed import estimate_config
+    from memfit.models.spec import parse_model
+
+    if model is None:
+        raise ConfigError("--deepspeed needs the model it trains (a name, gpt:... spec or config.json)")
+    if args.strategy or args.zero or args.tp or args.input or args.accum != 1 or args.batch != 1:
+        raise ConfigError("--deepspeed takes the ZeRO stage, micro-batch and accumulation from the file; drop "
+                          "--strategy, --zero, --tp, --batch, --accum and --input")
+    if args.precision is not None or args.offload_optimizer not in (None, "none"):
+        raise ConfigError("--deepspeed takes precision and optimizer offload from the file (bf16 / fp16 / "
+                          "torch_autocast, zero_optimization.offload_optimizer); drop --precision and --offload-optimizer")
+    kw = {"device_memory": parse_bytes(args.device_memory)} if args.device_memory else {}
+    if args.device is not None:
+        kw["device"] = _device(args.device)
+    spec = parse_model(model, task=args.task, families=True)
+    checkpoint = None if args.checkpoint in (None, "none") else args.checkpoint
+    return estimate_config(args.deepspeed, spec, args.world, checkpoint=checkpoint, optimizer=args.optimizer,
+                           seq=args.seq, lora=args.lora, **kw)
+
+
 def _device(name: str | None) -> str | None:
     """A named GPU passes through; cpu or cuda must be usable here (resolve_device's one-line refusals)."""
     from memfit.core.device import estimate_device
@@ -143,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.measure.estimate import CATEGORIES
 
     est = _estimate(args)
-    if args.torchtitan and not args.json:
+    if (args.torchtitan or args.deepspeed) and not args.json:
         print(est.note + "\n")
     if args.json:
         text = json.dumps(est.to_json(), indent=1)

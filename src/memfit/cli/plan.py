@@ -40,15 +40,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the chosen plan with a full trace of the step")
     add(p, "json", help="print one JSON object with a `plan` field (for memfit train --plan)")
-    from memfit.cli.plan_cluster import add_flags
+    from memfit.cli import plan_cluster, plan_emit
 
-    add_flags(p)
+    plan_cluster.add_flags(p)
+    plan_emit.add_flags(p)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.cli.plan_emit import check_flags, emit_doc, read_plan
     from memfit.plan.fit import fit
 
+    check_flags(args)
+    if args.from_plan:
+        return emit_doc(read_plan(args.from_plan), args, args.from_plan)
     args.model = model_of(args)
     device, gpu_note = _target(args)
     if args.gpus is not None:  # several devices: memfit.plan.cluster_fit
@@ -56,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
         if gpu_note and not args.json:
             print(gpu_note)
-        return run_cluster(args, args.model, "cuda" if args.device is None or device != "cpu" else device)
+        return run_cluster(args, args.model, "cuda" if args.device is None or device != "cpu" else device,
+                           emit_doc if args.emit else None)
     if args.seq is None:
         args.seq = default_seq(args.model)
     batch = single_device_batch(args)
@@ -81,11 +87,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"plan": plan.to_json()}, indent=1))
         return 0
+    if args.emit and not args.emit_to:  # stdout is the config
+        return emit_doc({"plan": plan.to_json()}, args)
     print("\n".join(table(plan)))
     print()
     print(plan.summary())
     if gpu_note:
         print(gpu_note)
+    if args.emit:
+        print()
+        return emit_doc({"plan": plan.to_json()}, args)
     return 0
 
 

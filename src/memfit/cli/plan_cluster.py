@@ -27,7 +27,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    "groups that span nodes run at InfiniBand's speed")
 
 
-def run_cluster(args: argparse.Namespace, model: str, device: str) -> int:
+def run_cluster(args: argparse.Namespace, model: str, device: str, emit=None) -> int:
     from memfit.plan.cluster_fit import plan_cluster
 
     cp = plan_cluster(model, args.budget, args.gpus, interconnect=args.interconnect, nodes=args.nodes,
@@ -37,6 +37,8 @@ def run_cluster(args: argparse.Namespace, model: str, device: str) -> int:
     if args.json:
         print(json.dumps({"plan": cp.plan, "cluster": cp.to_json()}, indent=1))
         return 0
+    if emit is not None and not args.emit_to:  # stdout is the config
+        return emit({"plan": cp.plan, "cluster": cp.to_json()}, args)
     print(table(cp.ranked))
     if cp.by_count:
         print("\n  best plan by device count (" + cp.time_basis.split(":")[0] + "):")
@@ -45,6 +47,9 @@ def run_cluster(args: argparse.Namespace, model: str, device: str) -> int:
                   f"{c['tokens_per_s']:>14,.0f} tok/s{c['tokens_per_s_per_device']:>11,.0f} per device")
     print()
     print(cp.summary())
+    if emit is not None:
+        print()
+        return emit({"plan": cp.plan, "cluster": cp.to_json()}, args)
     return 0
 
 

@@ -1,0 +1,195 @@
+"""A DeepSpeed ZeRO config (its JSON) estimated per rank with memfit's ZeRO-1/2/3 per-rank figures.
+
+    read_config("ds_config.json")                                   # DeepSpeedJob: what was read
+    est = estimate_config("ds_config.json", "gpt2", world=8)       # memfit.estimate of that job's ranks
+    memfit estimate --deepspeed ds_config.json gpt2 --world 8 --seq 1024
+
+What is read (DeepSpeed is not needed: the JSON, with DeepSpeed's own defaults for what is absent):
+
+- zero_optimization.stage (0: DDP on several ranks), offload_optimizer.device (cpu; nvme: memfit's disk);
+  offload_param is refused (memfit estimates no parameter offload);
+- bf16.enabled: 16-bit weights with fp32 master weights in the optimizer (memfit's bf16-master);
+  fp16.enabled likewise (16-master); torch_autocast (bfloat16 or float16 over fp32 weights:
+  bf16-mixed, 16-mixed); none of them: 32-true;
+- train_micro_batch_size_per_gpu (else train_batch_size / (accumulation x world)) and
+  gradient_accumulation_steps;
+- optimizer.type (Adam, AdamW, SGD, Lion, Adagrad; else --optimizer);
+- activation_checkpointing: the section configures deepspeed.checkpointing.checkpoint, which the
+  model calls per block; with the section present the estimate recomputes every block (full) unless
+  --checkpoint says otherwise.
+
+Stages 1 and 2 add DeepSpeed's own buffers to memfit's per-rank figures (_buffers: its gradient bucket and
+the fp32 copy of the partition when the weights are fp32); ZeRO-3's are not modelled (the note says so).
+Tensor parallelism (tensor_parallel.autotp_size > 1) and pipeline stages are refused: estimate them
+with --strategy tensor / pipeline.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.core.errors import ConfigError
+
+_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lion": "lion", "adagrad": "adagrad",
+               "fusedadam": "adamw", "cpuadam": "adamw", "deepspeedcpuadam": "adamw"}
+
+
+@dataclass
+class DeepSpeedJob:
+    path: str
+    stage: int
+    precision: str
+    micro_batch: int
+    accumulation: int
+    offload_optimizer: str | None
+    optimizer: str | None
+    checkpointing: bool
+    bucket: int = int(5e8)
+    """zero_optimization.reduce_bucket_size (elements), DeepSpeed's default 5e8."""
+    contiguous: bool = True
+    """zero_optimization.contiguous_gradients (default true): the bucket is allocated whole."""
+    overlap: bool = False
+    """zero_optimization.overlap_comm (stage 1/2 default false): a second bucket."""
+
+
+def _load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed {path}: no such file; give a DeepSpeed config JSON") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--deepspeed {path} is not a JSON file ({type(exc).__name__}: {exc}); give a DeepSpeed "
+                          "config (ds_config.json)") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed {path}: expected a JSON object (DeepSpeed's config), got {type(data).__name__}")
+    return data
+
+
+def _section(path: str, cfg: dict, key: str) -> dict:
+    value = cfg.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"--deepspeed {path}: {key} must be an object, got {value!r}")
+    return value
+
+
+def _int(path: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"--deepspeed {path}: {key} = {value!r} must be an integer >= 1 (memfit does not read "
+                          "DeepSpeed's \"auto\": give the number)")
+    return value
+
+
+def _precision(path: str, cfg: dict) -> str:
+    on = {k: bool(_section(path, cfg, k).get("enabled", False)) for k in ("bf16", "fp16", "torch_autocast")}
+    if on["bf16"] and on["fp16"]:
+        raise ConfigError(f"--deepspeed {path}: bf16 and fp16 both enabled; DeepSpeed takes one")
+    if on["bf16"]:
+        return "bf16-master"
+    if on["fp16"]:
+        return "16-master"
+    if on["torch_autocast"]:
+        dtype = str(_section(path, cfg, "torch_autocast").get("dtype", "bfloat16")).replace("torch.", "")
+        return "16-mixed" if dtype in ("float16", "fp16", "half") else "bf16-mixed"
+    return "32-true"
+
+
+def read_config(path: str, world: int = 1) -> DeepSpeedJob:
+    cfg = _load(path)
+    zero = _section(path, cfg, "zero_optimization")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--deepspeed {path}: zero_optimization.stage = {stage!r}; DeepSpeed's stages are 0-3")
+    if (_section(path, zero, "offload_param").get("device") or "none") != "none":
+        raise ConfigError(f"--deepspeed {path}: offload_param (ZeRO-3 parameter offload) is not estimated by memfit; "
+                          "remove it to estimate the rest")
+    if int(_section(path, cfg, "tensor_parallel").get("autotp_size", 0) or 0) > 1 or "pipeline" in cfg:
+        raise ConfigError(f"--deepspeed {path}: tensor_parallel / pipeline sections are not read; estimate those "
+                          "layouts with --strategy tensor or --strategy pipeline")
+    device = _section(path, zero, "offload_optimizer").get("device") or "none"
+    if device not in ("none", "cpu", "nvme"):
+        raise ConfigError(f"--deepspeed {path}: offload_optimizer.device = {device!r}; accepted: none, cpu, nvme")
+    accum = _int(path, "gradient_accumulation_steps", cfg.get("gradient_accumulation_steps", 1))
+    if "train_micro_batch_size_per_gpu" in cfg:
+        micro = _int(path, "train_micro_batch_size_per_gpu", cfg["train_micro_batch_size_per_gpu"])
+    elif "train_batch_size" in cfg:
+        total = _int(path, "train_batch_size", cfg["train_batch_size"])
+        if total % (accum * world):
+            raise ConfigError(f"--deepspeed {path}: train_batch_size {total} is not gradient_accumulation_steps "
+                              f"{accum} x --world {world} x a micro-batch")
+        micro = total // (accum * world)
+    else:
+        micro = 1
+    kind = str(_section(path, cfg, "optimizer").get("type", "")).lower()
+    bucket = zero.get("reduce_bucket_size", int(5e8))
+    if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket < 1:
+        raise ConfigError(f"--deepspeed {path}: reduce_bucket_size = {bucket!r} must be a number of elements >= 1")
+    return DeepSpeedJob(path=path, stage=stage, precision=_precision(path, cfg), micro_batch=micro,
+                        accumulation=accum, offload_optimizer={"none": None, "cpu": "cpu", "nvme": "disk"}[device],
+                        optimizer=_OPTIMIZERS.get(kind), checkpointing="activation_checkpointing" in cfg,
+                        bucket=int(bucket), contiguous=bool(zero.get("contiguous_gradients", True)),
+                        overlap=bool(zero.get("overlap_comm", stage == 3)))
+
+
+def _buffers(est: Any, job: DeepSpeedJob, world: int) -> str:
+    """DeepSpeed ZeRO-1/2's own device buffers beside memfit's figures (deepspeed/runtime/zero/stage_1_and_2.py):
+    the gradient bucket (reduce_bucket_size elements, allocated whole with contiguous_gradients, twice with
+    overlap_comm; fp32 under ZeRO-1 or fp32 gradients, else 16-bit) and, when the weights are fp32, the
+    fp32 copy of the rank's partition the optimizer steps (16-bit weights: that copy is the master weights
+    memfit already counts; offloaded: it lives in host memory). ZeRO-3's are not modelled."""
+    from memfit.measure.rank_estimate import per_device
+
+    if job.stage not in (1, 2):
+        return ""
+    fp32_weights = job.precision in ("32-true", "bf16-mixed", "16-mixed")
+    grad_bytes = 4 if (job.stage == 1 or fp32_weights) else 2
+    bucket = job.bucket * grad_bytes * (2 if job.overlap else 1) if job.contiguous else 0
+    copy = -(-est.n_params // world) * 4 if fp32_weights and not job.offload_optimizer else 0
+    rows = est.ranks or []
+    for row in rows:
+        row["in_flight"] += bucket
+        row["optimizer"] += copy
+        row["total"] += bucket + copy
+    if rows:
+        est.per_device = per_device(max(rows, key=lambda r: r["total"]))
+    else:
+        est.per_device["grads"] += bucket
+        est.per_device["optimizer"] += copy
+        est.per_device["total"] += bucket + copy
+    return (f"DeepSpeed's buffers added: gradient bucket {bucket:,} B (reduce_bucket_size {job.bucket:,} elements)"
+            + (f", fp32 copy of the partition {copy:,} B" if copy else ""))
+
+
+def describe(job: DeepSpeedJob, world: int, checkpoint: str) -> str:
+    return (f"DeepSpeed config {job.path}: ZeRO stage {job.stage} on {world} rank(s), micro-batch "
+            f"{job.micro_batch} x accumulation {job.accumulation}, {job.precision}"
+            + (f", optimizer offloaded to {job.offload_optimizer}" if job.offload_optimizer else "")
+            + f", checkpoint {checkpoint}"
+            + (" (its activation_checkpointing section: every block, as deepspeed.checkpointing.checkpoint per "
+               "block; --checkpoint to say otherwise)" if job.checkpointing and checkpoint == "full" else ""))
+
+
+def estimate_config(path: str, model: Any, world: int = 1, *, checkpoint: str | None = None,
+                    optimizer: str | None = None, **kw: Any):
+    """memfit.estimate of the DeepSpeed job's ranks (`kw`: seq=, device=, device_memory=, ... passed through)."""
+    from memfit.measure.estimate import estimate
+
+    job = read_config(path, world)
+    ckpt = checkpoint or ("full" if job.checkpointing else "none")
+    strategy = f"zero{job.stage}" if job.stage else ("ddp" if world > 1 else None)
+    zero_kw = {"strategy": strategy} if strategy else {}
+    est = estimate(model, batch=job.micro_batch, accum=job.accumulation, precision=job.precision,
+                   optimizer=job.optimizer or optimizer or "adamw", world=world, checkpoint=ckpt,
+                   offload_optimizer=job.offload_optimizer, **zero_kw, **kw)
+    added = _buffers(est, job, world)
+    if job.stage == 3:
+        added = "DeepSpeed ZeRO-3's own buffers (partition copies, gradient partitions, prefetch buckets) not modelled"
+    est.note = "; ".join(x for x in (describe(job, world, ckpt), added, est.note) if x)
+    return est
+
+
+def bytes_per_rank(est: Any) -> int:
+    """The largest rank's peak of an estimate (per-rank figures where there are ranks)."""
+    return max((r["total"] for r in est.ranks), default=est.total) if getattr(est, "ranks", None) else est.total
+
