@@ -1,0 +1,125 @@
+"""fit_trainer on a Hugging Face Trainer running FSDP2 on 2 gloo processes: the plan's per-rank peak
+against the per-rank peak torch's trackers measure in the Trainer's second step.
+
+    PYTHONPATH=src python bench/trainer_fsdp2.py          # writes bench/results/trainer_fsdp2.json
+
+A tiny Llama (hidden 64, 2 layers, vocab 256), batch 4 x 32 tokens per rank, fsdp="full_shard",
+fsdp_config {"fsdp_version": 2}, AdamW, fp32, under `torchrun --nproc_per_node 2`, for budgets that make
+the plan keep the batch, split it (micro-batch 2 x accumulation 2) and recompute every decoder layer
+(micro-batch 1 x 4). Each rank measures its step with torch.distributed._tools' FSDPMemTracker and,
+in a second run, MemTracker (both count tensors, FSDP2's resized storages included). accelerate
+turns FSDP on for GPUs and accelerators only (on CPU processes the Trainer would run DDP), so the
+worker sets the accelerator's state to FSDP with the plugin the Trainer built, as a GPU run has it.
+Memory figures are exact byte counts (no timing): one run of each is enough.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CASES = [("64MiB", "keeps the batch"), ("2.3MiB", "splits the batch"), ("1.9MiB", "recomputes")]
+TRACKERS = ("fsdp", "plain")
+
+
+def cpu_fsdp(trainer) -> None:
+    """The Trainer's accelerator set to FSDP with the plugin the Trainer built from fsdp=/fsdp_config
+    (what accelerate does on a GPU; on CPU processes it leaves FSDP off)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, plugin
+    trainer.is_fsdp_enabled = True
+
+
+def _peak_callback(kind: str):
+    from transformers import TrainerCallback
+
+    class Peak(TrainerCallback):
+        """The second step's peak (the first creates Adam's state), from torch's tracker."""
+
+        def __init__(self) -> None:
+            self.mt, self.peak = None, None
+
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
+            if state.global_step == 1:
+                opt = getattr(optimizer, "optimizer", optimizer)
+                if kind == "fsdp":
+                    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+                    self.mt = FSDPMemTracker(model, opt)
+                else:
+                    from torch.distributed._tools.mem_tracker import MemTracker
+                    self.mt = MemTracker()
+                    self.mt.track_external(model, opt)
+                self.mt.__enter__()
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.mt is not None:
+                self.mt.__exit__(None, None, None)
+                snap = self.mt.get_tracker_snapshot("peak")
+                self.peak = {str(k).split(".")[-1]: v for cats in snap.values() for k, v in cats.items()}
+                self.mt = None
+    return Peak()
+
+
+def worker(budget: str, kind: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from memfit.integrations.hf import fit_trainer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    g = torch.Generator().manual_seed(1)
+    ds = [{"input_ids": (ids := torch.randint(0, 256, (32,), generator=g)), "labels": ids.clone()} for _ in range(64)]
+    args = TrainingArguments(output_dir=os.environ.get("TMPDIR", "/tmp") + "/memfit-trainer-fsdp2", use_cpu=True,
+                             per_device_train_batch_size=4, max_steps=2, fsdp="full_shard",
+                             fsdp_config={"fsdp_version": 2}, report_to=[], save_strategy="no", disable_tqdm=True)
+    peak = _peak_callback(kind)
+    trainer = Trainer(model=LlamaForCausalLM(cfg), args=args, train_dataset=ds, callbacks=[peak])
+    cpu_fsdp(trainer)
+    plan = fit_trainer(trainer, budget=budget)
+    trainer.train()
+    print("RESULT " + json.dumps({"rank": args.process_index, "predicted": plan.predicted, "measured": peak.peak,
+                                  "micro_batch": plan.micro_batch, "accumulation": plan.accumulation,
+                                  "checkpoint": plan.checkpoint, "summary": plan.summary()}), flush=True)
+
+
+def _launch(budget: str, kind: str, port: int) -> list[dict]:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), __file__, "--worker", budget, kind]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ.copy())
+    rows = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines() if "RESULT " in line]
+    if out.returncode or len(rows) != 2:
+        raise SystemExit(f"torchrun failed ({out.returncode}): {out.stderr[-2000:]}")
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def main() -> None:
+    sys.path.insert(0, str(HERE))
+    from common import save
+
+    rows = []
+    for i, (budget, what) in enumerate(CASES):
+        for j, kind in enumerate(TRACKERS):
+            for r in _launch(budget, kind, 29600 + 2 * i + j):
+                total = r["measured"]["Total"]
+                rows.append({"budget": budget, "plan": what, "tracker": kind, **r,
+                             "ratio": round(r["predicted"] / total, 4)})
+                print(f"{budget} {kind} rank {r['rank']}: predicted {r['predicted']} measured {total} "
+                      f"({rows[-1]['ratio']}x)", file=sys.stderr, flush=True)
+    print(save("trainer_fsdp2", {"rows": rows}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        main()
