@@ -10,7 +10,9 @@ Each candidate (a micro-batch that divides the optimizer step's rows, with or wi
 layer recomputed) is estimated per rank with memfit's zero3 estimate (memfit.measure.rank_estimate:
 each rank's weight, gradient and Adam slices, the gathered root and two gathered layers, one layer's
 gradients in flight, activations from the one-device trace of the rank's micro-batch). Without
-recomputation it matched FSDP2's measured per-rank peak to the byte. The plan takes the largest
+recomputation it is within a few percent of FSDP2's measured per-rank peak (bench/trainer_fsdp2.py). A
+step of several micro-batches adds the unsharded gradients held between them (held_gradients). The plan
+takes the largest
 micro-batch that fits without recomputation, else the largest that fits with it; recomputation is
 memfit's own (memfit.checkpoint "full"), which is what the estimate prices, not torch's
 checkpoint_wrapper, which saves more per layer.
@@ -115,22 +117,50 @@ def setup_of(world: int, mixed_precision: str, reshard: Any, checkpointing: bool
     return FsdpSetup(world=world, precision=precision, reshard=True, checkpointing=checkpointing)
 
 
-def rank_estimate(spec: Any, micro: int, seq: int, setup: FsdpSetup, optimizer: str, checkpoint: str,
-                  accum: int = 1) -> Any:
-    """memfit's zero3 Estimate of one rank of `setup` (per_device: the largest rank; ranks: each)."""
+def rank_estimate(spec: Any, micro: int, seq: int, setup: FsdpSetup, optimizer: str, checkpoint: str) -> Any:
+    """memfit's zero3 Estimate of one rank of `setup` (per_device: the largest rank; ranks: each), with
+    FSDP2's head-backward moment (head_moment) among the moments its peak is the highest of."""
     from memfit.measure.estimate import estimate
+    from memfit.measure.rank_estimate import per_device, with_ranks
 
-    if setup.precision == "32-true":
-        return estimate(spec, batch=micro, seq=seq, precision="32-true", optimizer=optimizer, strategy="zero3",
-                        world=setup.world, checkpoint=checkpoint, accum=accum)
-    from memfit.integrations.torchtitan import _fsdp2_states
+    # FSDP2's bf16 policy is memfit's bf16-master (bf16 compute weights gathered per layer, fp32 master)
+    # without the bf16 shard FSDP2 does not keep (_fsdp2_states)
+    precision = "32-true" if setup.precision == "32-true" else "bf16-master"
+    one = estimate(spec, batch=micro, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint)
+    alone = dict(one.per_device)
+    est = with_ranks(one, spec, "zero3", setup.world)
+    if precision == "bf16-master":
+        from memfit.integrations.torchtitan import _fsdp2_states
 
-    # FSDP2's bf16 policy: memfit's bf16-master (bf16 compute weights gathered per layer, fp32 master)
-    # without the bf16 shard FSDP2 does not keep
-    est = estimate(spec, batch=micro, seq=seq, precision="bf16-master", optimizer=optimizer, strategy="zero3",
-                   world=setup.world, checkpoint=checkpoint, accum=accum)
-    _fsdp2_states(est)
+        _fsdp2_states(est)
+    head = head_moment(spec, seq, setup, precision, optimizer, alone, est.ranks[0])
+    if head["total"] > est.ranks[0]["total"]:
+        est.ranks[0] = {**est.ranks[0], **head}
+        est.per_device = per_device(est.ranks[0])
     return est
+
+
+def head_moment(spec: Any, seq: int, setup: FsdpSetup, precision: str, optimizer: str, alone: dict,
+                row: dict) -> dict:
+    """FSDP2's moment at the head's backward: everything the forward saved is still there (the one-device
+    peak's activations and temporaries), and the root's pre-backward hook has already all-gathered the last
+    decoder layer, beside the root's own gathered weights (embedding, final norm, head). memfit's zero3
+    moments gather a layer only inside the layers' backward, so this one is added here."""
+    from memfit.distributed.rank_memory import rank_model_state
+
+    states = rank_model_state(spec.on_meta(seq), "zero3", setup.world, precision, optimizer)[0]
+    out = {"params": row["params"], "gathered": states["rest"] + states["one_block"], "grads": 0, "in_flight": 0,
+           "optimizer": row["optimizer"], "activations": alone["activations"], "temporaries": alone["temporaries"]}
+    out["total"] = sum(out.values())
+    return out
+
+
+def held_gradients(spec: Any, setup: FsdpSetup) -> int:
+    """The unsharded gradients a rank holds between the micro-batches of an accumulated step: accelerate
+    (and so the Trainer and Lightning) turns FSDP2's gradient sync off for all but the last micro-batch
+    (set_requires_gradient_sync(False)), so every layer's full gradient, in the compute dtype, stays
+    until the last one. Added whole to one micro-batch's peak: an upper bound on a later micro-batch's."""
+    return spec.counts()[0] * (2 if setup.precision == "bf16-mixed" else 4)
 
 
 def hf_spec(model: Any, folder: str) -> Any:
@@ -170,10 +200,11 @@ def plan_ranks(model: Any, batch: Any, budget: Any, setup: FsdpSetup, *, optimiz
     tried: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="memfit-fsdp-") as folder:
         spec = hf_spec(model, folder)
+        held = held_gradients(spec, setup)
         for checkpoint in ("none", "full"):
             for micro in micros:
-                est = rank_estimate(spec, micro, seq, setup, optimizer, checkpoint, accum=total // micro)
-                need = est.per_device["total"]
+                est = rank_estimate(spec, micro, seq, setup, optimizer, checkpoint)
+                need = est.per_device["total"] + (held if micro < total else 0)
                 tried.append({"micro_batch": micro, "checkpoint": checkpoint, "per_rank": need})
                 if need <= cap:
                     return RankPlan(micro, total // micro, checkpoint, need, cap, setup.world, setup.precision,
