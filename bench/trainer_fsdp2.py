@@ -10,6 +10,7 @@ the plan keep the batch, split it (micro-batch 2 x accumulation 2) and recompute
 in a second run, MemTracker (both count tensors, FSDP2's resized storages included). accelerate
 turns FSDP on for GPUs and accelerators only (on CPU processes the Trainer would run DDP), so the
 worker sets the accelerator's state to FSDP with the plugin the Trainer built, as a GPU run has it.
+The same model under torch's fully_shard without a framework (`bare`) is measured the same way.
 Memory figures are exact byte counts (no timing): one run of each is enough.
 """
 from __future__ import annotations
@@ -96,6 +97,76 @@ def worker(budget: str, kind: str) -> None:
                                   "checkpoint": plan.checkpoint, "summary": plan.summary()}), flush=True)
 
 
+def bare(kind: str) -> None:
+    """The same model and batch under torch's fully_shard directly (each decoder layer, then the root), the
+    loop `model(**batch).loss.backward(); opt.step()`: what the estimate is of, without a framework."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memfit.integrations.fsdp import hf_spec, rank_estimate, setup_of
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
+    with tempfile.TemporaryDirectory() as folder:
+        predicted = rank_estimate(hf_spec(model, folder), 4, 32, setup_of(2, "no", True, False), "adamw",
+                                  "none").per_device["total"]
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for step in range(2):
+        if step == 1:
+            mt = MemTracker()
+            mt.track_external(model, opt)
+            mt.__enter__()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    mt.__exit__(None, None, None)
+    peak = {str(k).split(".")[-1]: v for k, v in mt.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "predicted": predicted, "measured": peak, "micro_batch": 4,
+                                  "accumulation": 1, "checkpoint": "none", "summary": "bare fully_shard"}), flush=True)
+    dist.destroy_process_group()
+
+
+def table(r: dict) -> str:
+    """Each run's plan and rank 0's figures (rank 1's are marked where they differ)."""
+    lines = ["| run | tracker | plan per rank | predicted | measured | predicted / measured |",
+             "|---|---|---|---:|---:|---:|"]
+    for row in (x for x in r["rows"] if x["rank"] == 0):
+        other = [x for x in r["rows"] if x["rank"] == 1 and x["budget"] == row["budget"] and
+                 x["tracker"] == row["tracker"] and x["plan"] == row["plan"]]
+        same = "" if all(o["measured"]["Total"] == row["measured"]["Total"] for o in other) else " (rank 1 differs)"
+        run = f"Trainer, budget {row['budget']}" if row["budget"] else "fully_shard, no framework"
+        plan = (f"{row['micro_batch']} x {row['accumulation']}"
+                + (", every layer recomputed" if row["checkpoint"] == "full" else ""))
+        tracker = "FSDPMemTracker" if row["tracker"] == "fsdp" else "MemTracker"
+        lines.append(f"| {run} | {tracker} | {plan} | {row['predicted']:,} | {row['measured']['Total']:,}{same} | "
+                     f"{row['ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def snippets(r: dict) -> dict[str, str]:
+    """The table in docs/integrations.md (between <!-- bench:trainer_fsdp2 --> and its end)."""
+    return {"trainer_fsdp2": table(r)}
+
+
+def render(r: dict) -> str:
+    return ("## FSDP2 ranks planned by fit_trainer: predicted against measured per-rank peak\n\n"
+            "`python bench/trainer_fsdp2.py`: a tiny Llama (hidden 64, 2 layers, vocabulary 256), 4 x 32 tokens per "
+            "rank, HF Trainer with fsdp='full_shard' and FSDP2 on 2 gloo processes under torchrun, fp32 AdamW; bytes "
+            "of the second step's peak on each rank from torch's trackers, against fit_trainer's prediction.\n\n"
+            + table(r) + "\n")
+
+
 def _launch(budget: str, kind: str, port: int) -> list[dict]:
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), __file__, "--worker", budget, kind]
@@ -121,11 +192,15 @@ def main() -> None:
                              "ratio": round(r["predicted"] / total, 4)})
                 print(f"{budget} {kind} rank {r['rank']}: predicted {r['predicted']} measured {total} "
                       f"({rows[-1]['ratio']}x)", file=sys.stderr, flush=True)
+    for r in _launch("-", "bare", 29610):
+        total = r["measured"]["Total"]
+        rows.append({"budget": None, "plan": "bare fully_shard", "tracker": "plain", **r,
+                     "ratio": round(r["predicted"] / total, 4)})
     print(save("trainer_fsdp2", {"rows": rows}))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
+        bare(sys.argv[3]) if sys.argv[3] == "bare" else worker(sys.argv[2], sys.argv[3])
     else:
         main()

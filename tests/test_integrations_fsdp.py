@@ -136,3 +136,28 @@ def test_accelerate_fsdp2_plugin_under_torchrun_each_rank_as_predicted():
         # losses) add 0.6% here: 2% bounds both
         assert abs(r["predicted"] / r["measured"] - 1) <= 0.02
     assert rows[0]["losses"] != rows[1]["losses"]  # each rank trained on its own rows
+
+
+def test_lightning_model_parallel_strategy_planned_per_rank_and_fsdp1_refused():
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from memfit.integrations.lightning import MemfitCallback
+    from memfit.integrations.lightning_fsdp import plan_fsdp2
+
+    model, example = tl.model(), tl.batch(4)
+    plan = plan_fsdp2(model, example, "1GiB", ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    assert (plan.world, plan.micro_batch, plan.accumulation, plan.checkpoint) == (2, 4, 1, "none")
+    with __import__("tempfile").TemporaryDirectory() as folder:
+        assert plan.predicted == rank_estimate(hf_spec(model, folder), 4, tl.SEQ, FsdpSetup(2), "adamw",
+                                               "none").per_device["total"]
+    for strategy, words in ((FSDPStrategy(), "FSDP1"), (ModelParallelStrategy(2, 2), "tensor_parallel_size=2")):
+        with pytest.raises(ConfigError, match=words):
+            plan_fsdp2(model, example, "1GiB", strategy)
+    # a one-device plan's callback under a sharding strategy: refused, its figures are one device's
+    with pytest.raises(ConfigError, match="plan_fsdp2"):
+        MemfitCallback(plan_stub()).setup(types.SimpleNamespace(strategy=ModelParallelStrategy(2, 1)), None, "fit")
+
+
+def plan_stub():
+    return types.SimpleNamespace(micro_batch=4, accumulation=1, budget=1 << 30)
