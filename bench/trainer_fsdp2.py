@@ -155,8 +155,10 @@ def table(r: dict) -> str:
 
 
 def snippets(r: dict) -> dict[str, str]:
-    """The table in docs/integrations.md (between <!-- bench:trainer_fsdp2 --> and its end)."""
-    return {"trainer_fsdp2": table(r)}
+    """The table in docs/integrations.md (between <!-- bench:trainer_fsdp2 --> and its end) and the line
+    rank 0 prints (the 2.3MiB budget's)."""
+    line = next(x["summary"] for x in r["rows"] if x["rank"] == 0 and x["budget"] == "2.3MiB")
+    return {"trainer_fsdp2": table(r), "trainer_fsdp2_output": f"```\n{line}\n```"}
 
 
 def render(r: dict) -> str:

@@ -88,7 +88,8 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
     if fsdp_enabled(trainer):  # FSDP2 ranks under torchrun: memfit.integrations.hf_fsdp
         from memfit.integrations.hf_fsdp import fit_trainer_fsdp
 
-        return fit_trainer_fsdp(trainer, budget, keep_effective_batch)
+        return fit_trainer_fsdp(trainer, budget, collated_batch(trainer, trainer.args.per_device_train_batch_size),
+                                keep_effective_batch)
     args, model = trainer.args, trainer.model
     if args.activation_checkpointing:
         warnings.warn(f"{WHERE}: activation_checkpointing=True is turned off; memfit's plan chooses which "

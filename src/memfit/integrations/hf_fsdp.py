@@ -25,10 +25,9 @@ WHERE = "memfit.integrations.hf.fit_trainer"
 _PRICED = ("adamw", "adam", "sgd")
 
 
-def fit_trainer_fsdp(trainer: Any, budget: Any, keep_effective_batch: bool = True) -> RankPlan:
-    """fit_trainer's FSDP2 path (see the module docstring); the same plan on every rank."""
-    from memfit.integrations.hf import collated_batch
-
+def fit_trainer_fsdp(trainer: Any, budget: Any, batch: Any, keep_effective_batch: bool = True) -> RankPlan:
+    """fit_trainer's FSDP2 path (see the module docstring); the same plan on every rank. `batch`: one
+    per-device batch of the Trainer's collator."""
     args, model = trainer.args, trainer.model
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     if plugin is None:
@@ -43,7 +42,6 @@ def fit_trainer_fsdp(trainer: Any, budget: Any, keep_effective_batch: bool = Tru
     main = args.process_index == 0
     asked = setup.checkpointing or bool(args.activation_checkpointing)
     _framework_checkpointing_off(trainer, plugin, warn=main and asked)
-    batch = collated_batch(trainer, args.per_device_train_batch_size)
     plan = plan_ranks(model, batch, budget, setup, optimizer=optimizer, accumulation=args.gradient_accumulation_steps,
                       keep_effective_batch=keep_effective_batch, where=WHERE)
     apply_checkpointing(model, plan)
