@@ -4,7 +4,8 @@ against the per-rank peak torch's trackers measure in the Trainer's second step.
     PYTHONPATH=src python bench/trainer_fsdp2.py          # writes bench/results/trainer_fsdp2.json
 
 A tiny Llama (hidden 64, 2 layers, vocab 256), batch 4 x 32 tokens per rank, fsdp="full_shard",
-fsdp_config {"fsdp_version": 2}, AdamW, fp32, under `torchrun --nproc_per_node 2`, for budgets that make
+fsdp_config {"fsdp_version": 2}, AdamW, fp32 (and bf16=True for one budget), under
+`torchrun --nproc_per_node 2`, for budgets that make
 the plan keep the batch, split it (micro-batch 2 x accumulation 2) and recompute every decoder layer
 (micro-batch 4, memfit's recomputation). Each rank measures its step with torch.distributed._tools' FSDPMemTracker and,
 in a second run, MemTracker (both count tensors, FSDP2's resized storages included). accelerate
@@ -22,7 +23,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CASES = [("64MiB", "keeps the batch"), ("2.3MiB", "splits the batch"), ("2.05MiB", "recomputes")]
+CASES = [("64MiB", "keeps the batch", "fp32"), ("2.3MiB", "splits the batch", "fp32"),
+         ("2.05MiB", "recomputes", "fp32"), ("64MiB", "keeps the batch", "bf16")]
 TRACKERS = ("fsdp", "plain")
 
 
@@ -73,7 +75,7 @@ def _peak_callback(kind: str):
     return Peak()
 
 
-def worker(budget: str, kind: str) -> None:
+def worker(budget: str, kind: str, precision: str = "fp32") -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -86,7 +88,8 @@ def worker(budget: str, kind: str) -> None:
     ds = [{"input_ids": (ids := torch.randint(0, 256, (32,), generator=g)), "labels": ids.clone()} for _ in range(64)]
     args = TrainingArguments(output_dir=os.environ.get("TMPDIR", "/tmp") + "/memfit-trainer-fsdp2", use_cpu=True,
                              per_device_train_batch_size=4, max_steps=2, fsdp="full_shard",
-                             fsdp_config={"fsdp_version": 2}, report_to=[], save_strategy="no", disable_tqdm=True)
+                             fsdp_config={"fsdp_version": 2}, report_to=[], save_strategy="no", disable_tqdm=True,
+                             bf16=precision == "bf16")
     peak = _peak_callback(kind)
     trainer = Trainer(model=LlamaForCausalLM(cfg), args=args, train_dataset=ds, callbacks=[peak])
     cpu_fsdp(trainer)
@@ -143,9 +146,11 @@ def table(r: dict) -> str:
              "|---|---|---|---:|---:|---:|"]
     for row in (x for x in r["rows"] if x["rank"] == 0):
         other = [x for x in r["rows"] if x["rank"] == 1 and x["budget"] == row["budget"] and
-                 x["tracker"] == row["tracker"] and x["plan"] == row["plan"]]
+                 x["tracker"] == row["tracker"] and x["plan"] == row["plan"] and
+                 x.get("precision") == row.get("precision")]
         same = "" if all(o["measured"]["Total"] == row["measured"]["Total"] for o in other) else " (rank 1 differs)"
-        run = f"Trainer, budget {row['budget']}" if row["budget"] else "fully_shard, no framework"
+        run = (f"Trainer, {row.get('precision', 'fp32')}, budget {row['budget']}" if row["budget"]
+               else "fully_shard, no framework, fp32")
         plan = (f"{row['micro_batch']} x {row['accumulation']}"
                 + (", every layer recomputed" if row["checkpoint"] == "full" else ""))
         tracker = "FSDPMemTracker" if row["tracker"] == "fsdp" else "MemTracker"
@@ -164,14 +169,15 @@ def snippets(r: dict) -> dict[str, str]:
 def render(r: dict) -> str:
     return ("## FSDP2 ranks planned by fit_trainer: predicted against measured per-rank peak\n\n"
             "`python bench/trainer_fsdp2.py`: a tiny Llama (hidden 64, 2 layers, vocabulary 256), 4 x 32 tokens per "
-            "rank, HF Trainer with fsdp='full_shard' and FSDP2 on 2 gloo processes under torchrun, fp32 AdamW; bytes "
+            "rank, HF Trainer with fsdp='full_shard' and FSDP2 on 2 gloo processes under torchrun, AdamW; bytes "
             "of the second step's peak on each rank from torch's trackers, against fit_trainer's prediction.\n\n"
             + table(r) + "\n")
 
 
-def _launch(budget: str, kind: str, port: int) -> list[dict]:
+def _launch(budget: str, kind: str, port: int, precision: str = "fp32") -> list[dict]:
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), __file__, "--worker", budget, kind]
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), __file__, "--worker", budget, kind,
+           precision]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ.copy())
     # the ranks' lines may interleave: each result is decoded from where its marker starts
     decoder, text = json.JSONDecoder(), out.stdout
@@ -186,15 +192,15 @@ def main() -> None:
     from common import save
 
     rows = []
-    for i, (budget, what) in enumerate(CASES):
+    for i, (budget, what, precision) in enumerate(CASES):
         for j, kind in enumerate(TRACKERS):
-            for r in _launch(budget, kind, 29600 + 2 * i + j):
+            for r in _launch(budget, kind, 29600 + 2 * i + j, precision):
                 total = r["measured"]["Total"]
-                rows.append({"budget": budget, "plan": what, "tracker": kind, **r,
+                rows.append({"budget": budget, "plan": what, "tracker": kind, "precision": precision, **r,
                              "ratio": round(r["predicted"] / total, 4)})
                 print(f"{budget} {kind} rank {r['rank']}: predicted {r['predicted']} measured {total} "
                       f"({rows[-1]['ratio']}x)", file=sys.stderr, flush=True)
-    for r in _launch("-", "bare", 29610):
+    for r in _launch("-", "bare", 29620):
         total = r["measured"]["Total"]
         rows.append({"budget": None, "plan": "bare fully_shard", "tracker": "plain", **r,
                      "ratio": round(r["predicted"] / total, 4)})
@@ -203,6 +209,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        bare(sys.argv[3]) if sys.argv[3] == "bare" else worker(sys.argv[2], sys.argv[3])
+        bare(sys.argv[3]) if sys.argv[3] == "bare" else worker(*sys.argv[2:5])
     else:
         main()

@@ -70,7 +70,8 @@ def test_fit_trainer_plans_each_fsdp2_rank_and_sets_the_trainer(tmp_path, monkey
 
     # the Trainer as rank 0 of 2 sees itself (it refuses fsdp= outside distributed training)
     monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
-    monkeypatch.setattr(transformers.TrainingArguments, "parallel_mode", property(lambda self: ParallelMode.DISTRIBUTED))
+    distributed = property(lambda self: ParallelMode.DISTRIBUTED)
+    monkeypatch.setattr(transformers.TrainingArguments, "parallel_mode", distributed)
     trainer = make_trainer(tl.model(), tmp_path, fsdp="full_shard",
                            fsdp_config={"fsdp_version": 2, "activation_checkpointing": True})
     with pytest.raises(ConfigError, match="runs no FSDP here"):  # on CPU processes accelerate runs DDP

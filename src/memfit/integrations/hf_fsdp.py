@@ -33,7 +33,7 @@ def fit_trainer_fsdp(trainer: Any, budget: Any, batch: Any, keep_effective_batch
     if plugin is None:
         raise ConfigError("fsdp= is set but the Trainer's accelerator runs no FSDP here (accelerate turns FSDP on "
                           "for GPUs and accelerators, not CPU processes, where the Trainer trains with DDP); run on "
-                          "GPUs, or remove fsdp= to plan one process")
+                          "GPUs (on CPU: one process without fsdp=)")
     setup = read_plugin(plugin, str(trainer.accelerator.mixed_precision), args.world_size)
     optimizer = optimizer_name(args.optim)
     if optimizer not in _PRICED:

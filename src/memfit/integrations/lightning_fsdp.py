@@ -53,7 +53,8 @@ def strategy_world(strategy: Any) -> int:
 
 
 def plan_fsdp2(model: Any, example: Any, budget: Any, strategy: Any, *, precision: str = "32-true",
-               optimizer: str = "adamw", accumulate_grad_batches: int = 1, keep_effective_batch: bool = True) -> RankPlan:
+               optimizer: str = "adamw", accumulate_grad_batches: int = 1,
+               keep_effective_batch: bool = True) -> RankPlan:
     """Each rank's plan (micro-batch, accumulation, recomputation) for `model` under `strategy`, `example`
     one rank's batch; PlanError when nothing fits, ConfigError for what is not planned (module docstring)."""
     if optimizer not in ("adamw", "sgd"):
