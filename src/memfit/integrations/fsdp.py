@@ -10,9 +10,10 @@ Each candidate (a micro-batch that divides the optimizer step's rows, with or wi
 layer recomputed) is estimated per rank with memfit's zero3 estimate (memfit.measure.rank_estimate:
 each rank's weight, gradient and Adam slices, the gathered root and two gathered layers, one layer's
 gradients in flight, activations from the one-device trace of the rank's micro-batch). Without
-recomputation it is within a few percent of FSDP2's measured per-rank peak (bench/trainer_fsdp2.py). A
-step of several micro-batches adds the unsharded gradients held between them (held_gradients). The plan
-takes the largest
+recomputation, with FSDP2's head-backward moment added (head_moment), it is a bare fully_shard step's
+measured per-rank peak within 0.1%, and above the HF Trainer's (bench/trainer_fsdp2.py). A step of
+several micro-batches adds the unsharded gradients held between them (held_gradients). The plan takes
+the largest
 micro-batch that fits without recomputation, else the largest that fits with it; recomputation is
 memfit's own (memfit.checkpoint "full"), which is what the estimate prices, not torch's
 checkpoint_wrapper, which saves more per layer.
@@ -143,8 +144,9 @@ def rank_estimate(spec: Any, micro: int, seq: int, setup: FsdpSetup, optimizer: 
 def head_moment(spec: Any, seq: int, setup: FsdpSetup, precision: str, optimizer: str, alone: dict,
                 row: dict) -> dict:
     """FSDP2's moment at the head's backward: everything the forward saved is still there (the one-device
-    peak's activations and temporaries), and the root's pre-backward hook has already all-gathered the last
-    decoder layer, beside the root's own gathered weights (embedding, final norm, head). memfit's zero3
+    peak's activations and temporaries), with the root's gathered weights (embedding, final norm, head)
+    and one decoder layer's all-gathered weights (the last one, gathered again for its backward). The
+    measured peak of a bare fully_shard step has these categories (bench/trainer_fsdp2.py); memfit's zero3
     moments gather a layer only inside the layers' backward, so this one is added here."""
     from memfit.distributed.rank_memory import rank_model_state
 

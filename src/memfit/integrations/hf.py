@@ -76,7 +76,8 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
     """Plan `trainer`'s model to fit `budget` and set the Trainer up to carry the plan out (call before train()).
 
     With FSDP (fsdp='full_shard', fsdp_config={'fsdp_version': 2}, under torchrun) the budget is each rank's
-    and the plan is memfit.integrations.fsdp's RankPlan (per-device batch, accumulation, recomputation).
+    and the plan is memfit.integrations.fsdp's RankPlan (per-device batch, accumulation, recomputation;
+    `allow` is not used there).
 
     allow: the planner's mechanisms (memfit.fit's `allow`; default: its default for the model's device).
     keep_effective_batch: per_device_train_batch_size x gradient_accumulation_steps stays as given (the
