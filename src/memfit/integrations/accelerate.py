@@ -64,11 +64,20 @@ def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, pla
     x the accelerator's gradient_accumulation_steps, the gradients held between micro-batches priced) and
     the accelerator's steps become the plan's accumulation; a given `plan` multiplies them.
 
+    With an FSDP2 plugin the plan is each rank's (memfit.integrations.accelerate_fsdp; `budget` is one device's).
+
     Returns (prepared model, prepared optimizer, plan): build the data loader with plan.micro_batch rows.
     accelerator.backward and accelerator.clip_grad_norm_ go through memfit's optimizer from then on
     (with optimizer offload the gradients leave the device during backward)."""
     if (budget is None) == (plan is None):
         raise ConfigError("prepare takes a budget (with example=) or a plan, one of them")
+    from memfit.integrations.accelerate_fsdp import is_fsdp, prepare_fsdp
+
+    if is_fsdp(accelerator):  # FSDP2 plugin: a per-rank plan, torch's optimizer over the shards
+        if plan is not None:
+            raise ConfigError("with an FSDP plugin, prepare plans each rank itself: give a budget and example=")
+        return prepare_fsdp(accelerator, model, budget, example=example, optimizer=optimizer, lr=lr,
+                            weight_decay=weight_decay, keep_effective_batch=keep_effective_batch, **optimizer_kwargs)
     precision = _precision(accelerator)
     replace_checkpointing(model, WHERE)
     if plan is None:

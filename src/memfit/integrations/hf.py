@@ -36,13 +36,17 @@ def _refuse(trainer: Any) -> None:
         raise ConfigError("auto_find_batch_size=True: memfit chooses micro-batch x accumulation itself (keeping "
                           "their product); set auto_find_batch_size=False")
     if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
-        raise ConfigError("a DeepSpeed config is set: fit_trainer plans one device's memory without DeepSpeed; "
-                          "remove deepspeed= (or use `memfit plan --strategy zero2/zero3`)")
-    if getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
-        raise ConfigError("an FSDP config is set: fit_trainer does not plan FSDP yet; remove fsdp= "
-                          "(or use `memfit plan --strategy zero3`)")
-    if args.world_size > 1:
-        raise ConfigError(f"world_size={args.world_size}: fit_trainer plans one process; run it with one process")
+        raise ConfigError("a DeepSpeed config is set: fit_trainer plans one device or FSDP2, not DeepSpeed; remove "
+                          "deepspeed= (or estimate a rank with `memfit estimate <config.json> --strategy zero3 "
+                          "--world N --batch B --seq S`)")
+    if args.world_size > 1 and not fsdp_enabled(trainer):
+        raise ConfigError(f"world_size={args.world_size} without FSDP: fit_trainer plans one process, or FSDP2 "
+                          "ranks (fsdp='full_shard', fsdp_config={'fsdp_version': 2})")
+
+
+def fsdp_enabled(trainer: Any) -> bool:
+    """Whether the Trainer runs FSDP (its accelerator has an FSDP plugin, from fsdp= / fsdp_config)."""
+    return bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer.args, "fsdp", None))
 
 
 def collated_batch(trainer: Any, rows: int) -> dict:
@@ -71,6 +75,10 @@ def collated_batch(trainer: Any, rows: int) -> dict:
 def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_batch: bool = True) -> Plan:
     """Plan `trainer`'s model to fit `budget` and set the Trainer up to carry the plan out (call before train()).
 
+    With FSDP (fsdp='full_shard', fsdp_config={'fsdp_version': 2}, under torchrun) the budget is each rank's
+    and the plan is memfit.integrations.fsdp's RankPlan (per-device batch, accumulation, recomputation;
+    `allow` is not used there).
+
     allow: the planner's mechanisms (memfit.fit's `allow`; default: its default for the model's device).
     keep_effective_batch: per_device_train_batch_size x gradient_accumulation_steps stays as given (the
     planner chooses both for the whole optimizer step, counting the gradients held between micro-batches);
@@ -78,6 +86,11 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
     Raises PlanError (nothing fits, with the smallest need) or ConfigError (a setting it cannot honour)
     before any step."""
     _refuse(trainer)
+    if fsdp_enabled(trainer):  # FSDP2 ranks under torchrun: memfit.integrations.hf_fsdp
+        from memfit.integrations.hf_fsdp import fit_trainer_fsdp
+
+        return fit_trainer_fsdp(trainer, budget, collated_batch(trainer, trainer.args.per_device_train_batch_size),
+                                keep_effective_batch)
     args, model = trainer.args, trainer.model
     if args.activation_checkpointing:
         warnings.warn(f"{WHERE}: activation_checkpointing=True is turned off; memfit's plan chooses which "

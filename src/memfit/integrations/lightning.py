@@ -133,6 +133,9 @@ class MemfitCallback(pl.Callback):
         self._base_accumulation: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        from memfit.integrations.lightning_fsdp import refuse_sharded
+
+        refuse_sharded(trainer)  # FSDP and ModelParallel strategies: lightning_fsdp.plan_fsdp2 plans their ranks
         holders = [h for h in (pl_module, getattr(trainer, "datamodule", None)) if h is not None and hasattr(h, "batch_size")]
         if self._base_accumulation is None:
             self._base_accumulation = trainer.accumulate_grad_batches
