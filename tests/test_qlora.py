@@ -121,3 +121,23 @@ def test_cli_qlora_estimate_and_refusals(capsys):
         assert main(["estimate", TINY] + bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0]
+    assert main(["plan", TINY, "--budget", "3MiB", "--qlora"]) == 2  # refused before any planning
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give the adapters" in err[0]
+    with pytest.raises(ConfigError, match="one device"):
+        memfit.fit(TINY, budget="3MiB", lora=LORA, qlora=True, gpus=2)
+
+
+@pytest.mark.slow
+def test_plan_a_qlora_fine_tune():
+    """The planner on an NF4 base (about 20 CPU-s: the chain profiles of each configuration)."""
+    plan = memfit.fit(TINY, budget="3MiB", batch=2, seq=32, device="cpu", precision="bf16-true", lora=LORA,
+                      qlora=True)
+    assert plan.measured_peak <= plan.budget and any("NF4" in n for n in plan.notes)
+    # the composed per-block figure the solver used is the full trace's, to the byte
+    assert plan.predicted_peak == plan.measured_peak
+    spec = replace(parse_model(TINY), lora=parse_lora(LORA + ",base=nf4"))
+    from memfit.apply.policy import to_string
+
+    traced = trace_step(spec, 2, 32, precision="bf16-true", checkpoint=to_string(plan.actions))
+    assert plan.predicted_peak >= traced.peak  # the plan also holds the loop's output through backward
