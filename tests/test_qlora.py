@@ -124,6 +124,10 @@ def test_cli_qlora_estimate_and_refusals(capsys):
     assert main(["plan", TINY, "--budget", "3MiB", "--qlora"]) == 2  # refused before any planning
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "give the adapters" in err[0]
+    # a LoRA fine-tune that cannot fit names the 4-bit base as the way on (the weights check: no trace)
+    assert main(["plan", TINY, "--device", "cpu", "--budget", "1MiB", "--seq", "32", "--lora", LORA]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--qlora" in err[0]
     with pytest.raises(ConfigError, match="one device"):
         memfit.fit(TINY, budget="3MiB", lora=LORA, qlora=True, gpus=2)
 

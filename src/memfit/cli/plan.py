@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
     args.model = model_of(args)
     device, gpu_note = _target(args)
     if args.qlora or args.lora:
-        from memfit.models.lora import with_nf4_base
+        from memfit.models.lora import parse_lora, with_nf4_base
 
-        args.lora = with_nf4_base(args.lora, "--qlora") if args.qlora else args.lora
+        args.lora = with_nf4_base(args.lora, "--qlora") if args.qlora else parse_lora(args.lora)
         if args.gpus is not None or args.profile:
             from memfit.core.errors import ConfigError
 
@@ -88,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
                    device=device, keep_output=args.keep_output, host_memory=args.host_memory, lora=args.lora)
     except PlanError as exc:  # name the smallest cluster that would fit
         from memfit.cli.plan_cluster import smallest_cluster_hint
+
+        if args.lora:  # LoRA plans are for one device: a 4-bit base is the next step, not more devices
+            hint = "" if args.lora.base == "nf4" else "; --qlora (the frozen base in 4 bits) may fit"
+            raise PlanError(str(exc) + hint) from None
 
         hint = smallest_cluster_hint(args, args.model, "cuda" if args.device is None else device)
         raise PlanError(str(exc) + hint) from None

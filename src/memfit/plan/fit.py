@@ -219,11 +219,16 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
     plan.fit_args = dict(model=model, example=example, budget=limit, optimizer=optimizer, precision=precision,
                          allow=allowed, loss_fn=loss_fn, batch=batch, seq=seq, verify=verify, costs=costs, device=device,
                          keep_output=keep_output, host_memory=host_memory, lora=lora)
-    if lora is not None:
-        plan.notes.append(f"LoRA r={lora.r} on {', '.join(lora.targets)}"
-                          + (": the frozen base in NF4 (4-bit, quantization error in the base's outputs)"
-                             if lora.base == "nf4" else ""))
+    plan.notes += _lora_notes(lora)
     return plan
+
+
+def _lora_notes(lora: Any) -> list[str]:
+    """What a LoRA plan trains, and what a 4-bit base gives up."""
+    if lora is None:
+        return []
+    base = ": the frozen base in NF4 (4-bit, quantization error in the base's outputs)" if lora.base == "nf4" else ""
+    return [f"LoRA r={lora.r} on {', '.join(lora.targets)}{base}"]
 
 
 def _lora_of(model: Any, lora: Any, qlora: bool, gpus: Any) -> Any:
