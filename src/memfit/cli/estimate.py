@@ -168,6 +168,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{name}{est.n_params / 1e6:,.1f}M parameters, {shape}{precision}, {est.optimizer}, "
           f"ZeRO-{est.zero} on {est.world} device(s), checkpoint {est.checkpoint}"
           + (f", optimizer offloaded to {est.offload_optimizer}" if est.offload_optimizer else ""))
+    if args.lora or args.qlora:
+        from memfit.models.lora import parse_lora
+
+        cfg = parse_lora(args.lora)
+        base = "NF4 (4-bit, QLoRA)" if args.qlora or cfg.base == "nf4" else "in the precision mode's dtype"
+        print(f"LoRA r={cfg.r} on {', '.join(cfg.targets)}; base weights: {base}")
     if est.device:
         from memfit.core.gpus import target
 
