@@ -39,7 +39,7 @@ SCALER_BLOCK = 256
 _MULTIPLE = BLOCK * SCALER_BLOCK  # torchao needs whole scale blocks: N a multiple of 16384
 
 
-def _nf4_module():
+def nf4_module():
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError as e:
@@ -78,7 +78,7 @@ def _holds_no_data(t: torch.Tensor) -> bool:
 
 def empty_nf4(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An NF4Tensor with torchao's layout and no values: for fake and meta weights."""
-    mod = _nf4_module()
+    mod = nf4_module()
     numel = shape.numel()
     scaler_blocks = numel // _MULTIPLE
     if scaler_blocks == 1:  # torchao's factor is then a view of a (1, 256) temporary
@@ -98,7 +98,7 @@ def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     weight = weight.detach()
     if _holds_no_data(weight):
         return empty_nf4(weight.shape, weight.dtype, weight.device)
-    return _nf4_module().to_nf4(weight.contiguous(), BLOCK, SCALER_BLOCK)
+    return nf4_module().to_nf4(weight.contiguous(), BLOCK, SCALER_BLOCK)
 
 
 def _head(model: nn.Module) -> nn.Module | None:

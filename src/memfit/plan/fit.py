@@ -120,9 +120,13 @@ def _device_of(model: Any) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def model_digest(model: str) -> str:
-    """The configuration digest a plan of the named model records (Plan.model_digest)."""
-    return _Problem(model, None, None, None, None).digest()
+def model_digest(model: str, lora: Any = None) -> str:
+    """The configuration digest a plan of the named model (with LoRA adapters) records (Plan.model_digest)."""
+    if isinstance(lora, str):
+        from memfit.models.lora import parse_lora
+
+        lora = parse_lora(lora)
+    return _Problem(model, None, None, None, None, lora).digest()
 
 
 def _check_weights(problem: _Problem, limit: int, precision: str, allowed: tuple[str, ...]) -> None:
