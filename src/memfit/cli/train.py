@@ -39,8 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(g, "seq", shown=d.seq, help="tokens (bytes) per sequence")
     g.add_argument("--dropout", metavar="P", type=number(0, 1),
                    help="dropout probability of memfit's GPT (default: the model spec's dropout=, else 0)")
-    g.add_argument("--lora", metavar="r=R,targets=NAME[,NAME...]",
-                   help="train LoRA adapters on the frozen model (e.g. r=16,targets=qkv,proj; base=nf4 as --qlora)")
+    g.add_argument("--lora", metavar="SPEC", help="LoRA adapters on the frozen model, e.g. r=16,targets=qkv,proj")
     g.add_argument("--qlora", action="store_true", help="QLoRA: the --lora run's frozen linear weights (all but "
                    "the head) in NF4 (docs/finetune.md)")
     g = p.add_argument_group("schedule")

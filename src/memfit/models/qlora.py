@@ -25,6 +25,7 @@ that an estimate does not need. tests/test_qlora.py checks the layout against to
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -40,6 +41,10 @@ _MULTIPLE = BLOCK * SCALER_BLOCK  # torchao needs whole scale blocks: N a multip
 
 
 def nf4_module():
+    """torchao's NF4 module; ConfigError naming the package when it is not installed."""
+    # torchao logs each CUDA-only kernel it skips on import, and torch a deprecation note on its enums.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError as e:
