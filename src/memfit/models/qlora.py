@@ -47,22 +47,24 @@ def nf4_module():
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-    except ImportError as e:
-        raise ConfigError(f"4-bit base weights (--qlora, base=nf4) need torchao's NF4Tensor "
-                          f"(pip install 'torchao>=0.9'): {e}") from None
+    except ImportError:
+        try:  # torchao before the quantize_ workflows layout
+            from torchao.dtypes import nf4tensor as nf4_tensor
+        except ImportError as e:
+            raise ConfigError(f"4-bit base weights (--qlora, base=nf4) need torchao's NF4Tensor "
+                              f"(pip install torchao): {e}") from None
     return nf4_tensor
 
 
 def is_nf4(t: object) -> bool:
-    """True for a torchao NF4Tensor (without importing torchao when nothing has)."""
-    mod = sys.modules.get("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
-    return mod is not None and isinstance(t, mod.NF4Tensor)
+    """True for a torchao NF4Tensor (without importing torchao)."""
+    return isinstance(t, torch.Tensor) and type(t).__name__ == "NF4Tensor" and hasattr(t, "quantized_data")
 
 
 def nf4_bytes(numel: int, dtype: torch.dtype) -> int:
     """Bytes of one NF4 weight of `numel` elements in `dtype`, as torchao stores it (see the module doc)."""
     check_size(numel, "weight")
-    s = torch.empty((), dtype=dtype).element_size()
+    s = dtype.itemsize
     scaler_blocks = numel // _MULTIPLE
     factors = SCALER_BLOCK if scaler_blocks == 1 else scaler_blocks
     return numel // 2 + numel // BLOCK + s * factors + s + 16 * s
@@ -71,7 +73,7 @@ def nf4_bytes(numel: int, dtype: torch.dtype) -> int:
 def check_size(numel: int, name: str) -> None:
     if numel % _MULTIPLE:
         raise ConfigError(f"{name} has {numel} elements; NF4 double quantization needs a multiple of "
-                          f"{_MULTIPLE} ({BLOCK} x {SCALER_BLOCK}): quantize layers whose in x out is")
+                          f"{_MULTIPLE} ({BLOCK} x {SCALER_BLOCK}); drop --qlora (base=nf4) for this model")
 
 
 def _holds_no_data(t: torch.Tensor) -> bool:
