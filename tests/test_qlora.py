@@ -63,7 +63,8 @@ def test_qlora_step_tracked_peak_equals_the_estimate():
     pred = trace_step(spec, 2, 32, precision="bf16-true")
     real = measure_step(spec, 2, 32, precision="bf16-true")
     assert pred.breakdown() == real.breakdown()  # byte for byte, every category
-    # the allocator also sees the few bytes of small kernels' scratch (e.g. the mean of the scales)
+    # The allocator also sees kernel scratch no tensor holds: 40 B on this step, as on the plain LoRA step;
+    # 1% leaves room for other CPUs' kernels, and is still far below one dequantized weight (about 3%).
     assert abs(real.allocator_peak - real.peak) <= 0.01 * real.peak
     est = memfit.estimate(TINY, batch=2, seq=32, precision="bf16-true", lora=LORA, qlora=True)
     assert est.total == pred.peak
