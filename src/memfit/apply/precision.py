@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from memfit.core.errors import ConfigError
+from memfit.models.qlora import is_nf4, recast_nf4
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,14 @@ def cast_model(model: nn.Module, mode: str | PrecisionMode) -> nn.Module:
 
     Only floating tensors change (integer buffers such as token ids or counters keep their dtype).
     Parameters are cast through `.data` so the optimizer and any hooks keep the same Parameter objects.
+    NF4 base weights (QLoRA, frozen, in no optimizer) are re-quantized in the dtype (memfit.models.qlora).
     """
     mode = precision_mode(mode)
     dtype = mode.param_dtype
+    if any(is_nf4(p) for p in model.parameters()):  # casting would dequantize them: re-quantized instead
+        recast_nf4(model, dtype)
     for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
+        if p.is_floating_point() and p.dtype != dtype and not is_nf4(p):
             p.data = p.data.to(dtype)
             if p.grad is not None:
                 p.grad = p.grad.to(dtype)

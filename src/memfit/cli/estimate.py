@@ -64,7 +64,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", default=[], metavar="SPEC",
                    help=f"one input of a model factory MODULE:FUNCTION: {INPUT_HELP}; repeat for each")
     p.add_argument("--lora", metavar="r=R,targets=NAME[,NAME...]",
-                   help="fine-tune LoRA adapters on a frozen base (e.g. r=8,targets=q_proj,v_proj; alpha=A optional)")
+                   help="fine-tune LoRA adapters on a frozen base (e.g. r=8,targets=q_proj,v_proj; alpha=A optional; "
+                   "base=nf4: the base in 4 bits, as --qlora)")
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: the --lora fine-tune's frozen linear weights (all but the head) in torchao's NF4, "
+                   "double-quantized (docs/finetune.md)")
     p.add_argument("--task", choices=("causal-lm", "seq2seq", "masked-lm", "image-classification"),
                    help="for a config.json: the model family to build (default: from the config's architectures)")
     p.add_argument("--image-size", type=integer(1), metavar="N",
@@ -102,8 +106,8 @@ def _estimate(args: argparse.Namespace):
         if not args.input:
             raise ConfigError(f"the model factory {model} needs its example batch: --input {INPUT_HELP}")
         example = parse_inputs(args.input)
-        if args.lora:
-            raise ConfigError("--lora applies to a named model or config.json; a factory adds its own adapters "
+        if args.lora or args.qlora:
+            raise ConfigError("--lora and --qlora apply to a named model or config.json; a factory adds its own adapters "
                               "(e.g. peft.get_peft_model)")
         loss_fn = load_factory(args.loss) if args.loss else None
         est = estimate(load_factory(model), example, params=params, loss_fn=loss_fn, **common)
@@ -118,7 +122,10 @@ def _estimate(args: argparse.Namespace):
     if model is not None:
         spec = parse_model(model, task=args.task, image_size=args.image_size, families=True)
         spec.check_shape(args.batch, args.seq)  # what `memfit train` would refuse, refused here too
-    return estimate(spec, params=params, batch=args.batch, seq=args.seq, lora=args.lora, **common)
+    from memfit.models.lora import with_nf4_base
+
+    lora = with_nf4_base(args.lora, "--qlora") if args.qlora else args.lora
+    return estimate(spec, params=params, batch=args.batch, seq=args.seq, lora=lora, **common)
 
 
 def _torchtitan(args: argparse.Namespace, model: str | None):
@@ -126,7 +133,7 @@ def _torchtitan(args: argparse.Namespace, model: str | None):
 
     if model is not None or args.params is not None:
         raise ConfigError("--torchtitan reads the model from the job file; drop the model / --params")
-    if args.strategy or args.tp or args.zero or args.lora or args.input:
+    if args.strategy or args.tp or args.zero or args.lora or args.qlora or args.input:
         raise ConfigError("--torchtitan takes the strategy and its degrees from the job file; drop --strategy, "
                           "--tp, --zero, --lora and --input")
     kw = {"device_memory": parse_bytes(args.device_memory)} if args.device_memory else {}
@@ -188,6 +195,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{name}{est.n_params / 1e6:,.1f}M parameters, {shape}{precision}, {est.optimizer}, "
           f"ZeRO-{est.zero} on {est.world} device(s), checkpoint {est.checkpoint}"
           + (f", optimizer offloaded to {est.offload_optimizer}" if est.offload_optimizer else ""))
+    if args.lora or args.qlora:
+        from memfit.models.lora import parse_lora
+
+        cfg = parse_lora(args.lora)
+        base = "NF4 (4-bit, QLoRA)" if args.qlora or cfg.base == "nf4" else "in the precision mode's dtype"
+        print(f"LoRA r={cfg.r} on {', '.join(cfg.targets)}; base weights: {base}")
     if est.device:
         from memfit.core.gpus import target
 

@@ -39,6 +39,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "RAM; a GPU this machine lacks 256GiB; with --gpus on GPUs 2TiB per node of 8 (a DGX H100's)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the chosen plan with a full trace of the step")
+    p.add_argument("--lora", metavar="r=R,targets=NAME[,NAME...]",
+                   help="plan a LoRA fine-tune of the frozen model (e.g. r=16,targets=q_proj,v_proj; one device)")
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: the --lora fine-tune's frozen linear weights (all but the head) in NF4 "
+                   "(docs/finetune.md)")
     add(p, "json", help="print one JSON object with a `plan` field (for memfit train --plan)")
     from memfit.cli import plan_cluster, plan_emit
 
@@ -56,6 +61,14 @@ def run(args: argparse.Namespace) -> int:
         return emit_doc(read_plan(args.from_plan), args, args.from_plan)
     args.model = model_of(args)
     device, gpu_note = _target(args)
+    if args.qlora or args.lora:
+        from memfit.models.lora import parse_lora, with_nf4_base
+
+        args.lora = with_nf4_base(args.lora, "--qlora") if args.qlora else parse_lora(args.lora)
+        if args.gpus is not None or args.profile:
+            from memfit.core.errors import ConfigError
+
+            raise ConfigError("--lora and --qlora plan one device on the FLOP time model; drop --gpus and --profile")
     if args.gpus is not None:  # several devices: memfit.plan.cluster_fit
         from memfit.cli.plan_cluster import run_cluster
 
@@ -78,9 +91,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = fit(args.model, budget=args.budget, optimizer=args.optimizer, precision=args.precision,
                    allow=args.allow, batch=batch, seq=args.seq, verify=args.verify, costs=costs,
-                   device=device, keep_output=args.keep_output, host_memory=args.host_memory)
+                   device=device, keep_output=args.keep_output, host_memory=args.host_memory, lora=args.lora)
     except PlanError as exc:  # name the smallest cluster that would fit
         from memfit.cli.plan_cluster import smallest_cluster_hint
+
+        if args.lora:  # LoRA plans are for one device: a 4-bit base is the next step, not more devices
+            hint = "" if args.lora.base == "nf4" else "; --qlora (the frozen base in 4 bits) may fit"
+            raise PlanError(str(exc) + hint) from None
 
         hint = smallest_cluster_hint(args, args.model, "cuda" if args.device is None else device)
         raise PlanError(str(exc) + hint) from None

@@ -39,6 +39,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(g, "seq", shown=d.seq, help="tokens (bytes) per sequence")
     g.add_argument("--dropout", metavar="P", type=number(0, 1),
                    help="dropout probability of memfit's GPT (default: the model spec's dropout=, else 0)")
+    g.add_argument("--lora", metavar="SPEC", help="LoRA adapters on the frozen model, e.g. r=16,targets=qkv,proj")
+    g.add_argument("--qlora", action="store_true", help="QLoRA: the --lora run's frozen linear weights (all but "
+                   "the head) in NF4 (docs/finetune.md)")
     g = p.add_argument_group("schedule")
     add(g, "steps", help="optimizer steps (default: as many as fit the time limit)")
     g.add_argument("--time-limit", type=number(0, low_open=True), metavar="SECONDS",
@@ -105,6 +108,11 @@ def config_of(given: dict) -> tuple[TrainConfig, dict | None]:
     from memfit.train import loop
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if given.get("qlora"):
+        from memfit.models.lora import with_nf4_base
+
+        cfg = with_nf4_base(given.get("lora"), "--qlora")
+        given = {**given, "lora": f"r={cfg.r},targets={','.join(cfg.targets)},alpha={cfg.alpha:g},base=nf4"}
     overrides = {k: v for k, v in given.items() if k in fields}
     if overrides.get("clip") == 0:
         overrides["clip"] = None

@@ -40,6 +40,18 @@ def storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def wraps_tensors(t: torch.Tensor) -> bool:
+    """A traceable wrapper subclass (e.g. torchao's NF4Tensor) whose memory is its inner tensors'.
+    DTensor is left to `storage()` (its local shard)."""
+    return hasattr(type(t), "__tensor_flatten__") and not hasattr(t, "_local_tensor")
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass holds (`__tensor_flatten__`'s attributes)."""
+    names, _ = t.__tensor_flatten__()
+    return [x for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor)]
+
+
 def is_marked_host(st: torch.UntypedStorage) -> bool:
     return _HOST_MARKED.get(id(st)) is st
 

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from memfit.core.host import in_host_region, is_marked_host, flag_host, storage
+from memfit.core.host import in_host_region, inner_tensors, is_marked_host, flag_host, storage, wraps_tensors
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 PARAMS, GRADS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = range(5)  # lower index wins
@@ -108,7 +108,15 @@ class StorageLedger:
         return d.type == self._dev_type and (self._dev_index is None or d.index in (None, self._dev_index))
 
     def _register(self, t: torch.Tensor, cat: int) -> bool:
-        """Count t's storage (once) in `cat` or a higher category; True if device bytes grew."""
+        """Count t's storage (once) in `cat` or a higher category; True if device bytes grew.
+
+        A tensor subclass that wraps others (torchao's NF4Tensor: 4-bit codes, scales, factors) counts
+        its inner tensors: its own storage is a placeholder of the outer shape's full-precision size."""
+        if type(t) is not torch.Tensor and wraps_tensors(t):
+            grew = False
+            for inner in inner_tensors(t):
+                grew |= self._register(inner, cat)
+            return grew
         st = storage(t)
         if st is None:
             return False

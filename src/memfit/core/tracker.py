@@ -38,7 +38,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook as _register
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memfit.core.host import ACTIVE as _ACTIVE, host_allocations, host_empty, mark_host, storage
+from memfit.core.host import (ACTIVE as _ACTIVE, host_allocations, host_empty, inner_tensors, mark_host, storage,
+                              wraps_tensors)
 from memfit.core.ledger import (ACTIVATIONS, CATEGORIES, GRADS, OPTIMIZER, PARAMS, TEMPORARIES,
                                 StorageLedger)
 
@@ -166,9 +167,19 @@ class MemoryTracker(TorchDispatchMode, StorageLedger):
 
     # ------------------------------------------------- activations (saved tensors)
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if type(t) is not torch.Tensor and wraps_tensors(t):  # e.g. an NF4 weight: its inner tensors
+            for inner in inner_tensors(t):
+                self._save(inner)
+            return t.detach()
+        # detach(): same storage, but no reference from the saved value back to its own grad_fn.
+        return t.detach() if self._save(t) else t
+
+    def _save(self, t: torch.Tensor) -> bool:
+        """t's storage is held for backward: an activation unless it is already a model state.
+        False: t has no storage."""
         st = storage(t)
         if st is None:
-            return t
+            return False
         with self._lock:
             e = self._live.get(id(st))
             if e is None:
@@ -180,8 +191,7 @@ class MemoryTracker(TorchDispatchMode, StorageLedger):
             elif e.cat > ACTIVATIONS:
                 self._recat(e, ACTIVATIONS)
                 self._attribute(e, self._current_mods())
-        # detach(): same storage, but no reference from the saved value back to its own grad_fn.
-        return t.detach()
+        return True
 
     def _attribute(self, e, mods: Iterable[str]) -> None:
         if not e.device or e.host:

@@ -87,7 +87,7 @@ def spec_source(spec: Any, batch: int, seq: int) -> ChainSource:
             # Fake weights hold no values: torch's init functions (nn.Embedding's normal_, which under
             # FakeTensorMode runs through torch._refs and imports DTensor, a second) are skipped.
             with _no_init():
-                return ModelSpec(spec.name, config=replace(spec.config, layers=k)).build(seq=seq)
+                return ModelSpec(spec.name, config=replace(spec.config, layers=k), lora=spec.lora).build(seq=seq)
         n = spec.config.layers
     else:
         import transformers  # noqa: F401  (imported before tracing, as trace_step does)
@@ -106,6 +106,8 @@ def spec_source(spec: Any, batch: int, seq: int) -> ChainSource:
         _train_step(model, opt, batch, seq, _vocab(model), dev)
 
     key = ("spec", spec.name, repr(spec.config), str(spec.hf_config), batch, seq)
+    if spec.lora is not None:  # adapters (and an NF4 base) in every block
+        key += (repr(spec.lora),)
     return ChainSource(build_k, n, step, key, plain_differs=spec.config is None and cache)
 
 

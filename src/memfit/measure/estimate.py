@@ -129,6 +129,7 @@ def estimate(
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
     device: str | None = None,
+    qlora: bool = False,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -136,7 +137,8 @@ def estimate(
     `model` may also be any nn.Module (real or meta weights) or a zero-argument factory, with `example`
     one micro-batch (dict of keyword arguments, tuple of positional arguments or a tensor) and
     optionally `loss_fn(output, example)` (memfit.measure.anymodel).
-    `lora` ("r=8,targets=q_proj,v_proj" or a LoraConfig) freezes the named model and adds LoRA adapters.
+    `lora` ("r=8,targets=q_proj,v_proj" or a LoraConfig) freezes the named model and adds LoRA adapters;
+    `qlora=True` (or base=nf4 in `lora`) holds the frozen linear weights in NF4 (memfit.models.qlora).
     `routing` (mixture-of-experts layers): "balanced" or "worst" (memfit.measure.moe).
     `strategy` ("ddp", "ps", "zero1".."zero3", "pipeline", "tensor") on `world` ranks, `batch` rows each
     (pipeline and tensor: of the global batch world x batch; `microbatches`, `schedule`, `tp`):
@@ -154,6 +156,10 @@ def estimate(
     from memfit.core.device import estimate_device
     from memfit.core.gpus import local_gpu
 
+    if qlora:
+        from memfit.models.lora import with_nf4_base
+
+        lora = with_nf4_base(lora)
     traced_on, gpu = estimate_device(device)
     if traced_on.startswith("cuda"):  # this machine's GPU, as a target like any named one
         gpu = local_gpu(torch_index(traced_on))

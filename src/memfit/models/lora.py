@@ -11,7 +11,7 @@ state, and the activations A and B save for backward (x and A x).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -27,13 +27,16 @@ class LoraConfig:
     """Linear layers to adapt, by name: the last part of a module's name (q_proj) or a dotted tail (attn.proj)."""
     alpha: float = 16.0
     """Scale of the update: alpha / r."""
+    base: str | None = None
+    """nf4: the frozen base's linear layers in 4-bit NormalFloat (QLoRA, memfit.models.qlora); None: as built."""
 
 
-_KEYS = ("r", "targets", "alpha")
+_KEYS = ("r", "targets", "alpha", "base")
+BASES = ("nf4",)
 
 
 def parse_lora(text: str) -> LoraConfig:
-    """`r=8,targets=q_proj,v_proj[,alpha=16]`: items without '=' continue the targets list."""
+    """`r=8,targets=q_proj,v_proj[,alpha=16][,base=nf4]`: items without '=' continue the targets list."""
     values: dict[str, object] = {}
     targets: list[str] = []
     key = None
@@ -63,7 +66,19 @@ def parse_lora(text: str) -> LoraConfig:
         raise ConfigError(f"--lora {text!r}: r must be a positive integer and alpha a positive number")
     if not targets or not all(targets):
         raise ConfigError(f"--lora {text!r} names no layers to adapt; add targets=NAME[,NAME...], e.g. q_proj,v_proj")
-    return LoraConfig(r=r, targets=tuple(targets), alpha=alpha)
+    base = values.get("base")
+    if base is not None and base not in BASES:
+        raise ConfigError(f"--lora {text!r}: base={base} is not one of {', '.join(BASES)} (4-bit NormalFloat, QLoRA)")
+    return LoraConfig(r=r, targets=tuple(targets), alpha=alpha, base=base)
+
+
+def with_nf4_base(lora: "LoraConfig | str | None", flag: str = "qlora=True") -> LoraConfig:
+    """`lora` with its base in NF4 (QLoRA); `flag` names the option in the refusal when lora is None."""
+    if lora is None:
+        raise ConfigError(f"{flag} puts a LoRA fine-tune's base in 4 bits: give the adapters too, "
+                          "e.g. r=16,targets=q_proj,v_proj")
+    cfg = parse_lora(lora) if isinstance(lora, str) else lora
+    return replace(cfg, base="nf4")
 
 
 class LoRALinear(nn.Module):
@@ -100,7 +115,8 @@ def _matches(name: str, targets: tuple[str, ...]) -> bool:
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
-    """Freeze `model` and wrap every targeted linear layer in a LoRALinear (in place; returns the model)."""
+    """Freeze `model` and wrap every targeted linear layer in a LoRALinear (in place; returns the model);
+    cfg.base "nf4" then holds every frozen linear weight but the head in NF4 (QLoRA)."""
     for p in model.parameters():
         p.requires_grad_(False)
     linear = [(name, m) for name, m in model.named_modules() if _is_linear(m) and name]
@@ -113,4 +129,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LoRALinear(layer, cfg.r, cfg.alpha))
+    if cfg.base == "nf4":
+        from memfit.models.qlora import quantize_base
+
+        quantize_base(model)
     return model

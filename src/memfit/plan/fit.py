@@ -46,12 +46,15 @@ def _batch_of(example: Any) -> int | None:
 class _Problem:
     """The model, how to build chain sources per micro-batch, and the time model."""
 
-    def __init__(self, model: Any, example: Any, loss_fn: Callable | None, batch: int | None, seq: int | None):
+    def __init__(self, model: Any, example: Any, loss_fn: Callable | None, batch: int | None, seq: int | None,
+                 lora: Any = None):
         self.model, self.example, self.loss_fn, self.seq = model, example, loss_fn, seq
         if isinstance(model, str):
             from memfit.models.spec import parse_model
 
             self.spec = parse_model(model)
+            if lora is not None:
+                self.spec = replace(self.spec, lora=lora)
             self.name = self.spec.name
             self.seq = seq or min(self.spec.seq or 1024, 4096)
             self.batch = batch or 1
@@ -77,6 +80,8 @@ class _Problem:
 
         if self.spec is not None:
             text = repr(self.spec.config) if self.spec.config is not None else _config_text(self.spec)
+            if self.spec.lora is not None and self.spec.config is not None:
+                text += repr(self.spec.lora)
         elif isinstance(self.model, torch.nn.Module):
             text = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()])
         else:
@@ -115,9 +120,13 @@ def _device_of(model: Any) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def model_digest(model: str) -> str:
-    """The configuration digest a plan of the named model records (Plan.model_digest)."""
-    return _Problem(model, None, None, None, None).digest()
+def model_digest(model: str, lora: Any = None) -> str:
+    """The configuration digest a plan of the named model (with LoRA adapters) records (Plan.model_digest)."""
+    if isinstance(lora, str):
+        from memfit.models.lora import parse_lora
+
+        lora = parse_lora(lora)
+    return _Problem(model, None, None, None, None, lora).digest()
 
 
 def _check_weights(problem: _Problem, limit: int, precision: str, allowed: tuple[str, ...]) -> None:
@@ -133,6 +142,8 @@ def _check_weights(problem: _Problem, limit: int, precision: str, allowed: tuple
         return  # a factory: building it to count would cost what the check saves
     precisions = [precision] + (["bf16-master"] if "precision" in allowed else [])
     weights = n * min(bytes_per_param(p).weights for p in precisions)
+    if problem.spec is not None and problem.spec.lora is not None and problem.spec.lora.base == "nf4":
+        weights = n // 2  # 4 bits a weight: a lower bound (the head, embeddings and scales hold more)
     if weights > limit:
         raise PlanError(f"budget {format_bytes(limit)} is too small: the weights alone need {format_bytes(weights)} "
                         f"({n:,} parameters); shard them over more devices or train a smaller model")
@@ -142,7 +153,7 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
         precision: str = "32-true", allow: Any = None, loss_fn: Callable | None = None,
         batch: int | None = None, seq: int | None = None, verify: bool = True, costs: Any = None,
         device: str | None = None, keep_output: bool = True, gpus: int | str | None = None,
-        interconnect: Any = None, host_memory: Any = None) -> Plan:
+        interconnect: Any = None, host_memory: Any = None, lora: Any = None, qlora: bool = False) -> Plan:
     """Plan `model` (a module, a zero-argument factory, or a model name/spec for the CLI) to fit `budget`.
 
     `gpus`: N or "auto" plans a cluster of devices of `budget` each over `interconnect` (nvlink, pcie, ib
@@ -157,7 +168,10 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
     context, `precision` by default bf16-master (else 32-true).
     `host_memory`: the host RAM the plan may use (per node with `gpus`): optimizer and activation offload
     live there, and on a CPU device the whole step does; default this machine's RAM (a cluster of GPUs:
-    2 TiB per node). A plan that needs more is not chosen (memfit.plan.host_memory)."""
+    2 TiB per node). A plan that needs more is not chosen (memfit.plan.host_memory).
+    `lora` ("r=16,targets=q_proj,v_proj" or a LoraConfig; a model name or spec only) plans a LoRA fine-tune of
+    the frozen model; `qlora=True` (or base=nf4 in `lora`) with its base in NF4 (memfit.models.qlora)."""
+    lora = _lora_of(model, lora, qlora, gpus)
     from memfit.core.gpus import target
 
     gpu = target(device)
@@ -187,7 +201,7 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
         check_example(example)
     from memfit.plan.host_memory import host_limit
 
-    problem = _Problem(model, example, loss_fn, batch, seq)
+    problem = _Problem(model, example, loss_fn, batch, seq, lora)
     problem.keep_output = bool(keep_output)
     problem.host_limit, problem.host_source = host_limit(host_memory, device)
     _check_weights(problem, limit, precision, allowed)
@@ -208,5 +222,30 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
                           "is the same RAM); name them in allow to plan them anyway")
     plan.fit_args = dict(model=model, example=example, budget=limit, optimizer=optimizer, precision=precision,
                          allow=allowed, loss_fn=loss_fn, batch=batch, seq=seq, verify=verify, costs=costs, device=device,
-                         keep_output=keep_output, host_memory=host_memory)
+                         keep_output=keep_output, host_memory=host_memory, lora=lora)
+    plan.notes += _lora_notes(lora)
     return plan
+
+
+def _lora_notes(lora: Any) -> list[str]:
+    """What a LoRA plan trains, and what a 4-bit base gives up."""
+    if lora is None:
+        return []
+    base = ": the frozen base in NF4 (4-bit, quantization error in the base's outputs)" if lora.base == "nf4" else ""
+    return [f"LoRA r={lora.r} on {', '.join(lora.targets)}{base}"]
+
+
+def _lora_of(model: Any, lora: Any, qlora: bool, gpus: Any) -> Any:
+    """The LoraConfig of a plan, or None; refused where memfit cannot add the adapters."""
+    from memfit.models.lora import parse_lora, with_nf4_base
+
+    if qlora:
+        lora = with_nf4_base(lora)
+    if lora is None:
+        return None
+    if not isinstance(model, str):
+        raise ConfigError("lora= applies to a model name, spec or config.json; add the adapters to your module "
+                          "(e.g. peft.get_peft_model) and pass it")
+    if gpus is not None:
+        raise ConfigError("LoRA plans are for one device; drop gpus= (or --gpus)")
+    return parse_lora(lora) if isinstance(lora, str) else lora

@@ -67,7 +67,7 @@ def plan_config(cfg: Any, budget: str | None = None, plan_file: str | None = Non
         precision = "32-true" if cfg.precision == "auto" else cfg.precision
         # memfit train's loop drops the model's output before backward (train.step.loss_sum).
         plan = fit(cfg.model, budget=budget, optimizer=cfg.optimizer, precision=precision, allow=allow,
-                   batch=cfg.batch * cfg.accum, seq=cfg.seq, keep_output=False)
+                   batch=cfg.batch * cfg.accum, seq=cfg.seq, keep_output=False, lora=cfg.lora)
         plan.notes.append(f"--budget kept the run's global batch {cfg.batch * cfg.accum} (--batch {cfg.batch} x "
                           f"--accum {cfg.accum}), --seq {cfg.seq} and --optimizer {cfg.optimizer}; it chose the "
                           "split, the per-block actions, the head" + (f" and {plan.precision} over --precision "
@@ -89,7 +89,7 @@ def _check_plan_file(cfg: Any, plan: Plan, path: str, given: set[str]) -> None:
     if plan.model_digest:
         from memfit.plan.fit import model_digest
 
-        if model_digest(cfg.model) != plan.model_digest:
+        if model_digest(cfg.model, cfg.lora) != plan.model_digest:
             raise ConfigError(f"plan file {path} was made for another configuration of {name!r} (config digest "
                               f"{plan.model_digest}); plan it again for this one")
     shape = f"{plan.micro_batch} x {plan.accumulation}" + (f", seq {plan.seq}" if plan.seq else "")

@@ -73,6 +73,8 @@ class TrainConfig:
     """cpu or cuda[:N]; None = cuda when available."""
     dropout: float | None = None
     """Dropout of memfit's GPT; None = the model spec's own (0 unless the spec sets dropout=)."""
+    lora: str | None = None
+    """LoRA adapters on the frozen model (memfit.models.lora: r=16,targets=q_proj,v_proj[,base=nf4]); None: all train."""
     track: bool = True
     """Measure one step's memory breakdown with memfit's tracker (params, grads, optimizer, activations)."""
     strategy: str = "none"
@@ -108,6 +110,12 @@ class TrainConfig:
             _check_float("dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
         if self.head_chunks is not None:
             _check_int("head_chunks", self.head_chunks, 1, MAX_COUNT)
+        if self.lora is not None:
+            from memfit.models.lora import parse_lora
+
+            parse_lora(self.lora)  # a bad spec: one line
+            if self.strategy != "none":
+                raise ConfigError(f"--lora trains on one process; drop --strategy {self.strategy}")
         if self.offload_optimizer not in ("none", "cpu", "disk"):
             raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r}; accepted: none, cpu, disk")
         if self.compress not in (None, "none"):

@@ -18,16 +18,25 @@ from typing import Any
 import torch
 
 from memfit.core.errors import CorruptCheckpointError
+from memfit.core.host import inner_tensors, wraps_tensors
 
 KEY = "checksums"
 
 
 def tensor_crc(t: torch.Tensor) -> int:
     """crc32 of a tensor's bytes in its dtype (any device; a non-contiguous tensor is copied)."""
+    if type(t) is not torch.Tensor and wraps_tensors(t):  # an NF4 weight: its codes, scales and factors
+        crc = 0
+        for inner in inner_tensors(t):
+            crc = zlib.crc32(tensor_crc(inner).to_bytes(4, "little"), crc)
+        return crc
     t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
-    return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 1:  # "contiguous" whatever its stride (a strided view's one element), which view() refuses
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return zlib.crc32(flat.view(torch.uint8).numpy())
 
 
 def _walk(obj: Any, path: str, tensors: dict[str, str], parts: list[str]) -> None:

@@ -36,6 +36,10 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, dropout=cfg.dropout))
     elif cfg.dropout:
         raise ConfigError("--dropout applies to memfit's GPT models; set dropout in the Hugging Face config.json")
+    if cfg.lora is not None:
+        from memfit.models.lora import parse_lora
+
+        spec = dataclasses.replace(spec, lora=parse_lora(cfg.lora))
     check_fits_host(spec, "train")
     with stoppable():
         model = spec.build(seq=cfg.seq) if spec.config is not None else spec.build()

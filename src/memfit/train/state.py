@@ -115,7 +115,7 @@ def verify_file(path: str | os.PathLike) -> None:
     from memfit.train import integrity
 
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        loaded = _torch_load(path, map_location="cpu", mmap=True)
         integrity.verify(loaded, repr(str(path)))
     except ConfigError as exc:
         raise OSError(errno.EIO, f"it does not read back ({exc})") from None
@@ -158,6 +158,20 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
 
 
+def _torch_load(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """torch.load(weights_only=True); a checkpoint of a QLoRA run holds torchao's NF4Tensor, which loads once
+    torchao has declared it safe (on import: not done up front, torchao takes seconds to import)."""
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except Exception as exc:  # unpickling errors have many types
+        if "NF4Tensor" not in str(exc):
+            raise
+    from memfit.models.qlora import nf4_module
+
+    nf4_module()
+    return torch.load(path, weights_only=True, **kwargs)
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a checkpoint written by save_checkpoint (weights_only: no code runs while loading)."""
     path = Path(path)
@@ -166,7 +180,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {str(path)!r}; --resume takes a run folder written by memfit train")
     try:
-        loaded = torch.load(path, map_location=map_location, weights_only=True)
+        loaded = _torch_load(path, map_location=map_location)
     except Exception as exc:  # unpickling errors have many types; all mean "not a usable checkpoint"
         raise ConfigError(f"cannot load checkpoint {str(path)!r}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
     if not isinstance(loaded, dict):
