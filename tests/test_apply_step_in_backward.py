@@ -104,3 +104,19 @@ def test_cli_refuses_accumulation_and_clipping(capsys):
     assert cfg.clip is None  # the default clip is dropped, an explicit one refused
     with pytest.raises(ConfigError, match="--clip"):
         config_of({"step_in_backward": True, "clip": 1.0})[0].validate()
+
+
+def test_planner_takes_the_step_in_backward_only_when_allowed():
+    # 1.2 MB: the plain step's gradients and state alone overrun it, the
+    # step in backward's do not. The planner takes it only when allowed, and says what it gives up.
+    from memfit.plan.costs import PlanError
+    from memfit.plan.fit import fit
+    from memfit.plan.plan import Plan
+
+    with pytest.raises(PlanError, match="allow step-in-backward"):
+        fit(SPEC, budget="1.2MB", batch=2, seq=16, allow=(), device="cpu")
+    plan = fit(SPEC, budget="1.2MB", batch=2, seq=16, allow=("step-in-backward",), device="cpu")
+    assert plan.step_in_backward and plan.accumulation == 1
+    assert plan.measured_peak == plan.predicted_peak <= plan.budget  # the composed figure, checked by a full trace
+    assert any("step in backward: no global clipping" in n for n in plan.notes)
+    assert Plan.from_json(plan.to_json()).step_in_backward

@@ -102,6 +102,9 @@ class ChainProfile:
     """For models that change behaviour once any block is checkpointed (Hugging Face models switch
     their KV cache off): the profile of the untouched model, used when every block is plain."""
     seconds: float = 0.0
+    grad_bytes: int | None = None
+    """Step-in-backward profiles: bytes of one block's gradients, which their traces free as they arrive
+    (a plain profile's block leaves them: fwd + bwd net bytes); the planner's time model reads it."""
 
     def actions(self) -> list[BlockAction]:
         return [a for a in (_parse_key(k) for k in self.fwd if "|" not in k)]
@@ -366,5 +369,17 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
         n_blocks=n_blocks, start=a.start, start_per_block=vsub(b.start, a.start), **pa,
         per_block=per_block, deferred=deferred, fwd=fwd, bwd=bwd, seg_extra=seg_extra, traced_blocks=k,
         first=first, last=last, first_around=fa, last_around=la, first_ckpt=first_ckpt, bw_temps=a.bw_temps, plain=plain,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, grad_bytes=_block_grad_bytes(build_k, precision) if step_in_backward else None,
     )
+
+
+def _block_grad_bytes(build_k: Callable[[int], nn.Module], precision: str) -> int:
+    """Bytes of one repeated block's gradients (its trainable parameters, cast as the optimizer casts them)."""
+    from memfit.apply.checkpoint import find_blocks
+    from memfit.apply.precision import cast_model, precision_mode
+    from memfit.measure.fake_mode import fake_mode
+
+    with fake_mode():
+        model = build_k(1)
+        cast_model(model, precision_mode(precision))
+        return sum(p.numel() * p.element_size() for p in find_blocks(model)[0].parameters() if p.requires_grad)
