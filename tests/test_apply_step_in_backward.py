@@ -47,6 +47,19 @@ def test_same_losses_and_weights_as_the_plain_step(precision, optimizer, lora):
     assert all(torch.equal(a, b) for a, b in zip(plain, weights))
 
 
+@pytest.mark.slow  # every optimizer in every precision the step in backward runs with (30 short runs)
+def test_every_optimizer_bit_identical():
+    from memfit.apply import lowbit, optimizers
+
+    names = [n for n in optimizers.NAMES if not optimizers.info(n).extra or lowbit.available()]
+    for precision in ("32-true", "bf16-true", "bf16-mixed"):
+        for name in names:
+            plain_losses, plain = _train(False, precision, name)
+            losses, weights = _train(True, precision, name)
+            assert losses == plain_losses, (precision, name)
+            assert all(torch.equal(a, b) for a, b in zip(plain, weights)), (precision, name)
+
+
 def test_estimate_equals_the_measured_step_and_is_lower():
     from memfit.measure.trace import measure_step, trace_step
 

@@ -58,6 +58,18 @@ def _value(t: torch.Tensor) -> float | None:
     return None if is_fake(t) else float(t)
 
 
+def _checked_options(mode, offload: str | None, clip: float | None, step_in_backward: bool) -> str | None:
+    """The offload (None for "none"); ConfigError (one line) for an option that cannot work."""
+    offload = None if offload in (None, "none") else offload
+    if offload not in (None, "cpu", "disk"):
+        raise ConfigError(f"unknown optimizer offload {offload!r}; accepted: {', '.join(OFFLOADS)}")
+    if clip is not None and not clip > 0:
+        raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
+    if step_in_backward:
+        check_step_in_backward(mode, offload, clip)
+    return offload
+
+
 class TrainingOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
@@ -92,18 +104,11 @@ class TrainingOptimizer(torch.optim.Optimizer):
             them after each step (faster rewrites; the folder is still removed on close).
         groups / no_decay: torch-style parameter groups, or the parameters without weight decay (True:
             biases and norm weights; names; a callable): memfit.apply.param_groups.
-        step_in_backward: update each parameter and free its gradient as soon as backward has
-            produced it (no gradient buffer; no global clipping, accumulation, fp16 scaling, master
-            weights or offload): memfit.apply.step_in_backward."""
+        step_in_backward: update each parameter, and free its gradient, as backward produces it
+            (memfit.apply.step_in_backward: no global clipping, accumulation or fp16 scaling)."""
         self.mode = precision_mode(precision)
         self.precision = self.mode.name
-        offload = None if offload in (None, "none") else offload
-        if offload not in (None, "cpu", "disk"):
-            raise ConfigError(f"unknown optimizer offload {offload!r}; accepted: {', '.join(OFFLOADS)}")
-        if clip is not None and not clip > 0:
-            raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
-        if step_in_backward:
-            check_step_in_backward(self.mode, offload, clip)
+        offload = _checked_options(self.mode, offload, clip, step_in_backward)
         optimizers.check_available(optimizer)  # ConfigError naming the extra it needs
         cls = optimizer_class(optimizer)
         if self.mode.state_dtype == torch.float16 and optimizers.info(optimizer).name in optimizers.ADAM_FAMILY:

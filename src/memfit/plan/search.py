@@ -144,8 +144,9 @@ def _minimal(configs: list[tuple]) -> list[tuple]:
     step in backward if it is not: less
     activation and no more state never needs more memory, so only these can name the smallest need."""
     def undercut(a, b):
+        sib_a, sib_b = len(a) > 3 and a[3], len(b) > 3 and b[3]  # (3-tuples: without the step in backward)
         return (a != b and a[0] == b[0] and b[1] <= a[1] and (b[2] is not None or a[2] is None)
-                and (b[3] or not a[3]))
+                and (sib_b or not sib_a))
     return [a for a in configs if not any(undercut(a, b) for b in configs)]
 
 
