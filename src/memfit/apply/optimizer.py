@@ -31,6 +31,7 @@ from memfit.apply.loss_scale import InfNanLocator, LossScaler, all_finite, overf
 from memfit.apply import optimizers
 from memfit.apply.optim_offload import IOStats, StreamedOptimizer, mark_host
 from memfit.apply.param_groups import Grouping, resolve_groups
+from memfit.apply.step_in_backward import BackwardStepper, check_step_in_backward
 from memfit.apply.precision import PRECISIONS, autocast, cast_model, precision_mode
 from memfit.apply.torch_optim import (OPTIMIZERS, GroupMirror, make_torch_optimizer, optimizer_class,
                                       torch_kwargs)
@@ -57,6 +58,18 @@ def _value(t: torch.Tensor) -> float | None:
     return None if is_fake(t) else float(t)
 
 
+def _checked_options(mode, offload: str | None, clip: float | None, step_in_backward: bool) -> str | None:
+    """The offload (None for "none"); ConfigError (one line) for an option that cannot work."""
+    offload = None if offload in (None, "none") else offload
+    if offload not in (None, "cpu", "disk"):
+        raise ConfigError(f"unknown optimizer offload {offload!r}; accepted: {', '.join(OFFLOADS)}")
+    if clip is not None and not clip > 0:
+        raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
+    if step_in_backward:
+        check_step_in_backward(mode, offload, clip)
+    return offload
+
+
 class TrainingOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
@@ -74,6 +87,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         keep_grad_files: bool = False,
         groups: list[dict] | None = None,
         no_decay: Any = None,
+        step_in_backward: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         """optimizer: one of OPTIMIZERS; lr, weight_decay and optimizer_kwargs (betas, eps, momentum,
@@ -89,14 +103,12 @@ class TrainingOptimizer(torch.optim.Optimizer):
         keep_grad_files: offload="disk": keep the gradient files between steps instead of deleting
             them after each step (faster rewrites; the folder is still removed on close).
         groups / no_decay: torch-style parameter groups, or the parameters without weight decay (True:
-            biases and norm weights; names; a callable): memfit.apply.param_groups."""
+            biases and norm weights; names; a callable): memfit.apply.param_groups.
+        step_in_backward: update each parameter, and free its gradient, as backward produces it
+            (memfit.apply.step_in_backward: no global clipping, accumulation or fp16 scaling)."""
         self.mode = precision_mode(precision)
         self.precision = self.mode.name
-        offload = None if offload in (None, "none") else offload
-        if offload not in (None, "cpu", "disk"):
-            raise ConfigError(f"unknown optimizer offload {offload!r}; accepted: {', '.join(OFFLOADS)}")
-        if clip is not None and not clip > 0:
-            raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
+        offload = _checked_options(self.mode, offload, clip, step_in_backward)
         optimizers.check_available(optimizer)  # ConfigError naming the extra it needs
         cls = optimizer_class(optimizer)
         if self.mode.state_dtype == torch.float16 and optimizers.info(optimizer).name in optimizers.ADAM_FAMILY:
@@ -136,6 +148,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         else:
             self.optimizer = make(self.params)
             defaults = self.optimizer.defaults
+        self.stepper = BackwardStepper(self.optimizer, self.params) if step_in_backward else None
         self._init_torch_optimizer(defaults)
 
     def _init_torch_optimizer(self, defaults: dict) -> None:
@@ -177,19 +190,27 @@ class TrainingOptimizer(torch.optim.Optimizer):
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.mode, self.device_type)
 
-    def backward(self, loss: torch.Tensor, *, final: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, *, final: bool | None = None) -> None:
         """loss.backward(), with the loss multiplied by the loss scale in fp16 modes.
 
         final: this is the last micro-batch before step(). With optimizer offload (and no clipping
         or fp16 loss scaling, which need every gradient before any update) the update of each chunk
         then starts on a worker thread as soon as backward has produced all of its gradients, with the
         hyperparameters (lr, ...) param_groups hold when backward starts: set them before it, as a
-        scheduler stepped after step() does."""
+        scheduler stepped after step() does. With step_in_backward every backward updates the
+        parameters (final=False, accumulation, is refused)."""
+        if self.stepper is not None:
+            self.stepper.begin(final)
+            try:
+                loss.backward()
+            finally:
+                self.stepper.end()
+            return
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
         if self.streamed is not None:
             self._push_hyperparameters()  # chunks may be updated during this backward
-            self.streamed.begin_backward(final and self.clip is None and self.scaler is None)
+            self.streamed.begin_backward(bool(final) and self.clip is None and self.scaler is None)
         try:
             loss.backward()
         finally:
@@ -237,6 +258,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
             self._mark_host()
             return StepResult(stepped=True, grad_norm=norm, loss_scale=scale)
 
+        if self.stepper is not None:
+            self.stepper.finish()  # updated during backward; grads of a backward run outside backward() remain
         grads = [p.grad for p in self.params if p.grad is not None]
         if inv is not None:
             torch._foreach_mul_(grads, inv)  # unscale in place: clipping and the update see true gradients
@@ -335,6 +358,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
         self._disarm_locator()
         if self.streamed is not None:
             self.streamed.close()
+        if self.stepper is not None:
+            self.stepper.close()
 
     def __enter__(self) -> "TrainingOptimizer":
         return self

@@ -55,6 +55,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "through the later ones (ZeRO-2/3: each rank's reduced slices)")
     add(p, "checkpoint", default="none")
     add(p, "offload_optimizer", default="none")
+    add(p, "step_in_backward", default=False)
     add(p, "device", default=None, help="cpu (default), or a GPU to estimate for from any machine: "
         f"{GPU_NAMES} (its kernels, its caching allocator's reserve, its memory); cuda: this machine's GPU")
     p.add_argument("--device-memory", metavar="SIZE", help="device budget, e.g. 24GiB or 80GB: says if it fits "
@@ -99,6 +100,8 @@ def _estimate(args: argparse.Namespace):
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
                   schedule=args.schedule, tp=args.tp, accum=args.accum, device=_device(args.device))
+    if args.step_in_backward:
+        common["step_in_backward"] = True
     for flag in ("sequence_parallel", "vocab_parallel"):
         if getattr(args, flag):
             common[flag] = True
@@ -194,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
                                  "weights and optimizer state; --precision to change)" if est.precision_default else "")
     print(f"{name}{est.n_params / 1e6:,.1f}M parameters, {shape}{precision}, {est.optimizer}, "
           f"ZeRO-{est.zero} on {est.world} device(s), checkpoint {est.checkpoint}"
-          + (f", optimizer offloaded to {est.offload_optimizer}" if est.offload_optimizer else ""))
+          + (f", optimizer offloaded to {est.offload_optimizer}" if est.offload_optimizer else "")
+          + (", optimizer step in backward (no gradient buffer)" if est.step_in_backward else ""))
     if args.lora or args.qlora:
         from memfit.models.lora import parse_lora
 

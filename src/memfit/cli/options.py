@@ -40,6 +40,10 @@ OPTIONS: dict[str, Option] = {
                          "with +offload:cpu|disk or +compress:CODEC, ...", dict(metavar="POLICY")),
     "offload_optimizer": Option("--offload-optimizer", "keep optimizer state off the device",
                                 dict(choices=("none", "cpu", "disk"))),
+    "step_in_backward": Option("--step-in-backward", "update each parameter and free its gradient as soon as "
+                               "backward produced it: no gradient buffer; no global clipping, accumulation, fp16 "
+                               "loss scaling, master weights or optimizer offload (docs/optimizers.md)",
+                               dict(action="store_true")),
     "spill_dir": Option("--spill-dir", "folder for every disk offload: activations (+offload:disk) and optimizer "
                         "state (--offload-optimizer disk); default: the system temp folder", dict(metavar="DIR")),
     "device": Option("--device", "cpu, cuda or cuda:N", dict(metavar="DEVICE")),

@@ -31,7 +31,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "GPU to plan for from any machine (h100, h200, a100-80gb, a100-40gb, l40s, rtx4090, ...)")
     p.add_argument("--allow", metavar="LIST", help="comma list of what the plan may use (default: recompute, selective, "
                    "offload-cpu, offload-disk, accumulate, chunked-head, optimizer-offload; on a CPU device without "
-                   "offload-cpu and optimizer-offload, which save no physical memory there)")
+                   "offload-cpu and optimizer-offload, which save no physical memory there; also: compress, precision, "
+                   "step-in-backward, which change the numbers a run computes)")
     p.add_argument("--profile", action="store_true",
                    help="time blocks on this machine (memfit profile, cached) instead of the FLOP time model")
     p.add_argument("--host-memory", metavar="SIZE", help="host RAM a node has for the plan (optimizer and "

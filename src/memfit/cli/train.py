@@ -59,6 +59,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add(g, "optimizer", shown=d.optimizer)
     add(g, "checkpoint", shown=d.checkpoint)
     add(g, "offload_optimizer", shown=d.offload_optimizer)
+    add(g, "step_in_backward")
     add(g, "spill_dir")
     g.add_argument("--budget", metavar="SIZE", help="plan the run to fit this device memory (e.g. 200MiB): the plan "
                    "splits --batch x --accum into micro-batches and chooses the per-block actions, so --checkpoint and "
@@ -116,6 +117,8 @@ def config_of(given: dict) -> tuple[TrainConfig, dict | None]:
     overrides = {k: v for k, v in given.items() if k in fields}
     if overrides.get("clip") == 0:
         overrides["clip"] = None
+    if overrides.get("step_in_backward") and "clip" not in overrides:
+        overrides["clip"] = None  # the default clip 1.0 needs every gradient at once: off with the step in backward
     if "resume" in given:
         if given.get("overwrite"):
             from memfit.core.errors import ConfigError

@@ -199,10 +199,11 @@ class RunResult:
 def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimizer: str, checkpoint: Any,
               device: str, steps: int = 2, tracker: Callable[..., MemoryTracker] | None = None,
               prepare: Callable[[nn.Module], None] | None = None, window: Any = None,
-              offload: str | None = None) -> RunResult:
+              offload: str | None = None, step_in_backward: bool = False) -> RunResult:
     """Build the model, apply the policy and optimizer, run `steps` steps inside a tracker; the tracker's
     peak window is the last step. Call inside FakeTensorMode to predict, outside to measure.
-    `offload`: the optimizer's state on the host ("cpu"), as TrainingOptimizer(offload=...)."""
+    `offload`: the optimizer's state on the host ("cpu"), as TrainingOptimizer(offload=...);
+    `step_in_backward` as TrainingOptimizer(step_in_backward=...)."""
     from memfit.apply.checkpoint import checkpoint as apply_checkpoint
     from memfit.apply.optimizer import TrainingOptimizer
 
@@ -214,7 +215,7 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
     model.train()
     if not (isinstance(checkpoint, str) and checkpoint == "none"):
         apply_checkpoint(model, checkpoint)
-    opt = TrainingOptimizer(model, optimizer, precision=precision, offload=offload)
+    opt = TrainingOptimizer(model, optimizer, precision=precision, offload=offload, step_in_backward=step_in_backward)
     tr = (tracker or MemoryTracker)(model, opt, dev)
     try:
         with tr:

@@ -13,7 +13,8 @@ from memfit.measure.workspace import WorkspaceTracker
 
 def estimate_module(model: Any, example: Any, *, optimizer: str = "adamw", precision: str = "32-true",
                     checkpoint: Any = "none", loss_fn: Callable | None = None, zero: int = 0, world: int = 1,
-                    offload_optimizer: str | None = None, device_memory: int | None = None, gpu: Any = None):
+                    offload_optimizer: str | None = None, device_memory: int | None = None, gpu: Any = None,
+                    step_in_backward: bool = False):
     """The fields of an Estimate: trace two training steps of a fake copy of `model` on `example`; frozen parameters
     (requires_grad=False) get no gradients and no optimizer state, as in the real step.
     gpu: a named GPU (memfit.core.gpus) whose kernels and caching allocator the step runs on."""
@@ -21,7 +22,7 @@ def estimate_module(model: Any, example: Any, *, optimizer: str = "adamw", preci
     t0 = time.perf_counter()
     with fake_mode(gpu):
         r = run_steps(module_builder(model), example_step(example, loss_fn), precision, optimizer, checkpoint, "cpu",
-                      tracker=WorkspaceTracker if gpu is None else _gpu_tracker)
+                      tracker=WorkspaceTracker if gpu is None else _gpu_tracker, step_in_backward=step_in_backward)
     tr = r.tracker
     b = tr.breakdown
     params = list(r.model.parameters())

@@ -145,10 +145,13 @@ CATS = ("params", "grads", "optimizer", "activations", "temporaries")
 
 def chain_profile(src: ChainSource, precision: str, optimizer: str, device: str = "cpu",
                   bases: Sequence[BlockAction] = BASE_ACTIONS, with_segments: bool = True,
-                  ends: tuple[list[BlockAction], list[BlockAction]] | None = None) -> ChainProfile:
+                  ends: tuple[list[BlockAction], list[BlockAction]] | None = None,
+                  step_in_backward: bool = False) -> ChainProfile:
     """The source's ChainProfile (cached in this process)."""
     key = src.key + (precision, optimizer, device, tuple(str(b) for b in bases), with_segments,
                      None if ends is None else tuple(str(a) for e in ends for a in e))
+    if step_in_backward:  # appended only when set: the keys of profiles cached before stay valid
+        key += ("step-in-backward",)
     prof = _CACHE.get(key)
     if prof is None:
         if src.n_blocks < 1:
@@ -158,7 +161,7 @@ def chain_profile(src: ChainSource, precision: str, optimizer: str, device: str 
         prof = chain_cache.load(key)
         if prof is None:
             prof = profile_chain(src.build_k, src.n_blocks, src.step, precision, optimizer, device, bases,
-                                 with_segments, src.plain_differs, ends)
+                                 with_segments, src.plain_differs, ends, step_in_backward=step_in_backward)
             chain_cache.store(key, prof)
         _CACHE[key] = prof
     return prof
@@ -178,7 +181,7 @@ def bases_of(actions: Sequence[BlockAction]) -> tuple[list[BlockAction], bool]:
 
 
 def composed_step(spec: Any, batch: int, seq: int, precision: str = "32-true", optimizer: str = "adamw",
-                  checkpoint: Any = "none", min_blocks: int = 12):
+                  checkpoint: Any = "none", min_blocks: int = 12, step_in_backward: bool = False):
     """trace_step's TraceResult for a repeated-block model, composed from short traces (exact, see
     memfit.measure.compose); None when the model is not a chain of identical blocks or too short to gain."""
     from memfit.measure.trace import TraceResult
@@ -194,7 +197,8 @@ def composed_step(spec: Any, batch: int, seq: int, precision: str = "32-true", o
         bases, multi = bases_of(actions)
         regions = segments(actions)
         ends = ([actions[i] for i in regions[0][:2]], [actions[i] for i in regions[-1][-2:]])
-        prof = chain_profile(src, precision, optimizer, bases=bases, with_segments=multi, ends=ends)
+        prof = chain_profile(src, precision, optimizer, bases=bases, with_segments=multi, ends=ends,
+                             step_in_backward=step_in_backward)
         got = prof.compose(actions)
     except NotAChain:
         return None

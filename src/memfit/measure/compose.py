@@ -102,6 +102,9 @@ class ChainProfile:
     """For models that change behaviour once any block is checkpointed (Hugging Face models switch
     their KV cache off): the profile of the untouched model, used when every block is plain."""
     seconds: float = 0.0
+    grad_bytes: int | None = None
+    """Step-in-backward profiles: bytes of one block's gradients, which their traces free as they arrive
+    (a plain profile's block leaves them: fwd + bwd net bytes); the planner's time model reads it."""
 
     def actions(self) -> list[BlockAction]:
         return [a for a in (_parse_key(k) for k in self.fwd if "|" not in k)]
@@ -290,31 +293,36 @@ def _tracker_factory(holder: dict) -> Callable[..., TimelineTracker]:
     return make
 
 
-def _trace(build_k: Callable[[int], nn.Module], k: int, step, pattern, precision, optimizer, device) -> StepStretches:
+def _trace(build_k: Callable[[int], nn.Module], k: int, step, pattern, precision, optimizer, device,
+           sib: bool = False) -> StepStretches:
     from memfit.measure.anymodel import run_steps
     from memfit.measure.fake_mode import fake_mode
 
     holder: dict = {}
     with fake_mode():
         run_steps(lambda: build_k(k), step, precision, optimizer, list(pattern), device,
-                  tracker=_tracker_factory(holder))
+                  tracker=_tracker_factory(holder), step_in_backward=sib)
     return stretches(holder["t"], k)
 
 
 def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, precision: str, optimizer: str,
                   device: str = "cpu", bases: Sequence[BlockAction] = BASE_ACTIONS,
                   with_segments: bool = True, plain_differs: bool = False,
-                  ends: tuple[list[BlockAction], list[BlockAction]] | None = None) -> ChainProfile:
+                  ends: tuple[list[BlockAction], list[BlockAction]] | None = None,
+                  step_in_backward: bool = False) -> ChainProfile:
     """Trace a short chain covering `bases` (and one block more) and reduce it to a ChainProfile.
 
     build_k(k) builds the model with k repeated blocks (inside FakeTensorMode). `ends`: the first and
     last region of the one action list to be composed (then only those end positions are measured, in
-    the same traces); without it every base is measured at both ends (for the planner)."""
+    the same traces); without it every base is measured at both ends (for the planner).
+    step_in_backward: the optimizer updates each parameter in backward (its stretch is then in the
+    block's backward; the optimizer stretch at the end holds nothing left to update)."""
     t0 = time.perf_counter()
     keep = BlockAction("keep")
     plain = None
     if plain_differs and any(not b.is_plain for b in bases):
-        plain = profile_chain(build_k, n_blocks, step, precision, optimizer, device, [keep], False)
+        plain = profile_chain(build_k, n_blocks, step, precision, optimizer, device, [keep], False,
+                              step_in_backward=step_in_backward)
     if keep not in bases and ends is None:
         bases = [keep, *bases]
     # The kinds sit between two end blocks: the first and last block of a chain differ a little
@@ -328,9 +336,9 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
     lead = [ckpt] if ckpt is not None and head[0].mode == "keep" else []
     pattern = head + lead + pattern_for(bases, with_segments) + tail
     k = len(pattern)
-    a = _trace(build_k, k, step, pattern, precision, optimizer, device)
+    a = _trace(build_k, k, step, pattern, precision, optimizer, device, step_in_backward)
     more = pattern + pattern[-1:]
-    b = _trace(build_k, k + 1, step, more, precision, optimizer, device)
+    b = _trace(build_k, k + 1, step, more, precision, optimizer, device, step_in_backward)
     fwd: dict[str, Stretch] = {}
     bwd: dict[str, Stretch] = {}
     seg_extra: dict[str, Stretch] = {}
@@ -353,7 +361,7 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
     la: dict = {}
     if ends is None:
         ctx = dict(fwd=fwd, bwd=bwd, seg_extra=seg_extra, parts=pa, per_block=per_block, deferred=deferred, traced=k)
-        trace = lambda p: _trace(build_k, len(p), step, p, precision, optimizer, device)  # noqa: E731
+        trace = lambda p: _trace(build_k, len(p), step, p, precision, optimizer, device, step_in_backward)  # noqa: E731
         first, last, fa, la = end_corrections(trace, bases, with_segments, ctx, a)
     else:
         first, last = own_end_corrections(pattern, a, fwd, bwd, seg_extra, len(head), len(tail))
@@ -361,5 +369,17 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
         n_blocks=n_blocks, start=a.start, start_per_block=vsub(b.start, a.start), **pa,
         per_block=per_block, deferred=deferred, fwd=fwd, bwd=bwd, seg_extra=seg_extra, traced_blocks=k,
         first=first, last=last, first_around=fa, last_around=la, first_ckpt=first_ckpt, bw_temps=a.bw_temps, plain=plain,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, grad_bytes=_block_grad_bytes(build_k, precision) if step_in_backward else None,
     )
+
+
+def _block_grad_bytes(build_k: Callable[[int], nn.Module], precision: str) -> int:
+    """Bytes of one repeated block's gradients (its trainable parameters, cast as the optimizer casts them)."""
+    from memfit.apply.checkpoint import find_blocks
+    from memfit.apply.precision import cast_model, precision_mode
+    from memfit.measure.fake_mode import fake_mode
+
+    with fake_mode():
+        model = build_k(1)
+        cast_model(model, precision_mode(precision))
+        return sum(p.numel() * p.element_size() for p in find_blocks(model)[0].parameters() if p.requires_grad)

@@ -55,6 +55,8 @@ class Estimate:
     (memfit.measure.rank_estimate); the categories add up to `total`."""
     accum: int = 1
     """Micro-batches per optimizer step: the peak counts the gradients held across them."""
+    step_in_backward: bool = False
+    """Each parameter updated and its gradient freed during backward (memfit.apply.step_in_backward)."""
     moments: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     """The traced step's categories at each module's (or composed stretch's) highest moment, before
     any sharding: what the per-rank estimate transforms (not in the JSON)."""
@@ -130,6 +132,7 @@ def estimate(
     vocab_parallel: bool = False,
     device: str | None = None,
     qlora: bool = False,
+    step_in_backward: bool = False,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -152,6 +155,8 @@ def estimate(
     memfit.core.gpus): the step is traced with that GPU's attention, dropout and optimizer kernels,
     per_device["reserved"] predicts its max_memory_reserved, device_memory defaults to its capacity and
     precision to what people run there (bf16-master). None or cpu: this machine's CPU, 32-true.
+    `step_in_backward`: each parameter updated, and its gradient freed, as soon as backward produced it
+    (memfit.apply.step_in_backward; one device, accum 1, no master weights or optimizer offload).
     """
     from memfit.core.device import estimate_device
     from memfit.core.gpus import local_gpu
@@ -168,17 +173,33 @@ def estimate(
         precision = default = gpu.default_precision if gpu is not None else "32-true"
     if gpu is not None and device_memory is None:
         device_memory = gpu.memory
+    if step_in_backward:
+        _check_step_in_backward(precision, offload_optimizer, accum, world, zero, strategy)
     est = _strategies(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                       zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
                       device_memory=device_memory, loss_fn=loss_fn, lora=lora, routing=routing, strategy=strategy,
                       microbatches=microbatches, schedule=schedule, tp=tp, accum=accum, gpu=gpu,
-                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, sib=step_in_backward)
+    est.step_in_backward = step_in_backward
     est.precision_default = default if gpu is not None else None
     if gpu is not None:
         est.device, est.context = gpu.name, gpu.context
         if est.reserve_overhead is not None:
             est.per_device["reserved"] = est.per_device["total"] + est.reserve_overhead
     return est
+
+
+def _check_step_in_backward(precision: str, offload: str | None, accum: int, world: int, zero: int,
+                            strategy: str | None) -> None:
+    """ConfigError (one line) for what the step in backward does not run with (memfit.apply.step_in_backward)."""
+    from memfit.apply.precision import precision_mode
+    from memfit.apply.step_in_backward import check_step_in_backward
+
+    check_step_in_backward(precision_mode(precision), None if offload in (None, "none") else offload, None)
+    if accum != 1:
+        raise ConfigError(f"step in backward updates in every backward: estimate accum 1, not {accum}")
+    if world != 1 or zero or strategy:
+        raise ConfigError("step in backward is estimated on one device: leave out --world, --zero and --strategy")
 
 
 def torch_index(device: str) -> int | None:
@@ -189,7 +210,7 @@ def torch_index(device: str) -> int | None:
 
 def _strategies(model: Any, example: Any, *, params, batch, seq, precision, optimizer, zero, world, checkpoint,
                 offload_optimizer, device_memory, loss_fn, lora, routing, strategy, microbatches, schedule, tp, accum,
-                gpu, sequence_parallel=False, vocab_parallel=False) -> Estimate:
+                gpu, sequence_parallel=False, vocab_parallel=False, sib=False) -> Estimate:
     """estimate() on one device or under a strategy, for a resolved precision and device."""
     from memfit.measure.moe import routing as moe_routing
     from memfit.measure.rank_estimate import strategy_of
@@ -216,7 +237,8 @@ def _strategies(model: Any, example: Any, *, params, batch, seq, precision, opti
                               "(without LoRA adapters)")
         est = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                         zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
-                        device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst", gpu=gpu)
+                        device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst", gpu=gpu,
+                        sib=sib)
         if accum > 1:
             if strategy is not None or not isinstance(model, (str, ModelSpec)) or lora_run:
                 raise ConfigError("accum > 1 is estimated for a model name, spec or config.json (without LoRA "
@@ -235,7 +257,8 @@ def _strategies(model: Any, example: Any, *, params, batch, seq, precision, opti
 
 def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: int | None, precision: str,
               optimizer: str, zero: int, world: int, checkpoint: str, offload_optimizer: str | None,
-              device_memory: int | str | None, loss_fn: Any, lora: Any, worst: bool, gpu: Any = None) -> Estimate:
+              device_memory: int | str | None, loss_fn: Any, lora: Any, worst: bool, gpu: Any = None,
+              sib: bool = False) -> Estimate:
     check_precision(precision)
     optimizer_states(optimizer)
     _positive("batch", batch)
@@ -252,8 +275,10 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
 
         return Estimate(**estimate_module(model, example, optimizer=optimizer, precision=precision, checkpoint=checkpoint,
                                loss_fn=loss_fn, zero=zero, world=world, offload_optimizer=offload_optimizer,
-                               device_memory=budget, gpu=gpu))
+                               device_memory=budget, gpu=gpu, step_in_backward=sib))
     if model is None:
+        if sib:
+            raise ConfigError("step in backward is estimated for a model (name, spec or config.json), not --params")
         return _states_only(params, precision, optimizer, zero, world, offload_optimizer, budget)
     spec = _spec_of(model, lora)
     n, n_tensors = spec.counts()
@@ -262,7 +287,8 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
     # Default: the model's context length, capped at 4096 (long-context models train mostly shorter).
     seq = seq or min(spec.seq or 1024, 4096)
     if spec.task not in (None, "causal-lm"):  # seq2seq, masked LM, image classifier: their own batches
-        return _family(spec, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer, budget, gpu)
+        return _family(spec, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer, budget, gpu,
+                       sib)
     common = dict(precision=precision, optimizer=optimizer, **_trainable(spec, optimizer, n_tensors))
     sharded = model_state_bytes(n, zero=zero, world=world, offload_optimizer=offload_optimizer, **common)
     single = model_state_bytes(n, offload_optimizer=offload_optimizer, **common)
@@ -274,10 +300,11 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
     if offload_optimizer in (None, "none") and spec.lora is None and not worst and gpu is None:
         from memfit.measure.blocks import composed_step
 
-        tr = composed_step(spec, batch, seq, precision, optimizer, checkpoint)
+        tr = composed_step(spec, batch, seq, precision, optimizer, checkpoint, step_in_backward=sib)
     if tr is None:
         tr = trace_step(spec, batch=batch, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint,
-                        offload_optimizer=offload_optimizer, device=gpu if gpu is not None else "cpu")
+                        offload_optimizer=offload_optimizer, device=gpu if gpu is not None else "cpu",
+                        step_in_backward=sib)
     per, modules = _per_device(tr, {cat: (getattr(sharded, cat), getattr(single, cat)) for cat in MODEL_STATES})
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
@@ -300,14 +327,15 @@ def _states_only(params: int | None, precision: str, optimizer: str, zero: int, 
 
 
 def _family(spec: ModelSpec, batch: int, seq: int | None, precision: str, optimizer: str, zero: int, world: int,
-            checkpoint: str, offload_optimizer: str | None, budget: int | None, gpu: Any = None) -> Estimate:
+            checkpoint: str, offload_optimizer: str | None, budget: int | None, gpu: Any = None,
+            sib: bool = False) -> Estimate:
     """A config family other than causal LMs, traced as any module on the family's own micro-batch."""
     from memfit.measure.anymodel_estimate import estimate_module
 
     seq = None if spec.task == "image-classification" else seq  # image models have no sequence
     fields = estimate_module(lambda: spec.build(seq=seq), spec.example(batch, seq), optimizer=optimizer,
                              precision=precision, checkpoint=checkpoint, zero=zero, world=world,
-                             offload_optimizer=offload_optimizer, device_memory=budget, gpu=gpu)
+                             offload_optimizer=offload_optimizer, device_memory=budget, gpu=gpu, step_in_backward=sib)
     fields.update(model=f"{spec.name} ({spec.task})", batch=batch, seq=seq)
     return Estimate(**fields)
 

@@ -74,28 +74,30 @@ class TraceResult:
 
 def trace_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true", optimizer: str = "adamw",
                checkpoint: "str | list" = "none", device: str = "cpu", steps: int = 2,
-               offload_optimizer: str | None = None) -> TraceResult:
+               offload_optimizer: str | None = None, step_in_backward: bool = False) -> TraceResult:
     """Predict the steady-state peak of one training step under FakeTensorMode (nothing is allocated).
 
     device: cpu, cuda (this machine's GPU), or a named GPU (h100, a100-80gb, ...: memfit.core.gpus) on
     any machine, traced with that GPU's attention and optimizer kernels; CUDA and named GPUs also get
     the caching allocator's figures (cuda_allocated, cuda_reserved).
     offload_optimizer: None / "none", "cpu" or "disk", as TrainingOptimizer(offload=...); a disk
-    trace creates an empty spill folder (no data is written) and removes it."""
+    trace creates an empty spill folder (no data is written) and removes it.
+    step_in_backward: as TrainingOptimizer(step_in_backward=...) (memfit.apply.step_in_backward)."""
     build = _builder(model, seq)
     _check(batch, seq, steps)
     device, gpu = estimate_device(device)  # ConfigError for a device memfit cannot trace on
     t0 = time.perf_counter()
     with fake_mode(gpu):
         result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps, window=None,
-                      offload=offload_optimizer, gpu=gpu)
+                      offload=offload_optimizer, gpu=gpu, step_in_backward=step_in_backward)
     result.seconds = time.perf_counter() - t0
     return result
 
 
 def measure_step(model: ModelArg, batch: int, seq: int, precision: str = "32-true", optimizer: str = "adamw",
                  checkpoint: "str | list" = "none", device: str = "cpu", steps: int = 2,
-                 allocator: bool = True, seed: int = 0, offload_optimizer: str | None = None) -> TraceResult:
+                 allocator: bool = True, seed: int = 0, offload_optimizer: str | None = None,
+                 step_in_backward: bool = False) -> TraceResult:
     """Run the same steps for real and measure them: the tracker's figures, plus (allocator=True)
     the allocator-level peak of the last step from profiler memory events."""
     from memfit.measure.allocator import AllocatorProfile
@@ -109,7 +111,8 @@ def measure_step(model: ModelArg, batch: int, seq: int, precision: str = "32-tru
     prof = AllocatorProfile(device) if allocator else None
     with prof if prof is not None else contextlib.nullcontext():
         result = _run(build, batch, seq, precision, optimizer, checkpoint, device, steps,
-                      window=prof.window("step") if prof is not None else None, offload=offload_optimizer)
+                      window=prof.window("step") if prof is not None else None, offload=offload_optimizer,
+                      step_in_backward=step_in_backward)
     if prof is not None:
         result.allocator_peak = prof.peak("step")
     result.seconds = time.perf_counter() - t0
@@ -177,7 +180,7 @@ def _train_step(model: nn.Module, opt, batch: int, seq: int, vocab: int, device:
 
 def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, optimizer: str,
          checkpoint: "str | list", device: str, steps: int, window, offload: str | None = None,
-         gpu=None) -> TraceResult:
+         gpu=None, step_in_backward: bool = False) -> TraceResult:
     from memfit.apply.checkpoint import checkpoint as apply_checkpoint
     from memfit.apply.optimizer import TrainingOptimizer
 
@@ -190,7 +193,7 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
     model.train()
     apply_checkpoint(model, checkpoint)
     opt = TrainingOptimizer(model, optimizer, precision=precision,
-                            offload=None if offload in (None, "none") else offload)
+                            offload=None if offload in (None, "none") else offload, step_in_backward=step_in_backward)
     vocab = _vocab(model)
     tracker = MemoryTracker(model, opt, dev)
     if dev.type == "cuda" or gpu is not None:

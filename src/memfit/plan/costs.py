@@ -75,6 +75,8 @@ def _bases(allow: tuple[str, ...]) -> list[BlockAction]:
 def _block_seconds(prof: ChainProfile, tokens: int) -> float:
     # Gradients of one block (bytes) / 4 ~ its parameters; forward ~ 2 FLOPs per parameter per token.
     g = prof.fwd["keep"].net_bytes + prof.bwd["keep"].net_bytes
+    if getattr(prof, "grad_bytes", None) is not None:  # the step in backward frees them in its trace
+        g = prof.grad_bytes
     return 2 * max(g, 1) / 4 * tokens / FLOPS
 
 

@@ -95,15 +95,16 @@ def head_size(src: ChainSource) -> tuple[int, int]:
     return _SIZES[src.key][:2]
 
 
-def head_profile(src: ChainSource, prof: ChainProfile, chunks: int, precision: str, optimizer: str) -> ChainProfile:
+def head_profile(src: ChainSource, prof: ChainProfile, chunks: int, precision: str, optimizer: str,
+                 step_in_backward: bool = False) -> ChainProfile:
     """`prof` (the plain head's) with the head stretches of the head in `chunks` chunks."""
-    plain = head_parts(src, None, precision, optimizer)
-    chunked = head_parts(src, chunks, precision, optimizer)
+    plain = head_parts(src, None, precision, optimizer, step_in_backward=step_in_backward)
+    chunked = head_parts(src, chunks, precision, optimizer, step_in_backward=step_in_backward)
     return _graft(prof, plain, chunked)
 
 
 def head_parts(src: ChainSource, chunks: int | None, precision: str, optimizer: str,
-               device: str = "cpu") -> ChainProfile:
+               device: str = "cpu", step_in_backward: bool = False) -> ChainProfile:
     """The stretches around the blocks of a one-block chain (all kept) with the head in `chunks` chunks
     (None: plain). Only the differences between two of these are used (`_graft`): what the head
     changes does not depend on how many blocks precede it, so one trace of one block is enough, where
@@ -116,11 +117,11 @@ def head_parts(src: ChainSource, chunks: int | None, precision: str, optimizer: 
     from memfit.measure.timeline import ZERO, Stretch
 
     hs = head_source(src, chunks)
-    key = hs.key + (precision, optimizer, device, ("head-parts",))
+    key = hs.key + (precision, optimizer, device, ("head-parts",)) + (("step-in-backward",) if step_in_backward else ())
     got = _CACHE.get(key) or chain_cache.load(key)
     if got is None:
         keep = [BlockAction("keep")]
-        st = _trace(hs.build_k, 1, hs.step, keep, precision, optimizer, device)
+        st = _trace(hs.build_k, 1, hs.step, keep, precision, optimizer, device, step_in_backward)
         parts, deferred = _without_deferred(st, fwd_kinds(keep))
         none = Stretch(ZERO, ZERO)
         got = ChainProfile(n_blocks=1, start=st.start, start_per_block=ZERO, **parts, per_block={}, fwd={"keep": none},

@@ -133,7 +133,8 @@ def _trace_key(problem: Any, plan: Any, device: str) -> tuple | None:
 
     src = problem.source(plan.micro_batch)
     return src.key + ("plan-trace", device, plan.precision, plan.optimizer, to_string(plan.actions), plan.micro_batch,
-                      plan.accumulation, plan.keep_output, plan.head_chunks, plan.offload_optimizer)
+                      plan.accumulation, plan.keep_output, plan.head_chunks, plan.offload_optimizer) + (
+                      ("step-in-backward",) if getattr(plan, "step_in_backward", False) else ())
 
 
 def _load(key: tuple | None) -> tuple[int, int] | None:
@@ -188,7 +189,7 @@ def _trace_plan(problem: Any, plan: Any, device: str, cuda: bool) -> tuple[int, 
     with fake_mode(gpu):
         r = run_steps(build, step, plan.precision, plan.optimizer, plan.actions, device if cuda else "cpu",
                       tracker=tracker, prepare=(lambda m: chunk_head(m, plan.head_chunks)) if plan.head_chunks else None,
-                      offload=plan.offload_optimizer)
+                      offload=plan.offload_optimizer, step_in_backward=getattr(plan, "step_in_backward", False))
     peak, host = r.tracker.peak_bytes, r.tracker.host_peak_bytes
     if gpu is not None:
         return max(peak, replay_on(gpu, r.tracker.events).peak_reserved), host

@@ -11,7 +11,7 @@ from memfit.core.errors import ConfigError
 from memfit.core.units import format_bytes, format_seconds
 
 ALLOW = ("recompute", "selective", "offload-cpu", "offload-disk", "compress", "chunked-head", "accumulate",
-         "optimizer-offload", "precision")
+         "optimizer-offload", "precision", "step-in-backward")
 DEFAULT_ALLOW = ("recompute", "selective", "offload-cpu", "offload-disk", "accumulate", "chunked-head",
                  "optimizer-offload")
 HOST_OFFLOAD = ("offload-cpu", "optimizer-offload")
@@ -48,6 +48,8 @@ class Candidate:
     """Feasible by the composed figure, refused by the full trace of its step (the search went on)."""
     host: int = 0
     """Host memory it needs (bytes; memfit.plan.host_memory); over the plan's host memory: not feasible."""
+    step_in_backward: bool = False
+    """Each parameter updated during backward, no gradient buffer (memfit.apply.step_in_backward)."""
 
 
 @dataclass
@@ -92,6 +94,9 @@ class Plan:
     """Host memory the plan needs: optimizer offload's state, cpu-offloaded activations, and on a CPU
     device the step itself (predicted; the full trace's figure when it checked the plan)."""
     host_source: str = ""
+    step_in_backward: bool = False
+    """The optimizer step runs in backward (memfit.apply.step_in_backward): no gradient buffer, and no
+    clipping by the global gradient norm (what the plan gives up, said in `notes`)."""
 
     def memory_note(self) -> str | None:
         """On a CPU device, what the device figures mean for the process's physical memory."""
@@ -111,7 +116,8 @@ class Plan:
                  f"{format_bytes(self.predicted_peak)} ({self.where or 'peak'})",
                  f"  blocks ({self.n_blocks}): {to_string(self.actions)}",
                  f"  micro-batch {self.micro_batch} x accumulation {self.accumulation}, {self.precision}, "
-                 f"{self.optimizer}" + (f", optimizer offloaded to {self.offload_optimizer}" if self.offload_optimizer else ""),
+                 f"{self.optimizer}" + (f", optimizer offloaded to {self.offload_optimizer}" if self.offload_optimizer else "")
+                 + (", optimizer step in backward" if self.step_in_backward else ""),
                  f"  head chunks: {self.head_chunks or 'none'}",
                  f"  {self.time_text()}",
                  "  the caller's output: " + ("budgeted as held through backward (keep_output=True)" if self.keep_output
@@ -188,5 +194,7 @@ class Plan:
         from memfit.apply.optimizer import TrainingOptimizer
 
         self.install(model, spill_dir)
+        if self.step_in_backward:
+            optimizer_kwargs.setdefault("step_in_backward", True)
         return TrainingOptimizer(model, self.optimizer, lr=lr, precision=self.precision,
                                  offload=self.offload_optimizer, **optimizer_kwargs)

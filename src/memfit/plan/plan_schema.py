@@ -60,6 +60,7 @@ def _fields() -> dict[str, tuple[tuple[Callable[[Any], bool], str], bool]]:
         "predicted_time": (_number(0), True),
         "n_blocks": (_int(1, MAX_COUNT), True),
         "head_chunks": (_nullable(_int(1, MAX_COUNT)), False),
+        "step_in_backward": (((lambda v: isinstance(v, bool)), "true or false"), False),
         "ranked": (((lambda v: isinstance(v, list) and all(isinstance(c, dict) for c in v)), "a list of objects"),
                    False),
         "where": (((lambda v: isinstance(v, str)), "a string"), False),

@@ -37,7 +37,22 @@ def _configs(problem, allowed, precision):
             micros.append(b)
     offloads = [None] + (["cpu"] if "optimizer-offload" in allowed else [])
     precisions = [precision] + (["bf16-master"] if "precision" in allowed and precision != "bf16-master" else [])
-    return [(p, m, o) for p in precisions for m in micros for o in offloads]
+    out = []
+    for p, m, o in ((p, m, o) for p in precisions for m in micros for o in offloads):
+        out.append((p, m, o, False))
+        if _twin(allowed, p, m, o, problem.batch):
+            out.append((p, m, o, True))  # right after its twin: solved with it (see search)
+    return out
+
+
+def _twin(allowed, precision: str, micro: int, off, batch: int) -> bool:
+    """Whether a configuration has a step-in-backward twin: allowed, one micro-batch per step, no optimizer
+    offload, and a precision without master weights or fp16 loss scaling (memfit.apply.step_in_backward)."""
+    from memfit.apply.precision import precision_mode
+
+    mode = precision_mode(precision)
+    return ("step-in-backward" in allowed and micro == batch and off is None and mode.master_dtype is None
+            and not mode.loss_scaling)
 
 
 MAX_REFUSED = 4  # full-trace checks that may fail before the search gives up
@@ -63,17 +78,19 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
     solved: list[tuple] = []
     while True:
         # Smaller micro-batches, offload and other precisions cost time: solved only while nothing fits.
-        for (prec, micro, off), set_aside in ([] if open_rows() else _and_then(configs, below)):
+        for (prec, micro, off, sib), set_aside in ([] if open_rows() else _and_then(configs, below)):
             src = problem.source(micro)
-            profile = lambda: chain_profile(src, prec, optimizer, bases=bases, with_segments=segs)  # noqa: E731
-            if not set_aside and _over_floor(problem, prec, optimizer, off, limit, floors, profile):
-                below.append((prec, micro, off))
+            profile = lambda: chain_profile(src, prec, optimizer, bases=bases, with_segments=segs,  # noqa: E731
+                                            step_in_backward=sib)
+            twin = not sib and _twin(allowed, prec, micro, off, problem.batch)  # solved next, before any break
+            if not set_aside and _over_floor(problem, (prec, sib), optimizer, off, limit, floors, profile):
+                below.append((prec, micro, off, sib))
                 continue
             prof = profile()
-            solved.append((src, prof, (prec, micro, off)))
-            rows += _config_rows(problem, src, prof, (prec, micro, off), limit, (bases, disk), optimizer, allowed,
+            solved.append((src, prof, (prec, micro, off, sib)))
+            rows += _config_rows(problem, src, prof, (prec, micro, off, sib), limit, (bases, disk), optimizer, allowed,
                                  defer_disk)
-            if open_rows():
+            if open_rows() and not twin:
                 break
         if not open_rows() and defer_disk and disk:
             # Nothing fits without disk offload: now the configurations tried are solved with it too.
@@ -105,7 +122,8 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
             refused.append(_label(row[0]) + (f" ({exc})" if "host memory" in str(exc) else ""))
             continue
         plan.notes[:0] = [f"refused by the full trace, next fastest tried: {r}" for r in refused]
-        plan.ranked += [Candidate(m, problem.batch // m, o, p, 0, 0.0, "", False) for p, m, o in below]
+        plan.ranked += [Candidate(m, problem.batch // m, o, p, 0, 0.0, "", False, step_in_backward=s)
+                        for p, m, o, s in below]
         return plan
 
 
@@ -121,15 +139,18 @@ def _and_then(configs, below: list[tuple]):
 
 
 def _minimal(configs: list[tuple]) -> list[tuple]:
-    """The configurations (precision, micro-batch, optimizer offload) not undercut by another of the
-    same precision with a micro-batch no larger and the optimizer state offloaded if it is not: less
+    """The configurations (precision, micro-batch, optimizer offload, step in backward) not undercut by
+    another of the same precision with a micro-batch no larger, the optimizer state offloaded and the
+    step in backward if it is not: less
     activation and no more state never needs more memory, so only these can name the smallest need."""
     def undercut(a, b):
-        return a != b and a[0] == b[0] and b[1] <= a[1] and (b[2] is not None or a[2] is None)
+        sib_a, sib_b = len(a) > 3 and a[3], len(b) > 3 and b[3]  # (3-tuples: without the step in backward)
+        return (a != b and a[0] == b[0] and b[1] <= a[1] and (b[2] is not None or a[2] is None)
+                and (sib_b or not sib_a))
     return [a for a in configs if not any(undercut(a, b) for b in configs)]
 
 
-def _over_floor(problem, prec: str, optimizer: str, off: str | None, limit: int, floors: dict, profile) -> bool:
+def _over_floor(problem, prec: tuple, optimizer: str, off: str | None, limit: int, floors: dict, profile) -> bool:
     """Whether the bytes no block action, head chunking, disk offload or smaller micro-batch changes
     (parameters, gradients and optimizer state as the optimizer step begins, less the optimizer
     state with optimizer offload) exceed the budget: then the configuration cannot fit and is not
@@ -146,7 +167,8 @@ def _over_floor(problem, prec: str, optimizer: str, off: str | None, limit: int,
 def _label(c: Candidate) -> str:
     off = ", optimizer offload" if c.offload_optimizer else ""
     head = f", head in {c.head_chunks} chunks" if c.head_chunks else ""
-    return f"{c.precision} micro-batch {c.micro_batch} x {c.accumulation}{off}{head}"
+    sib = ", step in backward" if c.step_in_backward else ""
+    return f"{c.precision} micro-batch {c.micro_batch} x {c.accumulation}{off}{head}{sib}"
 
 
 def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_bases) -> Plan:
@@ -159,7 +181,11 @@ def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_ba
                 n_blocks=n, head_chunks=cand.head_chunks, keep_output=getattr(problem, "keep_output", True),
                 ranked=[r[0] for r in sorted(rows, key=lambda r: (not r[0].feasible, r[0].time))],
                 where=composed.where, device=getattr(problem, "device", "cpu"), host_need=cand.host,
-                host_memory=getattr(problem, "host_limit", 0), host_source=getattr(problem, "host_source", ""))
+                host_memory=getattr(problem, "host_limit", 0), host_source=getattr(problem, "host_source", ""),
+                step_in_backward=cand.step_in_backward)
+    if cand.step_in_backward:
+        plan.notes.append("step in backward: no global clipping (each parameter is updated as its gradient arrives; "
+                          "train with --clip 0), one micro-batch per step")
     base = prof.base if isinstance(prof, DiskProfile) else prof
     relief = _opt_bytes(base, n) if cand.offload_optimizer else 0
     t_block = _problem_cost(problem, getattr(base, "per_micro", base), cand.micro_batch)[1]
@@ -191,8 +217,9 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
                  defer_disk: bool = False) -> list[tuple]:
     """One configuration solved with the plain head and, where allowed, with the head in chunks:
     fewest chunks first, while more chunks still make the plan faster (or make it fit at all)."""
-    prec, micro, off = config
+    prec, micro, off, sib = config
     bases, disk = bases
+    disk = [] if sib else disk  # disk kinds are traced without the step in backward: not planned with it
     n = src.n_blocks
     tokens = problem.tokens(micro)
     _, t_fwd, speed, costs = _problem_cost(problem, prof, micro)
@@ -210,18 +237,18 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
         choice, p, _ = with_disk(src, p, choice, limit + relief, allowed_bases, [] if defer_disk else disk, cost, t_fwd,
                                  bw, prec, optimizer, n, adjust)
         if choice is None:
-            return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks), None, p, n
+            return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks, step_in_backward=sib), None, p, n
         host = host_need(p, choice.actions, choice.peak, relief, device)
         if host > host_limit:  # without cpu-offloaded activations, or not at all
             if any(b.offload == "cpu" for b in allowed_bases):
                 return row(chunks, p, [b for b in allowed_bases if b.offload != "cpu"])
             return Candidate(micro, accum, off, prec, choice.peak - relief, 0.0, to_string(choice.actions), False,
-                             chunks, host=host), None, p, n
+                             chunks, host=host, step_in_backward=sib), None, p, n
         head = head_cost(costs, micro / problem.batch, chunks, lambda k: head_seconds(src, tokens, k, speed, prec, device),
                          sums_weight_grad(src, tokens, prec, device)) if chunks else 0.0
         time = accum * (3 * n * t_fwd + choice.time + head) + 2 * relief / HOST_BW
         return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
-                         chunks, host=host), choice, p, n
+                         chunks, host=host, step_in_backward=sib), choice, p, n
 
     out = [row(None, prof)]
     counts = _measured_counts(head_counts(src), costs) if "chunked-head" in allowed else []
@@ -229,11 +256,11 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
         return out  # (a plan that keeps everything cannot get faster with the head in chunks)
     best = out[0][0].time if out[0][0].feasible else float("inf")
     if not out[0][0].feasible:  # if the most chunks do not fit, fewer will not: trace no others
-        most = row(counts[-1], head_profile(src, prof, counts[-1], prec, optimizer))
+        most = row(counts[-1], head_profile(src, prof, counts[-1], prec, optimizer, sib))
         if not most[0].feasible:
             return out + [most]
     for k in counts:  # (profiles are cached: the most chunks' is not traced twice)
-        r = row(k, head_profile(src, prof, k, prec, optimizer))
+        r = row(k, head_profile(src, prof, k, prec, optimizer, sib))
         out.append(r)
         if r[0].feasible:
             if r[0].time >= best:
@@ -339,6 +366,8 @@ def _floor_hint(allowed, cand: Candidate) -> str:
         hint.append("allow optimizer offload")
     if cand.precision != "bf16-master":
         hint.append("a 16-bit master mode (--precision bf16-master)")
+    if "step-in-backward" not in allowed and _twin(("step-in-backward",), cand.precision, 1, None, 1):
+        hint.append("allow step-in-backward (no gradient buffer, no global clipping)")
     if not hint:  # what is left on the device is the weights and gradients themselves
         hint.append("shard them over more devices (memfit train --nproc N --strategy zero3) or train a smaller model")
     return " or ".join(hint)

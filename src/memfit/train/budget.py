@@ -27,7 +27,7 @@ from memfit.plan.plan import Plan
 OVER_BUDGET = 3
 """Exit code of a run whose measured step peak ended over its budget (its run folder is kept)."""
 CHOSEN_BY_BUDGET = {"checkpoint": "recompute,selective,offload-cpu,offload-disk",
-                    "offload_optimizer": "optimizer-offload"}
+                    "offload_optimizer": "optimizer-offload", "step_in_backward": "step-in-backward"}
 """Options --budget chooses itself, and the --allow names that let (or stop) it choose them."""
 
 
@@ -75,7 +75,10 @@ def plan_config(cfg: Any, budget: str | None = None, plan_file: str | None = Non
         seq = cfg.seq
     cfg = dataclasses.replace(cfg, checkpoint=to_string(plan.actions), batch=plan.micro_batch,
                               accum=plan.accumulation, precision=plan.precision, seq=seq, optimizer=plan.optimizer,
-                              offload_optimizer=plan.offload_optimizer or "none", head_chunks=plan.head_chunks)
+                              offload_optimizer=plan.offload_optimizer or "none", head_chunks=plan.head_chunks,
+                              step_in_backward=plan.step_in_backward)
+    if plan.step_in_backward and "clip" not in given:
+        cfg = dataclasses.replace(cfg, clip=None)  # the plan gives up global clipping (its notes say so)
     return cfg, plan
 
 
@@ -106,6 +109,8 @@ def _check_plan_file(cfg: Any, plan: Plan, path: str, given: set[str]) -> None:
         conflicts.append(f"--optimizer {cfg.optimizer} (the plan: {plan.optimizer})")
     if "offload_optimizer" in given and cfg.offload_optimizer != (plan.offload_optimizer or "none"):
         conflicts.append(f"--offload-optimizer {cfg.offload_optimizer} (the plan: {plan.offload_optimizer or 'none'})")
+    if "step_in_backward" in given and cfg.step_in_backward != plan.step_in_backward:
+        conflicts.append(f"--step-in-backward (the plan: {'on' if plan.step_in_backward else 'off'})")
     if conflicts:
         raise ConfigError(f"{'; '.join(conflicts)} conflict{'s' if len(conflicts) == 1 else ''} with plan file "
                           f"{path}: drop {'it' if len(conflicts) == 1 else 'them'} (the run takes its shape from the "

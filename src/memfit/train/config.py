@@ -55,6 +55,9 @@ class TrainConfig:
     checkpoint: str = "none"
     """Activation checkpoint policy, passed to memfit.checkpoint unchanged."""
     offload_optimizer: str = "none"
+    step_in_backward: bool = False
+    """Update each parameter during backward, its gradient freed at once (memfit.apply.step_in_backward):
+    no clipping, accumulation 1, one process."""
     head_chunks: int | None = None
     """LM head + cross-entropy in this many chunks (memfit.apply.head_swap; set by a plan); None = plain."""
     spill_dir: str | None = None
@@ -118,12 +121,23 @@ class TrainConfig:
                 raise ConfigError(f"--lora trains on one process; drop --strategy {self.strategy}")
         if self.offload_optimizer not in ("none", "cpu", "disk"):
             raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r}; accepted: none, cpu, disk")
+        if self.step_in_backward:
+            self._check_step_in_backward()
         if self.compress not in (None, "none"):
             from memfit.distributed.compression.spec import check_compression_strategy
 
             check_compression_strategy(self.strategy, self.compress, self.optimizer)  # a bad spec or strategy: one line
         if not isinstance(self.data, (list, tuple)) or not all(isinstance(d, str) for d in self.data):
             raise ConfigError(f"data must be a list of paths, got {self.data!r}")
+
+    def _check_step_in_backward(self) -> None:
+        if self.accum != 1:
+            raise ConfigError(f"--step-in-backward updates in every backward: --accum must be 1, got {self.accum}")
+        if self.strategy not in (None, "none"):
+            raise ConfigError(f"--step-in-backward runs in one process, not with --strategy {self.strategy}")
+        if self.clip is not None:
+            raise ConfigError("--step-in-backward cannot clip by the global gradient norm (the gradients are freed "
+                              "as they arrive): leave out --clip or give --clip 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -40,7 +40,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, precision: str) -> Any:
     return TrainingOptimizer(
         model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, precision=precision, clip=cfg.clip,
         offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer,
-        spill_dir=cfg.spill_dir if disk else None, **optimizer_extra(cfg),
+        spill_dir=cfg.spill_dir if disk else None, step_in_backward=cfg.step_in_backward, **optimizer_extra(cfg),
     )
 
 
