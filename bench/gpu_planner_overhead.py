@@ -36,8 +36,10 @@ WARMUP = 2
 TIMEOUT_S = 240
 
 
-def one(kind: str, batch: int, seq: int, steps: int, plan_file: str | None) -> dict:
-    """One contender in this process: step seconds and the reserved peak (or "oom")."""
+def one(kind: str, batch: int, seq: int, steps: int, plan_file: str | None, device: str = "cuda",
+        model: str = LLAMA_1B) -> dict:
+    """One contender in this process: step seconds and the reserved peak (or "oom"). `device` cpu and a
+    small `model`: a smoke run of this code on a machine without CUDA (no memory figures)."""
     import torch
 
     from memfit.apply.checkpoint import checkpoint
@@ -46,8 +48,10 @@ def one(kind: str, batch: int, seq: int, steps: int, plan_file: str | None) -> d
     from memfit.plan.loop_step import _spec_batch, _spec_forward
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = parse_model(LLAMA_1B.format(seq=seq)).build(seq=seq)
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.device(device):
+        model = parse_model(model.format(seq=seq)).build(seq=seq)
     model.train()
     if kind == "full":
         checkpoint(model, "full")
@@ -64,24 +68,30 @@ def one(kind: str, batch: int, seq: int, steps: int, plan_file: str | None) -> d
 
         fc.activation_memory_budget = FRACTION
         compiled = torch.compile(model)
-        forward = lambda m, b: _spec_forward(compiled, b)  # noqa: E731
-    data = _spec_batch(model, batch, seq, torch.device("cuda"))
+
+        def forward(m, b):  # memfit's GPT returns (logits, summed loss, tokens), as _spec_forward reads it
+            out = compiled(*b)
+            return out, out[1] / out[2]
+    data = _spec_batch(model, batch, seq, torch.device(device))
     times = []
     try:
         for i in range(WARMUP + steps):
             if i == WARMUP:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+                sync()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             with opt.autocast():
                 _, loss = forward(model, data)
             opt.backward(loss)
             opt.step()
-            torch.cuda.synchronize()
+            sync()
             if i >= WARMUP:
                 times.append(time.perf_counter() - t0)
     except torch.OutOfMemoryError:
         return {"kind": kind, "oom": True}
+    if not cuda:
+        return {"kind": kind, "step_s": times}
     return {"kind": kind, "step_s": times, "reserved": torch.cuda.max_memory_reserved(),
             "allocated": torch.cuda.max_memory_allocated()}
 
@@ -153,9 +163,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke run of --one
+    ap.add_argument("--model", default=LLAMA_1B, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.batch, args.seq, args.steps, args.plan)))
+        print(json.dumps(one(args.one, args.batch, args.seq, args.steps, args.plan, args.device, args.model)))
         return
     import torch
 
