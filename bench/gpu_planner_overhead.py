@@ -10,7 +10,7 @@ them. The batch is the largest of 8, 4, 2, 1 whose plain step fits. Activation m
 reserved peak less full checkpointing's; the budget: full checkpointing's peak plus a third of that.
 memfit plans for the budget on this machine (memfit.fit(device="cuda"), its planning seconds recorded)
 and its measured reserved peak must be within it. Overhead: step time over the plain step's. Moonshot:
-at most 5% (MONeT reports 9-16%, Rockmate 10-20%). Without CUDA it prints a note and writes nothing.
+at most 5% (MONeT reports 9-16%, Rockmate 10-20%). Without CUDA its JSON says it was skipped.
 Writes bench/results/gpu_planner_overhead.json.
 """
 from __future__ import annotations
@@ -171,12 +171,32 @@ def main() -> None:
         return
     import torch
 
-    if not torch.cuda.is_available():
-        print(f"{NAME}: skipped, no CUDA on this machine (nothing written)")
-        return
     from common import save
 
+    if not torch.cuda.is_available():  # the result says so, so that the manifest's every result exists
+        print(save(NAME, {"skipped": "no CUDA on this machine: nothing measured", "model": LLAMA_1B.format(seq=args.seq),
+                          "fraction": FRACTION}))
+        return
     print(save(NAME, run(args.batch, args.seq, args.steps, args.rounds)))
+
+
+def render(result: dict) -> str:
+    lines = ["## GPU planner overhead: memfit's plan against full checkpointing and torch.compile's budget", "",
+             "`PYTHONPATH=src python3 bench/gpu_planner_overhead.py` (bench/gpu_round.sh, step 3).", ""]
+    if "rows" not in result:
+        return "\n".join(lines + [f"Not measured: {result.get('skipped') or result.get('error')}."]) + "\n"
+    lines += [f"{result['model']}, {result['precision']}, batch {result['batch']} x {result['seq']}, budget "
+              f"{result['budget'] / 2**30:.2f} GiB (a third of the activation memory left); {result['device']}, "
+              f"torch {result['torch']}; memfit planned in {result['planning']['cpu_s']} CPU-s.", "",
+              "| contender | step s (median, min-max) | overhead | max reserved | within budget |",
+              "|---|---:|---:|---:|---|"]
+    for kind, r in result["rows"].items():
+        if r["step_s_median"] is None:
+            lines.append(f"| {kind} | {r['errors']} | | | |")
+            continue
+        lines.append(f"| {kind} | {r['step_s_median']:.3f} ({r['step_s_min']:.3f}-{r['step_s_max']:.3f}) | "
+                     f"{100 * r['overhead']:+.1f}% | {r['reserved_max'] / 2**30:.2f} GiB | {r['within_budget']} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
