@@ -119,11 +119,12 @@ def _plan(budget: int, batch: int, seq: int, folder: str) -> tuple[str, dict]:
                   "summary": plan.summary().splitlines()}
 
 
-def run(batch: int, seq: int, steps: int, rounds: int) -> dict:
+def run(batch: int, seq: int, steps: int, rounds: int, save) -> dict:
+    """The contenders; `save(result)` after each one, so a round cut short by its time box keeps them."""
     import torch
 
     out: dict = {"model": LLAMA_1B.format(seq=seq), "precision": PRECISION, "fraction": FRACTION, "seq": seq,
-                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+                 "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": steps, "rounds": rounds}
     plain = None
     for b in [x for x in (8, 4, 2, 1) if x <= batch]:  # the largest batch whose plain step fits
         plain = _child("none", b, seq, steps)
@@ -131,17 +132,25 @@ def run(batch: int, seq: int, steps: int, rounds: int) -> dict:
             batch = b
             break
     if plain is None or "reserved" not in plain:
-        return {**out, "error": "the plain step does not fit at batch 1", "plain": plain}
+        return save({**out, "error": "the plain step does not fit at batch 1", "plain": plain})
     full = _child("full", batch, seq, steps)
+    if "reserved" not in full:
+        return save({**out, "error": "full checkpointing failed", "full": full})
     budget = full["reserved"] + int((plain["reserved"] - full["reserved"]) * FRACTION)
     runs: dict = {"none": [plain], "full": [full], "memfit": [], "compile": []}
+    out.update(batch=batch, budget=budget)
     with tempfile.TemporaryDirectory() as folder:
-        plan_file, planning = _plan(budget, batch, seq, folder)
+        plan_file, out["planning"] = _plan(budget, batch, seq, folder)
         for r in range(rounds):
             order = ["memfit", "compile"] + (["none", "full"] if r else [])
             random.Random(r).shuffle(order)
             for kind in order:
                 runs[kind].append(_child(kind, batch, seq, steps, plan_file if kind == "memfit" else None))
+                result = save({**out, "rows": _rows(runs, budget)})
+    return result
+
+
+def _rows(runs: dict, budget: int) -> dict:
     base = statistics.median(t for g in runs["none"] for t in g.get("step_s", []))
     rows = {}
     for kind, got in runs.items():
@@ -151,8 +160,7 @@ def run(batch: int, seq: int, steps: int, rounds: int) -> dict:
                       "step_s_max": max(ts, default=None), "overhead": statistics.median(ts) / base - 1 if ts else None,
                       "reserved_max": max(peaks, default=None), "within_budget": bool(peaks) and max(peaks) <= budget,
                       "errors": [g.get("error") or ("oom" if g.get("oom") else None) for g in got if "step_s" not in g]}
-    return {**out, "batch": batch, "budget": budget, "planning": planning, "rows": rows, "steps": steps,
-            "rounds": rounds}
+    return rows
 
 
 def main() -> None:
@@ -177,7 +185,11 @@ def main() -> None:
         print(save(NAME, {"skipped": "no CUDA on this machine: nothing measured", "model": LLAMA_1B.format(seq=args.seq),
                           "fraction": FRACTION}))
         return
-    print(save(NAME, run(args.batch, args.seq, args.steps, args.rounds)))
+    def keep(result: dict) -> dict:
+        print(save(NAME, result), flush=True)
+        return result
+
+    run(args.batch, args.seq, args.steps, args.rounds, keep)
 
 
 def render(result: dict) -> str:

@@ -59,14 +59,14 @@ cpu_check() {
 }
 
 if [ "$CUDA" = 1 ]; then
-  step 1-gpu_target 300 bench/results/gpu_target.json "$PY" bench/gpu_target.py
+  step 1-gpu_target 270 bench/results/gpu_target.json "$PY" bench/gpu_target.py
   if "$PY" -c "import pytest" 2>/dev/null; then
-    step 2-pytest_gpu 120 "" "$PY" -m pytest -m gpu tests -q -p no:cacheprovider -o addopts="-ra" \
+    step 2-pytest_gpu 90 "" "$PY" -m pytest -m gpu tests -q -p no:cacheprovider -o addopts="-ra" \
       --junitxml="$OUT/pytest_gpu.xml"
   else
     say "2-pytest_gpu: skipped, pytest is not installed for $PY"
   fi
-  step 3-planner_overhead 150 bench/results/gpu_planner_overhead.json "$PY" bench/gpu_planner_overhead.py
+  step 3-planner_overhead 210 bench/results/gpu_planner_overhead.json "$PY" bench/gpu_planner_overhead.py
   step 4-gpu_train 60 bench/results/gpu_train.json "$PY" bench/gpu_train.py
 else
   cpu_check 1-gpu_target "$PY" bench/gpu_target.py --help
