@@ -151,7 +151,10 @@ enable_float8_linear = true
 RUNS += [(f"torchtitan Llama 3.1 70B, FSDP 32 x TP 8 on 256 H100 (compile, float8{extra})", gib, LLAMA3_70B_2D_2024,
           256, "h100", TT_2024, f"Table 4: 2D parallelism (FSDP + TP) + torch.compile + Float8. Llama 3.1 70B model. "
           f"256 GPUs (FSDP 32, TP 8). Local batch size 16, global batch size 512. Full activation checkpointing. "
-          f"({row} row)", "torch.compile, float8 linears and async TP not modelled; FSDP over each TP rank's model "
+          f"({row} row)", "no reserve predicted for a TP rank: the caching allocator's reserve memfit replays is the "
+          "one-device step's (the whole model's blocks at the per-process batch, with all of its states), "
+          "not a TP rank's, so the allocated peak is compared (memfit.measure.rank_estimate."
+          "with_ranks); torch.compile, float8 linears and async TP not modelled; FSDP over each TP rank's model "
           "is memfit's approximation (memfit.integrations.torchtitan._fsdp_over_tp), and its sequence parallelism "
           "is Megatron-LM's (torch's keeps the all-gathered inputs of the column-parallel projections)")
          for extra, gib, row in (("", 71.9, "2D"), (", async TP", 67.6, "2D + AsyncTP"))]

@@ -168,3 +168,15 @@ def test_cuda_autocast_keeps_norms_and_softmax_in_fp32_only_while_inside():
             assert h.sum().dtype == FP32 and torch.softmax(h, -1, dtype=BF16).dtype == BF16
             assert F.linear(h, torch.randn(8, 8)).dtype == BF16
         assert F.layer_norm(h, (8,)).dtype == BF16  # the CPU's own list again
+
+
+def test_a_tensor_parallel_rank_gets_no_reserve_replayed_on_the_one_device_step():
+    """The allocator's reserve is replayed on the one-device step: data-parallel ranks run that step (their
+    states sharded) and keep it; a TP rank runs 1/tp of each block on tp x the rows, so none is claimed
+    (and the headroom falls back to the allocated figure)."""
+    import memfit
+
+    dp = memfit.estimate(TINY, batch=2, seq=64, device="h100", strategy="zero3", world=2)
+    tp = memfit.estimate(TINY, batch=2, seq=64, device="h100", strategy="tensor", world=2, tp=2)
+    assert dp.per_device["reserved"] >= dp.per_device["total"]
+    assert "reserved" not in tp.per_device and tp.headroom == tp.device_memory - tp.per_device["total"] - tp.context

@@ -166,3 +166,16 @@ def test_save_and_resume_through_trainer_are_bitwise(tmp_path):
     for (n, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), n
     assert losses(resumed) == losses(whole)  # steps 1-2 from the checkpoint's history, 3-4 run again
+
+
+def test_fit_trainer_plans_a_named_gpu_from_this_machine(tmp_path):
+    """device="h100" plans the GPU run on a CPU machine: the check traces that GPU's caching allocator,
+    whose reserved peak is whole 2 MiB segments (a CPU trace counts bytes); a name that is neither a GPU
+    nor a device of this machine is one line."""
+    trainer = make_trainer(tl.model(), tmp_path)
+    with pytest.raises(ConfigError, match="h1000"):
+        fit_trainer(trainer, "1GiB", device="h1000")
+    plan = fit_trainer(trainer, "1GiB", device="h100", allow="recompute")
+    assert plan.device == "h100"
+    assert plan.measured_peak > plan.predicted_peak and plan.measured_peak % (2 << 20) == 0
+    assert "H100" in plan.host_source

@@ -40,8 +40,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--dropout", metavar="P", type=number(0, 1),
                    help="dropout probability of memfit's GPT (default: the model spec's dropout=, else 0)")
     g.add_argument("--lora", metavar="SPEC", help="LoRA adapters on the frozen model, e.g. r=16,targets=qkv,proj")
-    g.add_argument("--qlora", action="store_true", help="QLoRA: the --lora run's frozen linear weights (all but "
-                   "the head) in NF4 (docs/finetune.md)")
+    g.add_argument("--qlora", action="store_true", help="QLoRA: --lora's frozen linear weights in NF4 (docs/finetune.md)")
     g = p.add_argument_group("schedule")
     add(g, "steps", help="optimizer steps (default: as many as fit the time limit)")
     g.add_argument("--time-limit", type=number(0, low_open=True), metavar="SECONDS",

@@ -31,8 +31,11 @@ def progress(desc: str) -> Iterator[None]:
     if _BAR or not _wanted():
         yield
         return
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:  # an optional dependency: without it, no bar (e.g. a bare GPU machine's python3)
+        yield
+        return
     bar = tqdm(desc=desc, unit=" trace", file=sys.stderr, delay=DELAY_S, leave=False, dynamic_ncols=True)
     _BAR.append(bar)
     try:

@@ -55,7 +55,7 @@ def _fp16(accelerator: Any, model: Any, precision: str) -> None:
 
 def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, plan: Plan | None = None,
             example: Any = None, optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float | None = None,
-            allow: Any = None, keep_effective_batch: bool = True, no_decay: Any = True,
+            allow: Any = None, keep_effective_batch: bool = True, no_decay: Any = True, device: Any = None,
             **optimizer_kwargs: Any) -> tuple[Any, Any, Plan]:
     """Plan `model` (budget and `example`, one batch of the per-device size) or take `plan`; install it, make the
     TrainingOptimizer it was made for, set the accumulation steps, and prepare both.
@@ -68,7 +68,8 @@ def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, pla
 
     Returns (prepared model, prepared optimizer, plan): build the data loader with plan.micro_batch rows.
     accelerator.backward and accelerator.clip_grad_norm_ go through memfit's optimizer from then on
-    (with optimizer offload the gradients leave the device during backward)."""
+    (with optimizer offload the gradients leave the device during backward). `device`: a GPU's name
+    (h100, ...) plans for that GPU from this machine, as memfit.fit(device=) does."""
     if (budget is None) == (plan is None):
         raise ConfigError("prepare takes a budget (with example=) or a plan, one of them")
     from memfit.integrations.accelerate_fsdp import is_fsdp, prepare_fsdp
@@ -85,7 +86,7 @@ def prepare(accelerator: Any, model: torch.nn.Module, budget: Any = None, *, pla
             raise ConfigError("give example= (one batch as the loop will see it) to plan for the budget")
         base = accelerator.gradient_accumulation_steps
         plan = plan_batch(model, example, budget, optimizer=optimizer, precision=precision, allow=allow,
-                          keep_effective_batch=keep_effective_batch, where=WHERE, accumulation=base)
+                          keep_effective_batch=keep_effective_batch, where=WHERE, accumulation=base, device=device)
         # the plan covers the whole optimizer step (example x the accelerator's steps): its accumulation replaces them
         accelerator.gradient_accumulation_steps = plan.accumulation if keep_effective_batch else base
     else:

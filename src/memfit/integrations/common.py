@@ -44,7 +44,7 @@ def needs_memfit_optimizer(plan: Plan) -> bool:
 
 def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, precision: str, allow: Any,
                keep_effective_batch: bool, where: str, exclude: tuple[str, ...] = (),
-               keep_output: bool = True, accumulation: int = 1) -> Plan:
+               keep_output: bool = True, accumulation: int = 1, device: Any = None) -> Plan:
     """memfit.fit on `example` (one batch as the framework collates it); with keep_effective_batch the
     planner may split it into micro-batches x accumulation, else it plans the batch as it is. A budget
     nothing fits raises PlanError before any step, with the fit report in one line. `keep_output`:
@@ -52,11 +52,18 @@ def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, p
     `accumulation`: the framework's own accumulation steps. With keep_effective_batch the plan is made
     for the whole optimizer step (the example repeated that many times), so the gradients held from one
     micro-batch to the next are in it; the framework then accumulates `plan.accumulation` micro-batches
-    of `plan.micro_batch` rows (their product: the example's rows x `accumulation`)."""
+    of `plan.micro_batch` rows (their product: the example's rows x `accumulation`).
+    `device`: where the run will train, as memfit.fit takes it; a GPU's name (h100, a100-80gb, ...) plans
+    for that GPU from this machine (default: the model's parameters' device)."""
     from memfit.plan.fit import fit
     from memfit.plan.plan import parse_allow
 
-    device = next((p.device.type for p in model.parameters() if p.device.type != "meta"), "cpu")
+    if device is not None:
+        from memfit.core.device import estimate_device
+
+        estimate_device(device)  # one line for a name that is neither a GPU nor this machine's device
+    else:
+        device = next((p.device.type for p in model.parameters() if p.device.type != "meta"), "cpu")
     names = parse_allow(allow, device)
     exclude = exclude + (() if keep_effective_batch else ("accumulate",))
     names = tuple(a for a in names if a not in exclude)
@@ -64,7 +71,7 @@ def plan_batch(model: nn.Module, example: Any, budget: Any, *, optimizer: str, p
         example = repeat_rows(example, accumulation)
     try:
         return fit(model, example, budget=budget, optimizer=optimizer, precision=precision, allow=names,
-                   keep_output=keep_output)
+                   keep_output=keep_output, device=device)
     except PlanError as exc:
         msg = " ".join(str(exc).split())
         if "need" not in msg:

@@ -72,7 +72,8 @@ def collated_batch(trainer: Any, rows: int) -> dict:
     return to_device(tensors_only(dict(batch)), device)
 
 
-def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_batch: bool = True) -> Plan:
+def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_batch: bool = True,
+                device: Any = None) -> Plan:
     """Plan `trainer`'s model to fit `budget` and set the Trainer up to carry the plan out (call before train()).
 
     With FSDP (fsdp='full_shard', fsdp_config={'fsdp_version': 2}, under torchrun) the budget is each rank's
@@ -83,6 +84,8 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
     keep_effective_batch: per_device_train_batch_size x gradient_accumulation_steps stays as given (the
     planner chooses both for the whole optimizer step, counting the gradients held between micro-batches);
     False plans the per-device batch as it is (a Trainer accumulation's held gradients are then not priced).
+    device: a GPU's name (h100, a100-80gb, ...; memfit.fit's device=) plans the GPU run from this machine
+    (budget None: that GPU's capacity); default the model's device.
     Raises PlanError (nothing fits, with the smallest need) or ConfigError (a setting it cannot honour)
     before any step."""
     _refuse(trainer)
@@ -115,7 +118,8 @@ def fit_trainer(trainer: Any, budget: Any, allow: Any = None, keep_effective_bat
                       keep_effective_batch=keep_effective_batch, where=WHERE,
                       exclude=("chunked-head",) if own is not None else (),  # the model's own head stays
                       keep_output=False,  # Trainer's compute_loss returns the loss alone: the output is dropped
-                      accumulation=args.gradient_accumulation_steps)  # the plan covers the whole optimizer step
+                      accumulation=args.gradient_accumulation_steps,  # the plan covers the whole optimizer step
+                      device=device)
     plan.install(inner)
     if keep_effective_batch:
         args.per_device_train_batch_size = plan.micro_batch

@@ -33,15 +33,17 @@ WHERE = "memfit.integrations.lightning"
 
 def plan_module(model: torch.nn.Module, example: Any, budget: Any, *, optimizer: str = "adamw",
                 precision: str = "32-true", allow: Any = None, keep_effective_batch: bool = True,
-                accumulate_grad_batches: int = 1) -> Plan:
+                accumulate_grad_batches: int = 1, device: Any = None) -> Plan:
     """memfit.fit for the model a LightningModule trains (example: one batch of the dataloader's size;
     accumulate_grad_batches: the Trainer's, so that the plan covers the whole optimizer step and the
-    gradients held between micro-batches); PlanError before any step when nothing fits."""
+    gradients held between micro-batches; device: a GPU's name such as h100 plans for it from this machine,
+    as memfit.fit(device=) does); PlanError before any step when nothing fits."""
     if precision_mode(precision).loss_scaling:
         raise ConfigError(f"precision={precision!r}: fp16 is not planned with Lightning in v1; use bf16-mixed or 32-true")
     return plan_batch(model, example, budget, optimizer=optimizer, precision=precision, allow=allow,
                       keep_effective_batch=keep_effective_batch, where=WHERE, accumulation=accumulate_grad_batches,
-                      keep_output=False)  # training_step returns the loss; the model's output is not kept
+                      keep_output=False,  # training_step returns the loss; the model's output is not kept
+                      device=device)
 
 
 def memfit_optimizer(plan: Plan, module: torch.nn.Module, lr: float, weight_decay: float | None = None,

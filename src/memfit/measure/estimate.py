@@ -163,7 +163,6 @@ def estimate(
 
     if qlora:
         from memfit.models.lora import with_nf4_base
-
         lora = with_nf4_base(lora)
     traced_on, gpu = estimate_device(device)
     if traced_on.startswith("cuda"):  # this machine's GPU, as a target like any named one

@@ -118,6 +118,13 @@ def with_ranks(one: Any, spec: Any, strategy: str, world: int, **kw: Any) -> Any
     one.per_device, one.strategy, one.world = per_device(top), strategy, world
     one.accum = kw.get("accum", 1)
     one.zero = int(strategy[-1]) if strategy.startswith("zero") else 0
+    if strategy in ("tensor", "pipeline") and one.reserve_overhead is not None:
+        # The caching allocator's reserve was replayed on the one-device step (the whole model's blocks at
+        # the per-process batch); a TP rank (1/tp of each block, tp x the rows) or a pipeline stage (its
+        # micro-batches in flight) allocates a different sequence, so that reserve is not this rank's:
+        # none is predicted (docs/estimate.md, "References": torchtitan's Llama 70B FSDP x TP rows).
+        # Data-parallel ranks run the one-device step itself, with their states sharded, and keep it.
+        one.reserve_overhead = None
     return one
 
 

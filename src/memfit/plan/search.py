@@ -255,17 +255,18 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     if not counts or (out[0][1] is not None and out[0][1].time == 0):
         return out  # (a plan that keeps everything cannot get faster with the head in chunks)
     best = out[0][0].time if out[0][0].feasible else float("inf")
-    if not out[0][0].feasible:  # if the most chunks do not fit, fewer will not: trace no others
-        most = row(counts[-1], head_profile(src, prof, counts[-1], prec, optimizer, sib))
-        if not most[0].feasible:
-            return out + [most]
-    for k in counts:  # (profiles are cached: the most chunks' is not traced twice)
+    for i, k in enumerate(counts):  # (profiles are cached: the most chunks' is not traced twice)
         r = row(k, head_profile(src, prof, k, prec, optimizer, sib))
         out.append(r)
         if r[0].feasible:
             if r[0].time >= best:
                 return out
             best = r[0].time
+        elif i == 0 and len(counts) > 1:  # if the most chunks do not fit, fewer will not: trace no others
+            # (probed only once the fewest do not fit: where they do, as usually, the probe is a trace spent)
+            most = row(counts[-1], head_profile(src, prof, counts[-1], prec, optimizer, sib))
+            if not most[0].feasible:
+                return out + [most]
     return out
 
 

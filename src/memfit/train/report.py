@@ -180,7 +180,7 @@ class Progress:
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.bar = None
         self.last = time.monotonic()
-        if enabled and sys.stderr.isatty():
+        if enabled and sys.stderr.isatty() and _has_tqdm():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=step, unit="step", file=sys.stderr, dynamic_ncols=True,
@@ -215,3 +215,10 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _has_tqdm() -> bool:
+    """tqdm is optional: without it the report prints its plain lines on a terminal too."""
+    import importlib.util
+
+    return importlib.util.find_spec("tqdm") is not None
