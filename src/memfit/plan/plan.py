@@ -122,7 +122,7 @@ class Plan:
                  f"  {self.time_text()}",
                  "  the caller's output: " + ("budgeted as held through backward (keep_output=True)" if self.keep_output
                                               else "assumed dropped before backward (keep_output=False)")]
-        if self.host_memory:
+        if self.host_memory and self.host_need is not None:  # (a plan file may leave the need out)
             from memfit.plan.host_memory import describe
 
             lines.append("  " + describe(self.host_need, self.host_memory, self.host_source or "given"))

@@ -73,6 +73,9 @@ def _fields() -> dict[str, tuple[tuple[Callable[[Any], bool], str], bool]]:
         "keep_output": (_BOOL, False),
         "time_basis": (_one_of("flop-model", "profile"), False),
         "baseline_time": (_number(0), False),
+        "host_memory": (_nullable(_int(0, 2**63 - 1)), False),
+        "host_need": (_nullable(_int(0, 2**63 - 1)), False),
+        "host_source": (_nullable(_TEXT), False),
     }
 
 
