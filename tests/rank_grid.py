@@ -211,6 +211,7 @@ def covering_cases(depth: int, world: int = 2, each_once: bool = False) -> list[
 
 
 def hf_cases(paths: dict[str, str], precisions=("32-true",), checkpoints=CHECKPOINTS) -> list[Case]:
-    """Hugging Face families under each data-parallel strategy (pipeline and tensor cut memfit's GPT)."""
-    return [Case(path, s, p, c) for path in paths.values() for p in precisions for c in checkpoints
-            for s in DATA_PARALLEL]
+    """Hugging Face families under each data-parallel strategy, and tensor for those whose family ships
+    a tensor plan (Llama's; memfit.distributed.hf_tensor)."""
+    return [Case(path, s, p, c) for name, path in paths.items() for p in precisions for c in checkpoints
+            for s in DATA_PARALLEL + (("tensor",) if name.startswith("llama") else ())]
