@@ -11,6 +11,9 @@ them (memfit.measure.pipeline_trace): GPipe runs every forward before the first 
 min(M, stages - r) forwards of warm-up on rank r; with checkpointing each block's recompute during
 backward is traced beside the held outputs, sends and gradients. Its figures are the rank's.
 
+A Hugging Face causal LM is cut as memfit.distributed.hf_stages cuts it (its own pipeline plan:
+embeddings, decoder layers, final norm), its loss over the shifted targets.
+
 Tensor (tp ranks per replica, replica batch tp x batch): one trace of the model one TP rank runs,
 built with its local shapes (the column-parallel projections' outputs and the row-parallel ones'
 inputs divided by tp, heads divided by tp; embeddings, norms, row-parallel biases whole). Its
@@ -55,15 +58,16 @@ CATS = ("params", "grads", "optimizer", "activations", "temporaries")
 def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | None = None,
                    schedule: str = "1f1b", precision: str = "32-true", optimizer: str = "adamw",
                    checkpoint: str = "none", accum: int = 1) -> list[dict]:
-    cfg, m = spec.config, microbatches or world
-    check_pipeline(cfg.layers, world, batch * world, m, schedule)
+    m = microbatches or world
+    layers, _ = blocks_of(spec)
+    check_pipeline(layers, world, batch * world, m, schedule)
     b = batch * world // m
     out = []
     for r in range(world):
         cats = trace_stage(spec, r, world, m, b, seq, schedule, precision, optimizer, checkpoint, accum=accum)
         row = {"rank": r, "strategy": "pipeline", "world": world, "gathered": 0, "in_flight": 0,
                **{c: cats[c] for c in ("params", "grads", "optimizer", "activations", "temporaries")},
-               "blocks": len(stage_blocks(cfg.layers, world, r)),
+               "blocks": len(stage_blocks(layers, world, r)),
                "microbatches_in_flight": m if schedule == "gpipe" else min(m, world - r), "microbatch_rows": b}
         row["total"] = sum(row[c] for c in ("params", "grads", "optimizer", "activations", "temporaries"))
         out.append(row)
@@ -123,13 +127,18 @@ def check_tensor_spec(spec, world: int, tp: int) -> None:
     hf_tp_plan(spec.on_meta())
 
 
-def blocks_of(spec) -> tuple[int, str]:
-    """(repeated blocks, their module-name prefix): memfit's GPT's `blocks`, a Hugging Face model's layers."""
+def blocks_of(spec, pipeline: bool = True) -> tuple[int, str]:
+    """(repeated blocks, their module-name prefix): memfit's GPT's `blocks`, a Hugging Face model's layers
+    (`pipeline`: of a family memfit.distributed.hf_stages cuts, refused otherwise)."""
     if spec.config is not None:
         return spec.config.layers, "blocks"
+    from memfit.distributed.hf_stages import check_hf_pipeline
     from memfit.distributed.hf_tensor import hf_layers
 
-    name, stack = hf_layers(spec.on_meta())
+    model = spec.on_meta()
+    if pipeline:
+        check_hf_pipeline(model.config)
+    name, stack = hf_layers(model)
     return len(stack), name
 
 
@@ -162,7 +171,7 @@ def _sequence_parallel_peak(spec, tp_trace, rows: int, seq: int, tp: int, precis
     share of the blocks' saved bytes, read from its activations beyond what the embeddings and head save
     (between 0 and all of them); that share of the saving comes off it, and the highest moment wins."""
     whole = trace_step(spec, rows, seq, precision, optimizer, checkpoint)
-    layers, prefix = blocks_of(spec)
+    layers, prefix = blocks_of(spec, pipeline=False)
     local = block_saved(tp_trace.module_activations, layers, prefix)
     full = block_saved(whole.module_activations, layers, prefix)
     saving, held = sum(max(0, lo - fu // tp) for lo, fu in zip(local, full)), sum(local)

@@ -48,9 +48,6 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
     if strategy in MODEL_PARALLEL:
         from memfit.measure.parallel_estimate import pipeline_ranks, tensor_ranks
 
-        if spec.config is None and strategy == "pipeline":
-            raise ConfigError("strategy pipeline cuts memfit's GPT at its blocks; for a Hugging Face config use "
-                              "--strategy tensor (its own tensor plan) or a data-parallel strategy (ddp, zero1-3)")
         if spec.config is None and spec.task not in (None, "causal-lm"):
             raise ConfigError(f"strategy {strategy} cuts a causal LM; this config is a {spec.task} model: use a "
                               "data-parallel strategy (ddp, zero1-3)")

@@ -67,12 +67,15 @@ def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precisi
     from memfit.models.spec import parse_model
 
     spec = parse_model(model) if isinstance(model, str) else model
-    if getattr(spec, "config", None) is None:
-        raise ConfigError("a cluster plan cuts memfit's GPT (pipeline stages, TP shapes): give a known name or a "
-                          "gpt:/llama: spec, not a module or a Hugging Face config")
+    if getattr(spec, "config", None) is None and getattr(spec, "hf_config", None) is None:
+        raise ConfigError("a cluster plan lays out memfit's GPT or a Hugging Face causal LM: give a known name, a "
+                          "gpt:/llama: spec or a config.json, not a module")
+    from memfit.plan.cluster_shape import shape_of
+
+    shape_of(spec)  # a config.json that is no causal LM fails here, before any trace
     allowed = parse_allow(allow, device)
     precisions = (precision,) + (("bf16-master",) if "precision" in allowed and precision != "bf16-master" else ())
-    seq = seq or min(spec.config.seq or 1024, 4096)
+    seq = seq or min(spec.seq or 1024, 4096)
     host = None
     if device == "cpu":
         host, flops, interconnect = _host(model, spec, seq, precision, optimizer, flops, cores, interconnect)
@@ -165,7 +168,7 @@ def _checked(p: ClusterProblem, rows: list[Row], verify: bool) -> tuple[tuple[Ro
     for row in feasible[:MAX_REFUSED]:
         if not verify:
             return (row, None), notes
-        traced = traced_peak(p.spec, row.layout, p.seq, actions_of(row.layout, p.spec.config.layers))
+        traced = traced_peak(p.spec, row.layout, p.seq, actions_of(row.layout, p.cfg.layers))
         if traced <= p.budget:
             return (row, traced), notes
         notes.append(f"refused by the full trace ({format_bytes(traced)} > budget): {row.layout.strategy} "
@@ -175,7 +178,7 @@ def _checked(p: ClusterProblem, rows: list[Row], verify: bool) -> tuple[tuple[Ro
 
 def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibrated: bool) -> ClusterPlan:
     row, traced = chosen
-    lay, layers = row.layout, p.spec.config.layers
+    lay, layers = row.layout, p.cfg.layers
     b, a = per_process_batch(lay)
     # The per-process plan carries the sequence length every figure was made for: without it
     # `memfit train --plan FILE` ran at its own default --seq and the ranks went over the budget.
@@ -193,6 +196,8 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
         notes.append(f"optimizer offload: each rank's optimizer state and gradients ({format_bytes(host_per_rank(p, lay))})"
                      " live in host memory")
     host_text = describe(row.host, p.host_memory, p.host_source, " per node")
+    if p.cfg.why_not:
+        notes.append(p.cfg.why_not)
     return ClusterPlan(model=p.spec.name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
                        ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
                        time_basis=_basis(p.flops, calibrated, p.host), interconnect=link, global_batch=p.batch, seq=p.seq,
@@ -204,6 +209,10 @@ def _digest(spec) -> str:
     """The configuration digest memfit train checks a plan file against (memfit.plan.fit.model_digest)."""
     import hashlib
 
+    if spec.config is None:  # a config.json: as memfit.plan.fit digests it
+        from memfit.plan.fit import model_digest
+
+        return model_digest(str(spec.hf_config))
     return hashlib.sha256(repr(spec.config).encode()).hexdigest()[:16]
 
 
