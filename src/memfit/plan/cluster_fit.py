@@ -182,6 +182,7 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
     b, a = per_process_batch(lay)
     # The per-process plan carries the sequence length every figure was made for: without it
     # `memfit train --plan FILE` ran at its own default --seq and the ranks went over the budget.
+    name = p.spec.name if p.spec.config is not None else str(p.spec.hf_config)  # what memfit train launches
     single = Plan(model=p.spec.name, budget=p.budget, actions=actions_of(lay, layers), micro_batch=b, accumulation=a,
                   optimizer=lay.optimizer, precision=lay.precision, offload_optimizer=lay.offload_optimizer,
                   predicted_peak=row.peak, predicted_time=row.time["total"], n_blocks=layers,
@@ -198,7 +199,7 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
     host_text = describe(row.host, p.host_memory, p.host_source, " per node")
     if p.cfg.why_not:
         notes.append(p.cfg.why_not)
-    return ClusterPlan(model=p.spec.name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
+    return ClusterPlan(model=name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
                        ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
                        time_basis=_basis(p.flops, calibrated, p.host), interconnect=link, global_batch=p.batch, seq=p.seq,
                        plan=single.to_json(), traced_peak=traced, ranked=[_brief(r) for r in rows[:20]], notes=notes,
