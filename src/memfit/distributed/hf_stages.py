@@ -55,6 +55,12 @@ class HFStage(nn.Module):
         layers = lm.base_model.layers
         object.__setattr__(self, "blocks", nn.ModuleList(layers[i] for i in own))  # not a second owner
 
+    @property
+    def config(self):
+        """The model's config: a checkpoint policy applied to the stage switches its KV cache off, as it
+        does for the whole model (a cache would keep every layer's keys and values through the step)."""
+        return self.lm.config
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.lm.base_model
         h = base(input_ids=x) if self.first else base(inputs_embeds=x)
