@@ -205,7 +205,7 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
     return ClusterPlan(model=name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
                        ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
                        time_basis=_basis(p.flops, calibrated, p.host), interconnect=link, global_batch=p.batch, seq=p.seq,
-                       plan=single.to_json(), traced_peak=traced, ranked=[_brief(r) for r in rows[:20]], notes=notes,
+                       plan=single.to_json(), traced_peak=traced, ranked=_ranked(rows), notes=notes,
                        host_memory=p.host_memory, host_need=row.host, host_text=host_text)
 
 
@@ -218,6 +218,19 @@ def _digest(spec) -> str:
 
         return model_digest(str(spec.hf_config))
     return hashlib.sha256(repr(spec.config).encode()).hexdigest()[:16]
+
+
+def _ranked(rows: list[Row], top: int = 20) -> list[dict]:
+    """The `top` fastest rows, then the fastest of each strategy (and pipeline schedule) not among them, so
+    that the table shows every kind of layout the search weighed."""
+    kind = lambda r: (r.layout.strategy, r.layout.schedule if r.layout.strategy == "pipeline" else "")  # noqa: E731
+    shown = rows[:top]
+    seen = {kind(r) for r in shown}
+    for r in rows[top:]:
+        if kind(r) not in seen:
+            seen.add(kind(r))
+            shown.append(r)
+    return [_brief(r) for r in shown]
 
 
 def _brief(r: Row) -> dict:
