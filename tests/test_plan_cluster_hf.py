@@ -43,8 +43,12 @@ def test_a_hugging_face_config_gets_every_layout_its_family_runs(tmp_path, capsy
     capsys.readouterr()
     assert main(["plan", _write(tmp_path, "qwen3"), "--budget", "6MiB", "--gpus", "2", "--device", "cpu",
                  "--batch", str(BATCH), "--seq", str(SEQ), "--json"]) == 0
-    cluster = json.loads(capsys.readouterr().out)["cluster"]
+    data = json.loads(capsys.readouterr().out)
+    cluster = data["cluster"]
     assert cluster["gpus"] == 2 and cluster["model"].endswith("config.json") and cluster["peak"] <= 6 * 2**20
+    from memfit.plan.fit import model_digest
+
+    assert data["plan"]["model_digest"] == model_digest(cluster["model"])  # what memfit train --plan checks
 
 
 def _tracked(rank: int, world: int, path: str, layouts: list[dict]) -> list[int]:

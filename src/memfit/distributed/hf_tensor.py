@@ -67,14 +67,6 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def check_hf_tensor(config, world: int, tp: int) -> None:
-    """The checks a tensor-parallel run of this config needs no process group for."""
-    from memfit.distributed.tensor_parallel import check_tensor
-
-    heads, kv = heads_of(config)
-    check_tensor(heads, kv, world, tp)
-
-
 def shard_hf(model: nn.Module, tp_mesh) -> list[str]:
     """Put the plan's projections on the TP mesh dimension (in place); the names of the parameters
     whose gradients the step must sum over the TP ranks."""

@@ -98,10 +98,10 @@ class TensorParallelOptimizer(ModelParallelOptimizer):
         world = dist.get_world_size(group)
         self.tp = tp or world
         if self.hf:
-            from memfit.distributed.hf_tensor import check_hf_tensor, hf_tp_plan
+            from memfit.distributed.hf_tensor import heads_of, hf_tp_plan
 
             hf_tp_plan(model)  # refuses a family without a plan before any mesh exists
-            check_hf_tensor(model.config, world, self.tp)
+            check_tensor(*heads_of(model.config), world, self.tp)
         else:
             check_tensor(model.cfg.heads, model.cfg.kv_heads, world, self.tp)
         self.dp, self.group = world // self.tp, group

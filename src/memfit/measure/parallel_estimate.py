@@ -121,10 +121,11 @@ def check_tensor_spec(spec, world: int, tp: int) -> None:
     if spec.config is not None:
         check_tensor(spec.config.heads, spec.config.kv_heads or spec.config.heads, world, tp)
         return
-    from memfit.distributed.hf_tensor import check_hf_tensor, hf_tp_plan
+    from memfit.distributed.hf_tensor import heads_of, hf_tp_plan
 
-    check_hf_tensor(spec.on_meta().config, world, tp)
-    hf_tp_plan(spec.on_meta())
+    model = spec.on_meta()
+    check_tensor(*heads_of(model.config), world, tp)
+    hf_tp_plan(model)
 
 
 def blocks_of(spec, pipeline: bool = True) -> tuple[int, str]:

@@ -213,10 +213,11 @@ def _digest(spec) -> str:
     """The configuration digest memfit train checks a plan file against (memfit.plan.fit.model_digest)."""
     import hashlib
 
-    if spec.config is None:  # a config.json: as memfit.plan.fit digests it
-        from memfit.plan.fit import model_digest
+    if spec.config is None:  # a config.json: its sorted contents, as memfit.plan.fit digests it (tested equal)
+        import json
 
-        return model_digest(str(spec.hf_config))
+        text = json.dumps(json.loads(spec.hf_config.read_text()), sort_keys=True) + repr(spec.lora)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
     return hashlib.sha256(repr(spec.config).encode()).hexdigest()[:16]
 
 
