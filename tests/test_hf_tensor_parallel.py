@@ -44,6 +44,9 @@ def test_a_rank_holds_its_plans_shards(tmp_path):
     assert [r["rank"] for r in rows] == [0, 1] and rows[0]["rows"] == 2
     buffers = sum(b.numel() for b in full.buffers())  # the rotary frequencies: tracked with the weights
     assert rows[0]["params"] == 4 * (sum(p.numel() for p in full.parameters()) - split // 2 + buffers)
+    # sequence parallelism (estimated): the layers' saved tensors sharded too, the weights as they were
+    sp = tensor_ranks(spec, batch=1, seq=SEQ, world=2, tp=2, sequence_parallel=True)[0]
+    assert sp["params"] == rows[0]["params"] and 0 < sp["activations"] < rows[0]["activations"]
 
 
 def test_a_family_without_a_plan_is_refused_in_one_line(tmp_path, capsys):
