@@ -93,7 +93,9 @@ def _pipeline(rank: int, world: int, family: str, schedule: str, policy: str, ti
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family,schedule,policy,tied", [("qwen3", "1f1b", "none", False),
-                                                         ("llama", "gpipe", "full", True)])
+                                                         ("llama", "gpipe", "full", True),
+                                                         ("qwen2", "1f1b", "none", False),
+                                                         ("mistral", "gpipe", "none", False)])
 def test_pipeline_matches_one_process(family, schedule, policy, tied):
     # tied: the embedding's and the head's gradients summed between the first and the last stage
     ranks = run_world(_pipeline, 2, args=(family, schedule, policy, tied), timeout_s=300)

@@ -85,8 +85,9 @@ def _tensor(rank: int, world: int, family: str) -> list[float]:
 @pytest.mark.multiproc
 def test_tensor_parallel_matches_one_process():
     # qwen3: its per-head q/k norms are replicated with their gradients summed over the TP ranks (a
-    # missing sum changes the clipped update); llama: grouped key/value heads (2 of 4).
-    for family in ("qwen3", "llama"):
+    # missing sum changes the clipped update); llama: grouped key/value heads (2 of 4); gemma2 (soft-capped
+    # attention, sliding layers) and phi (partial rotary, biases) by their own plans.
+    for family in ("qwen3", "llama", "gemma2", "phi"):
         ranks = run_world(_tensor, 2, args=(family,), timeout_s=300)
         want = _single(family)
         for losses in ranks:
