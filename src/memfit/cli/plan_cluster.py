@@ -50,7 +50,7 @@ def run_cluster(args: argparse.Namespace, model: str, device: str) -> int:
 
 def table(rows: list[dict], limit: int = 12) -> str:
     head = (f"  {'strategy':<10}{'degrees':<27}{'micro x accum':<15}{'offload':<9}{'head':>5}{'peak/rank':>12}"
-            f"{'step s':>10}{'tokens/s':>12}{'comm/step':>12}  blocks (keep/sel/rec)")
+            f"{'step s':>10}{'tokens/s':>13}{'comm/step':>12}  blocks (keep/sel/rec)")
     out = [head]
     for r in _with_each_kind(rows, limit):
         step = f"{r['step_s']:.3g}" if r["feasible"] else "-"
@@ -58,7 +58,7 @@ def table(rows: list[dict], limit: int = 12) -> str:
         acts = " | ".join("/".join(map(str, c)) for c in r["counts"][:2]) + (" ..." if len(r["counts"]) > 2 else "")
         out.append(f"  {r['strategy']:<10}{r['degrees']:<27}{str(r['micro_batch']) + ' x ' + str(r['accumulation']):<15}"
                    f"{r['offload_optimizer'] or '-':<9}{r['head_chunks'] or '-':>5}{format_bytes(r['peak']):>12}"
-                   f"{step:>10}{tps:>12}"
+                   f"{step:>10}{tps:>13}"
                    f"{format_bytes(r['comm_bytes']):>12}  {acts}")
     return "\n".join(out)
 
