@@ -211,6 +211,9 @@ def covering_cases(depth: int, world: int = 2, each_once: bool = False) -> list[
 
 
 def hf_cases(paths: dict[str, str], precisions=("32-true",), checkpoints=CHECKPOINTS) -> list[Case]:
-    """Hugging Face families under each data-parallel strategy (pipeline and tensor cut memfit's GPT)."""
-    return [Case(path, s, p, c) for path in paths.values() for p in precisions for c in checkpoints
-            for s in DATA_PARALLEL]
+    """Hugging Face families under each data-parallel strategy, and under tensor and pipeline (1F1B and
+    GPipe) for the Llama configs (a family with a tensor plan that memfit cuts at decoder layers:
+    memfit.distributed.hf_tensor, hf_stages)."""
+    model_parallel = [("tensor", None), ("pipeline", "1f1b"), ("pipeline", "gpipe")]
+    return [Case(path, s, p, c, sch) for name, path in paths.items() for p in precisions for c in checkpoints
+            for s, sch in [(d, None) for d in DATA_PARALLEL] + (model_parallel if name.startswith("llama") else [])]

@@ -55,17 +55,29 @@ def run_cluster(args: argparse.Namespace, model: str, device: str, emit=None) ->
 
 def table(rows: list[dict], limit: int = 12) -> str:
     head = (f"  {'strategy':<10}{'degrees':<27}{'micro x accum':<15}{'offload':<9}{'head':>5}{'peak/rank':>12}"
-            f"{'step s':>10}{'tokens/s':>12}{'comm/step':>12}  blocks (keep/sel/rec)")
+            f"{'step s':>10}{'tokens/s':>13}{'comm/step':>12}  blocks (keep/sel/rec)")
     out = [head]
-    for r in rows[:limit]:
+    for r in _with_each_kind(rows, limit):
         step = f"{r['step_s']:.3g}" if r["feasible"] else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r["feasible"] else "does not fit"
         acts = " | ".join("/".join(map(str, c)) for c in r["counts"][:2]) + (" ..." if len(r["counts"]) > 2 else "")
         out.append(f"  {r['strategy']:<10}{r['degrees']:<27}{str(r['micro_batch']) + ' x ' + str(r['accumulation']):<15}"
                    f"{r['offload_optimizer'] or '-':<9}{r['head_chunks'] or '-':>5}{format_bytes(r['peak']):>12}"
-                   f"{step:>10}{tps:>12}"
+                   f"{step:>10}{tps:>13}"
                    f"{format_bytes(r['comm_bytes']):>12}  {acts}")
     return "\n".join(out)
+
+
+def _with_each_kind(rows: list[dict], limit: int) -> list[dict]:
+    """The first `limit` rows, then the first of each strategy (pipeline: and schedule) not among them."""
+    kind = lambda r: (r["strategy"], "gpipe" in r["degrees"])  # noqa: E731
+    shown = rows[:limit]
+    seen = {kind(r) for r in shown}
+    for r in rows[limit:]:
+        if kind(r) not in seen:
+            seen.add(kind(r))
+            shown.append(r)
+    return shown
 
 
 def smallest_cluster_hint(args: argparse.Namespace, model: str, device: str) -> str:

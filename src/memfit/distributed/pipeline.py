@@ -1,4 +1,5 @@
-"""`pipeline`: memfit's GPT cut into one stage per rank, run by torch.distributed.pipelining.
+"""`pipeline`: memfit's GPT (or a Hugging Face causal LM: memfit.distributed.hf_stages) cut into one
+stage per rank, run by torch.distributed.pipelining.
 
     opt = distribute(gpt, "pipeline", "adamw", lr=3e-4, microbatches=4, schedule="1f1b", clip=1.0)
     loss, tokens, result = opt.accumulate_step([(x, y), ...])   # every rank passes the whole batch
@@ -33,7 +34,7 @@ from memfit.core.compat import initialize_pipeline_stage
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
 from memfit.distributed.mp_optimizer import ModelParallelOptimizer
-from memfit.distributed.stages import cut_to_stage, mark_tied, stage_sizes, tied_weight
+from memfit.distributed.stages import cut_to_stage, mark_tied, stage_blocks, stage_sizes, tied_weight
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -72,6 +73,32 @@ def _counted(ops: list) -> list:
     return ops
 
 
+def _blocks_of(model: nn.Module) -> tuple[bool, nn.ModuleList]:
+    """(whether it is a Hugging Face model, its repeated blocks)."""
+    from memfit.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return False, model.blocks
+    if getattr(model, "config", None) is None or not hasattr(model, "base_model"):
+        raise ConfigError(f"--strategy pipeline cuts memfit's GPT or a Hugging Face causal LM at its layers; got "
+                          f"{type(model).__name__}. Use a gpt spec, a known name or a config.json, or a "
+                          "data-parallel strategy")
+    from memfit.distributed.hf_stages import check_hf_pipeline
+
+    check_hf_pipeline(model.config)
+    return True, model.base_model.layers
+
+
+def cut_stage(model: nn.Module, rank: int, stages: int, hf: bool) -> nn.Module:
+    """This rank's stage of memfit's GPT or of a Hugging Face causal LM (the model keeps only its parts)."""
+    if hf:
+        from memfit.distributed.hf_stages import cut_hf_to_stage
+
+        return cut_hf_to_stage(model, rank, stages)
+    mark_tied(model)
+    return cut_to_stage(model, rank, stages)
+
+
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
                  "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")
 
@@ -105,20 +132,20 @@ class PipelineOptimizer(ModelParallelOptimizer):
             raise ConfigError("--strategy pipeline runs on the whole world (group=None); use dp= for replicas")
         self._mesh(dp, next(model.parameters()).device)
         self.microbatches, self.schedule_name = microbatches or self.stages, schedule
-        check_pipeline(len(model.blocks), self.stages, self.microbatches, self.microbatches, schedule)
-        policy = applied(model)
+        self.hf, layers = _blocks_of(model)
+        check_pipeline(len(layers), self.stages, self.microbatches, self.microbatches, schedule)
+        policy = applied(model, layers)
         actions = policy.actions if policy is not None else None
-        remove(model)  # a policy's segments must not cross a stage boundary: re-applied to the stage below
-        mark_tied(model)
-        self.stage_module = cut_to_stage(model, self.rank, self.stages)
-        own = [i for i, b in enumerate(model.blocks) if not isinstance(b, nn.Identity)]
+        remove(model, layers)  # a policy's segments must not cross a stage boundary: re-applied to the stage below
+        self.stage_module = cut_stage(model, self.rank, self.stages, self.hf)
+        own = list(stage_blocks(len(layers), self.stages, self.rank))
         if actions is not None:
             apply_checkpoint(self.stage_module, [actions[i] for i in own], blocks=self.stage_module.blocks,
                              spill_dir=spill_dir)
         self.model, self.tracked_module = model, self.stage_module
         self._make_inner(self.stage_module, list(model.named_parameters()), optimizer, lr, weight_decay, precision,
                          clip, offload, spill_dir, loss_scale, kw)
-        self.tied = tied_weight(self.stage_module)
+        self.tied = self.stage_module.tied_weight() if self.hf else tied_weight(self.stage_module)
         self.tied_names = self.tied is not None  # the last stage's head.weight is the first's tok.weight
         self.tied_group = None
         if self.tied is not None or self.stages > 2:  # new_group is collective: every rank joins the call
@@ -158,9 +185,11 @@ class PipelineOptimizer(ModelParallelOptimizer):
         return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-1,
-                               reduction="sum")
-        return self.scaled(loss / self._total)
+        return self.scaled(self._loss_sum(logits, target) / self._total)
+
+    def _targets(self, y: torch.Tensor) -> float:
+        """Target tokens: memfit's GPT skips -1; a Hugging Face model shifts by one and skips -100."""
+        return float((y[:, 1:] != -100).sum()) if self.hf else float((y != -1).sum())
 
     # ------------------------------------------------------------------ the step
     def run_batch(self, x: torch.Tensor, y: torch.Tensor, total: float) -> float:
@@ -194,7 +223,7 @@ class PipelineOptimizer(ModelParallelOptimizer):
         """The train loop's step: (global mean loss, global tokens, StepResult). Every rank holds the
         whole global batch, so the token count needs no communication."""
         micro = list(micro)
-        total = float(sum((y != -1).sum() for _, y in micro))
+        total = sum(self._targets(y) for _, y in micro)
         total = max(comm.control_sum([total], group=self.dp_group)[0] if self.dp > 1 else total, 1.0)
         running = sum(self.run_batch(x, y, total) for x, y in micro)
         result = self.step()
@@ -240,7 +269,7 @@ class PipelineOptimizer(ModelParallelOptimizer):
                     dist.send(out.contiguous(), self._peer(self.rank + 1))
                 else:
                     total += float(self._loss_sum(out, y))
-                count += float((y != -1).sum())
+                count += self._targets(y)
         finally:
             self.stage_module.train(was)
         return comm.control_sum([total], group=self.pp_group)[0] / max(count, 1.0)
@@ -250,11 +279,15 @@ class PipelineOptimizer(ModelParallelOptimizer):
         return self.dp_rank * self.stages + stage
 
     def _loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.hf:
+            from memfit.distributed.hf_stages import hf_shifted
+
+            return F.cross_entropy(*hf_shifted(logits, y), ignore_index=-100, reduction="sum")
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction="sum")
 
     def _recv_like(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.model.cfg
-        buf = torch.empty(x.shape[0], x.shape[1], cfg.hidden, dtype=self.mode.param_dtype, device=x.device)
+        hidden = self.model.config.hidden_size if self.hf else self.model.cfg.hidden
+        buf = torch.empty(x.shape[0], x.shape[1], hidden, dtype=self.mode.param_dtype, device=x.device)
         dist.recv(buf, self._peer(self.rank - 1))
         return buf
 

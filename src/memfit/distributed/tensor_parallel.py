@@ -1,4 +1,5 @@
-"""`tensor`: Megatron-style tensor parallelism of memfit's GPT with DTensor, and DP x TP on a 2-D mesh.
+"""`tensor`: Megatron-style tensor parallelism of memfit's GPT (or of a Hugging Face causal LM by its own
+tensor plan: memfit.distributed.hf_tensor) with DTensor, and DP x TP on a 2-D mesh.
 
     opt = distribute(gpt, "tensor", "adamw", lr=3e-4, tp=2)      # world = dp x tp; dp = world / tp
     loss, tokens, result = opt.accumulate_step([(x, y), ...])    # this data-parallel replica's rows
@@ -90,19 +91,32 @@ class TensorParallelOptimizer(ModelParallelOptimizer):
 
         from memfit.models.gpt import GPT
 
-        if not isinstance(model, GPT):
-            raise ConfigError(f"--strategy tensor shards memfit's GPT (attention heads, MLP); got "
-                              f"{type(model).__name__}. Use a gpt spec or a known GPT-2/Llama name")
+        self.hf = not isinstance(model, GPT)
+        if self.hf and getattr(model, "config", None) is None:
+            raise ConfigError(f"--strategy tensor shards memfit's GPT or a Hugging Face causal LM by its tensor "
+                              f"plan; got {type(model).__name__}. Use a gpt spec, a known name or a config.json")
         world = dist.get_world_size(group)
         self.tp = tp or world
-        check_tensor(model.cfg.heads, model.cfg.kv_heads, world, self.tp)
+        if self.hf:
+            from memfit.distributed.hf_tensor import heads_of, hf_tp_plan
+
+            hf_tp_plan(model)  # refuses a family without a plan before any mesh exists
+            check_tensor(*heads_of(model.config), world, self.tp)
+        else:
+            check_tensor(model.cfg.heads, model.cfg.kv_heads, world, self.tp)
         self.dp, self.group = world // self.tp, group
         device = next(model.parameters()).device
         self.mesh = init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         self.tp_group, self.dp_group = self.mesh["tp"].get_group(), self.mesh["dp"].get_group()
         self.dp_rank = self.mesh.get_local_rank("dp")
         cast_model(model, precision_mode(precision))  # before sharding: DTensors are made from the cast weights
-        shard_gpt(model, self.mesh["tp"])
+        self.tp_summed: set[str] = set()
+        if self.hf:
+            from memfit.distributed.hf_tensor import shard_hf
+
+            self.tp_summed = set(shard_hf(model, self.mesh["tp"]))
+        else:
+            shard_gpt(model, self.mesh["tp"])
         self._make_inner(model, list(model.named_parameters()), optimizer, lr, weight_decay, precision, clip,
                          offload, spill_dir, loss_scale, kw)
         self.model, self.tracked_module = model, model
@@ -128,17 +142,31 @@ class TensorParallelOptimizer(ModelParallelOptimizer):
     def accumulate_step(self, micro: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_sum: Any = None):
         """The train loop's step over this replica's rows: (global mean loss, global tokens, StepResult)."""
         micro = list(micro)
-        total = max(self._dp_sum([float(sum((y != -1).sum() for _, y in micro))])[0], 1.0)
+        total = max(self._dp_sum([float(sum(self._targets(y) for _, y in micro))])[0], 1.0)
         running = 0.0
         for i, (x, y) in enumerate(micro):
             with self.micro_batch(i == len(micro) - 1), self.autocast():
-                _, loss, _ = self.model(x, y)
+                loss = self._loss_sum(x, y)
                 self.backward(loss / total, final=i == len(micro) - 1)
             running += float(loss.detach())
         result = self.step()
         return self._dp_sum([running])[0] / total, int(total), result
 
+    def _targets(self, y: torch.Tensor) -> int:
+        """Target tokens of a micro-batch: memfit's GPT skips -1; a Hugging Face model shifts the labels
+        by one inside (the first token of each row is no target) and skips -100."""
+        return int((y[:, 1:] != -100).sum()) if self.hf else int((y != -1).sum())
+
+    def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.hf:  # the model's mean over its targets, back to their sum
+            return self.model(input_ids=x, labels=y).loss * self._targets(y)
+        return self.model(x, y)[1]
+
     def _reduce_grads(self) -> None:
+        if self.tp > 1:  # replicated weights that see only this rank's heads (Qwen3's q/k norms)
+            for name, p in zip(self.names, self.params):
+                if name in self.tp_summed and p.grad is not None:
+                    comm.all_reduce(local(p.grad), group=self.tp_group)
         if self.dp > 1:
             for p in self.params:
                 if p.grad is not None:

@@ -232,8 +232,8 @@ def _strategies(model: Any, example: Any, *, params, batch, seq, precision, opti
             raise ConfigError("sequence_parallel and vocab_parallel need strategy 'tensor' on a model name or "
                               "gpt:/llama: spec")
         if strategy in ("pipeline", "tensor"):
-            raise ConfigError(f"strategy {strategy} cuts memfit's GPT: give a gpt:/llama: spec or a known name "
-                              "(without LoRA adapters)")
+            raise ConfigError(f"strategy {strategy} cuts memfit's GPT or a Hugging Face causal LM: give a known "
+                              "name, a gpt:/llama: spec or a config.json (without LoRA adapters), not a module")
         est = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                         zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
                         device_memory=device_memory, loss_fn=loss_fn, lora=lora, worst=routing == "worst", gpu=gpu,

@@ -11,6 +11,9 @@ them (memfit.measure.pipeline_trace): GPipe runs every forward before the first 
 min(M, stages - r) forwards of warm-up on rank r; with checkpointing each block's recompute during
 backward is traced beside the held outputs, sends and gradients. Its figures are the rank's.
 
+A Hugging Face causal LM is cut as memfit.distributed.hf_stages cuts it (its own pipeline plan:
+embeddings, decoder layers, final norm), its loss over the shifted targets.
+
 Tensor (tp ranks per replica, replica batch tp x batch): one trace of the model one TP rank runs,
 built with its local shapes (the column-parallel projections' outputs and the row-parallel ones'
 inputs divided by tp, heads divided by tp; embeddings, norms, row-parallel biases whole). Its
@@ -22,6 +25,10 @@ group of tp ranks runs tp x batch rows and every rank of it computes all of them
 micro-batch b each block saves (R + S / tp) for its replicated part R (norm inputs, the inputs of
 the column-parallel projections) and its sharded part S (q, k, v, attention output, MLP interior),
 Korthikanti et al. 2022's sbh(10 + 24/t) (8 + 24/t without dropout). Each row says its `rows`.
+
+A Hugging Face causal LM is cut by its own tensor plan (memfit.distributed.hf_tensor): the plan's
+column-parallel projections' outputs and row-parallel ones' inputs divided by tp, the rest whole,
+as torch's parallelize_module leaves each rank's shards.
 
 Sequence parallelism (Megatron-LM's; memfit's runtime does not run it, so this is an estimate
 only): norms, dropouts and the residual stream on s/tp tokens, and the column-parallel projections
@@ -51,15 +58,16 @@ CATS = ("params", "grads", "optimizer", "activations", "temporaries")
 def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | None = None,
                    schedule: str = "1f1b", precision: str = "32-true", optimizer: str = "adamw",
                    checkpoint: str = "none", accum: int = 1) -> list[dict]:
-    cfg, m = spec.config, microbatches or world
-    check_pipeline(cfg.layers, world, batch * world, m, schedule)
+    m = microbatches or world
+    layers, _ = blocks_of(spec)
+    check_pipeline(layers, world, batch * world, m, schedule)
     b = batch * world // m
     out = []
     for r in range(world):
         cats = trace_stage(spec, r, world, m, b, seq, schedule, precision, optimizer, checkpoint, accum=accum)
         row = {"rank": r, "strategy": "pipeline", "world": world, "gathered": 0, "in_flight": 0,
                **{c: cats[c] for c in ("params", "grads", "optimizer", "activations", "temporaries")},
-               "blocks": len(stage_blocks(cfg.layers, world, r)),
+               "blocks": len(stage_blocks(layers, world, r)),
                "microbatches_in_flight": m if schedule == "gpipe" else min(m, world - r), "microbatch_rows": b}
         row["total"] = sum(row[c] for c in ("params", "grads", "optimizer", "activations", "temporaries"))
         out.append(row)
@@ -89,13 +97,60 @@ def local_tp_gpt(spec, seq: int, tp: int, vocab_parallel: bool = False) -> nn.Mo
     return gpt
 
 
+def local_tp_hf(spec, seq: int, tp: int) -> nn.Module:
+    """A Hugging Face causal LM with the shapes one TP rank of its tensor plan holds."""
+    from memfit.distributed.hf_tensor import localize_hf
+
+    return localize_hf(spec.build(seq), tp)
+
+
+def local_tp_model(spec, seq: int, tp: int, vocab_parallel: bool = False) -> nn.Module:
+    """One TP rank's model: memfit's GPT (local_tp_gpt) or a Hugging Face causal LM (local_tp_hf)."""
+    if spec.config is not None:
+        return local_tp_gpt(spec, seq, tp, vocab_parallel)
+    if vocab_parallel:
+        from memfit.core.errors import ConfigError
+
+        raise ConfigError("vocabulary parallelism is estimated for memfit's GPT only; drop --vocab-parallel for a "
+                          "Hugging Face config (its plan keeps the embeddings and head whole)")
+    return local_tp_hf(spec, seq, tp)
+
+
+def check_tensor_spec(spec, world: int, tp: int) -> None:
+    """check_tensor for memfit's GPT or a Hugging Face config (whose family must ship a tensor plan)."""
+    if spec.config is not None:
+        check_tensor(spec.config.heads, spec.config.kv_heads or spec.config.heads, world, tp)
+        return
+    from memfit.distributed.hf_tensor import heads_of, hf_tp_plan
+
+    model = spec.on_meta()
+    check_tensor(*heads_of(model.config), world, tp)
+    hf_tp_plan(model)
+
+
+def blocks_of(spec, pipeline: bool = True) -> tuple[int, str]:
+    """(repeated blocks, their module-name prefix): memfit's GPT's `blocks`, a Hugging Face model's layers
+    (`pipeline`: of a family memfit.distributed.hf_stages cuts, refused otherwise)."""
+    if spec.config is not None:
+        return spec.config.layers, "blocks"
+    from memfit.distributed.hf_stages import check_hf_pipeline
+    from memfit.distributed.hf_tensor import hf_layers
+
+    model = spec.on_meta()
+    if pipeline:
+        check_hf_pipeline(model.config)
+    name, stack = hf_layers(model)
+    return len(stack), name
+
+
 def tensor_ranks(spec, batch: int, seq: int, world: int, tp: int | None = None, precision: str = "32-true",
                  optimizer: str = "adamw", checkpoint: str = "none", sequence_parallel: bool = False,
                  vocab_parallel: bool = False) -> list[dict]:
-    cfg, tp = spec.config, tp or world
-    check_tensor(cfg.heads, cfg.kv_heads or cfg.heads, world, tp)
+    tp = tp or world
+    check_tensor_spec(spec, world, tp)
     rows = batch * tp  # the TP group's rows: every rank of it computes all of them
-    t = trace_step(lambda: local_tp_gpt(spec, seq, tp, vocab_parallel), rows, seq, precision, optimizer, checkpoint)
+    t = trace_step(lambda: local_tp_model(spec, seq, tp, vocab_parallel), rows, seq, precision, optimizer,
+                   checkpoint)
     cats = {c: getattr(t, c) for c in CATS}
     if sequence_parallel and tp > 1:
         cats = _sequence_parallel_peak(spec, t, rows, seq, tp, precision, optimizer, checkpoint)
@@ -105,9 +160,9 @@ def tensor_ranks(spec, batch: int, seq: int, world: int, tp: int | None = None, 
     return [{"rank": r, **row} for r in range(world)]
 
 
-def block_saved(module_activations: dict[str, int], layers: int) -> list[int]:
+def block_saved(module_activations: dict[str, int], layers: int, prefix: str = "blocks") -> list[int]:
     """Bytes each repeated block saves for backward, from a trace's per-module figures."""
-    return [module_activations.get(f"blocks.{i}", 0) for i in range(layers)]
+    return [module_activations.get(f"{prefix}.{i}", 0) for i in range(layers)]
 
 
 def _sequence_parallel_peak(spec, tp_trace, rows: int, seq: int, tp: int, precision: str, optimizer: str,
@@ -117,9 +172,9 @@ def _sequence_parallel_peak(spec, tp_trace, rows: int, seq: int, tp: int, precis
     share of the blocks' saved bytes, read from its activations beyond what the embeddings and head save
     (between 0 and all of them); that share of the saving comes off it, and the highest moment wins."""
     whole = trace_step(spec, rows, seq, precision, optimizer, checkpoint)
-    layers = spec.config.layers
-    local = block_saved(tp_trace.module_activations, layers)
-    full = block_saved(whole.module_activations, layers)
+    layers, prefix = blocks_of(spec, pipeline=False)
+    local = block_saved(tp_trace.module_activations, layers, prefix)
+    full = block_saved(whole.module_activations, layers, prefix)
     saving, held = sum(max(0, lo - fu // tp) for lo, fu in zip(local, full)), sum(local)
     outside = max(tp_trace.module_activations.values(), default=0) - held  # embeddings' and head's saved bytes
     best = None

@@ -40,14 +40,14 @@ def trace_stage(spec, rank: int, stages: int, microbatches: int, rows: int, seq:
     from memfit.core.tracker import track
 
     with fake_mode():
-        stage, opt, cfg = _build(spec, rank, stages, seq, precision, optimizer, checkpoint)
+        stage, opt, (hidden, vocab, hf) = _build(spec, rank, stages, seq, precision, optimizer, checkpoint)
         first, last = rank == 0, rank == stages - 1
-        dtype = _sent_dtype(stage, opt, rows, seq, first, cfg)
-        recv = [torch.empty(rows, seq, cfg.hidden, dtype=dtype) for _ in range(microbatches)] if not first else []
-        grad_in = [torch.empty(rows, seq, cfg.hidden, dtype=dtype) for _ in range(microbatches)] if not last else []
-        batches = [[torch.randint(0, cfg.vocab, (rows * microbatches, seq)) for _ in range(accum)]
+        dtype = opt.mode.param_dtype if hf else _sent_dtype(stage, opt, rows, seq, hidden)
+        recv = [torch.empty(rows, seq, hidden, dtype=dtype) for _ in range(microbatches)] if not first else []
+        grad_in = [torch.empty(rows, seq, hidden, dtype=dtype) for _ in range(microbatches)] if not last else []
+        batches = [[torch.randint(0, vocab, (rows * microbatches, seq)) for _ in range(accum)]
                    for _ in range(steps)]
-        run = _Stage(stage, opt, recv, grad_in, first, last)
+        run = _Stage(stage, opt, recv, grad_in, first, last, hf)
         for s, xs in enumerate(batches):
             tracker = track(stage, opt, device="cpu") if s == steps - 1 else None
             with tracker if tracker is not None else contextlib.nullcontext():
@@ -61,33 +61,38 @@ def trace_stage(spec, rank: int, stages: int, microbatches: int, rows: int, seq:
 
 
 def _build(spec, rank: int, stages: int, seq: int, precision: str, optimizer: str, checkpoint: str):
-    """The stage module and its optimizer, as PipelineOptimizer makes them (without a process group)."""
-    from memfit.apply.checkpoint import applied, checkpoint as apply_checkpoint, remove
+    """The stage module and its optimizer, as PipelineOptimizer makes them (without a process group), and
+    (hidden size, vocabulary, whether a Hugging Face model)."""
+    from memfit.apply.checkpoint import checkpoint as apply_checkpoint
     from memfit.distributed.mp_optimizer import ModelParallelOptimizer
-    from memfit.distributed.stages import cut_to_stage, mark_tied
+    from memfit.distributed.pipeline import _blocks_of, cut_stage
+    from memfit.distributed.stages import stage_blocks
 
-    gpt = spec.build(seq=seq)
-    gpt.train()
-    apply_checkpoint(gpt, checkpoint)
-    policy = applied(gpt)
-    actions = policy.actions if policy is not None else None
-    remove(gpt)
-    mark_tied(gpt)
-    stage = cut_to_stage(gpt, rank, stages)
-    own = [i for i, b in enumerate(gpt.blocks) if not isinstance(b, nn.Identity)]
-    if actions is not None:
+    model = spec.build(seq=seq)
+    model.train()
+    hf, layers = _blocks_of(model)
+    from memfit.apply.policy import resolve_policy
+
+    actions = resolve_policy(checkpoint, len(layers))
+    stage = cut_stage(model, rank, stages, hf)
+    own = stage_blocks(len(layers), stages, rank)
+    if not all(a.is_plain for a in actions):
         apply_checkpoint(stage, [actions[i] for i in own], blocks=stage.blocks)
     opt = ModelParallelOptimizer.__new__(ModelParallelOptimizer)
-    opt._make_inner(stage, list(gpt.named_parameters()), optimizer, 1e-3, 0.0, precision, None, None, None, None, {})
+    opt._make_inner(stage, list(model.named_parameters()), optimizer, 1e-3, 0.0, precision, None, None, None, None,
+                    {})
     opt.scaler = None  # the loss scale is a scalar: its overflow check needs the world, not memory
-    return stage, opt, gpt.cfg
+    if hf:
+        return stage, opt, (model.config.hidden_size, model.config.vocab_size, True)
+    return stage, opt, (model.cfg.hidden, model.cfg.vocab, False)
 
 
-def _sent_dtype(stage: nn.Module, opt, rows: int, seq: int, first: bool, cfg) -> torch.dtype:
-    """The dtype of the hidden states between stages: what a block returns under the step's autocast."""
+def _sent_dtype(stage: nn.Module, opt, rows: int, seq: int, hidden: int) -> torch.dtype:
+    """The dtype of the hidden states between stages: what a block returns under the step's autocast
+    (a Hugging Face layer: the residual stream's, the weights' dtype)."""
     block = next(iter(stage.blocks))
     with torch.no_grad(), opt.autocast():
-        h = torch.empty(rows, seq, cfg.hidden, dtype=opt.mode.param_dtype)
+        h = torch.empty(rows, seq, hidden, dtype=opt.mode.param_dtype)
         out = block(h)
     return (out[0] if isinstance(out, tuple) else out).dtype
 
@@ -95,9 +100,9 @@ def _sent_dtype(stage: nn.Module, opt, rows: int, seq: int, first: bool, cfg) ->
 class _Stage:
     """torch's PipelineStage's forward_one_chunk / backward_one_chunk and its caches, on one process."""
 
-    def __init__(self, module, opt, recv, grad_in, first: bool, last: bool) -> None:
+    def __init__(self, module, opt, recv, grad_in, first: bool, last: bool, hf: bool = False) -> None:
         self.module, self.opt, self.recv, self.grad_in = module, opt, recv, grad_in
-        self.first, self.last = first, last
+        self.first, self.last, self.hf = first, last, hf
         self.cache: dict[int, tuple] = {}
         self.losses: list[torch.Tensor] = []
         self.mbs: tuple = ()
@@ -106,7 +111,7 @@ class _Stage:
     def start(self, mbs: tuple) -> None:
         """clear_runtime_states and the step's split: the input buffers' gradients are dropped."""
         self.cache, self.losses, self.mbs = {}, [], mbs
-        self.total = float(sum(m.numel() for m in mbs))
+        self.total = float(sum(m[:, 1:].numel() if self.hf else m.numel() for m in mbs))
         for b in self.recv:
             b.grad = None
 
@@ -115,8 +120,13 @@ class _Stage:
         out = self.module(inp)
         self.cache[i] = (out, inp)
         if self.last:  # PipelineOptimizer._loss: the summed cross-entropy over the global token count
-            loss = F.cross_entropy(out.reshape(-1, out.size(-1)), self.mbs[i].reshape(-1), ignore_index=-1,
-                                   reduction="sum")
+            if self.hf:
+                from memfit.distributed.hf_stages import hf_shifted
+
+                loss = F.cross_entropy(*hf_shifted(out, self.mbs[i]), ignore_index=-100, reduction="sum")
+            else:
+                loss = F.cross_entropy(out.reshape(-1, out.size(-1)), self.mbs[i].reshape(-1), ignore_index=-1,
+                                       reduction="sum")
             self.losses.append(self.opt.scaled(loss / self.total))
         return out
 

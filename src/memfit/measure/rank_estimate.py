@@ -48,9 +48,9 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
     if strategy in MODEL_PARALLEL:
         from memfit.measure.parallel_estimate import pipeline_ranks, tensor_ranks
 
-        if spec.config is None:
-            raise ConfigError(f"strategy {strategy} cuts memfit's GPT; give a gpt:/llama: spec or a known name, "
-                              "not a Hugging Face config")
+        if spec.config is None and spec.task not in (None, "causal-lm"):
+            raise ConfigError(f"strategy {strategy} cuts a causal LM; this config is a {spec.task} model: use a "
+                              "data-parallel strategy (ddp, zero1-3)")
         common = dict(precision=one.precision, optimizer=one.optimizer, checkpoint=one.checkpoint)
         if strategy == "pipeline":
             rows = pipeline_ranks(spec, one.batch, one.seq, world, microbatches, schedule, accum=accum, **common)

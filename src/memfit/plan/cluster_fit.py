@@ -67,12 +67,15 @@ def problem_of(model: Any, budget: Any, interconnect, nodes, batch, seq, precisi
     from memfit.models.spec import parse_model
 
     spec = parse_model(model) if isinstance(model, str) else model
-    if getattr(spec, "config", None) is None:
-        raise ConfigError("a cluster plan cuts memfit's GPT (pipeline stages, TP shapes): give a known name or a "
-                          "gpt:/llama: spec, not a module or a Hugging Face config")
+    if getattr(spec, "config", None) is None and getattr(spec, "hf_config", None) is None:
+        raise ConfigError("a cluster plan lays out memfit's GPT or a Hugging Face causal LM: give a known name, a "
+                          "gpt:/llama: spec or a config.json, not a module")
+    from memfit.plan.cluster_shape import shape_of
+
+    shape_of(spec)  # a config.json that is no causal LM fails here, before any trace
     allowed = parse_allow(allow, device)
     precisions = (precision,) + (("bf16-master",) if "precision" in allowed and precision != "bf16-master" else ())
-    seq = seq or min(spec.config.seq or 1024, 4096)
+    seq = seq or min(spec.seq or 1024, 4096)
     host = None
     if device == "cpu":
         host, flops, interconnect = _host(model, spec, seq, precision, optimizer, flops, cores, interconnect)
@@ -165,7 +168,7 @@ def _checked(p: ClusterProblem, rows: list[Row], verify: bool) -> tuple[tuple[Ro
     for row in feasible[:MAX_REFUSED]:
         if not verify:
             return (row, None), notes
-        traced = traced_peak(p.spec, row.layout, p.seq, actions_of(row.layout, p.spec.config.layers))
+        traced = traced_peak(p.spec, row.layout, p.seq, actions_of(row.layout, p.cfg.layers))
         if traced <= p.budget:
             return (row, traced), notes
         notes.append(f"refused by the full trace ({format_bytes(traced)} > budget): {row.layout.strategy} "
@@ -175,10 +178,11 @@ def _checked(p: ClusterProblem, rows: list[Row], verify: bool) -> tuple[tuple[Ro
 
 def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibrated: bool) -> ClusterPlan:
     row, traced = chosen
-    lay, layers = row.layout, p.spec.config.layers
+    lay, layers = row.layout, p.cfg.layers
     b, a = per_process_batch(lay)
     # The per-process plan carries the sequence length every figure was made for: without it
     # `memfit train --plan FILE` ran at its own default --seq and the ranks went over the budget.
+    name = p.spec.name if p.spec.config is not None else str(p.spec.hf_config)  # what memfit train launches
     single = Plan(model=p.spec.name, budget=p.budget, actions=actions_of(lay, layers), micro_batch=b, accumulation=a,
                   optimizer=lay.optimizer, precision=lay.precision, offload_optimizer=lay.offload_optimizer,
                   predicted_peak=row.peak, predicted_time=row.time["total"], n_blocks=layers,
@@ -193,10 +197,15 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
         notes.append(f"optimizer offload: each rank's optimizer state and gradients ({format_bytes(host_per_rank(p, lay))})"
                      " live in host memory")
     host_text = describe(row.host, p.host_memory, p.host_source, " per node")
-    return ClusterPlan(model=p.spec.name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
+    if p.cfg.why_not:
+        notes.append(p.cfg.why_not)
+    if p.spec.config is None and lay.strategy in ("tensor", "pipeline"):
+        notes.append(f"memfit train runs {lay.strategy} on memfit's GPT only: run this layout of a Hugging Face "
+                     f"model with memfit.distributed.distribute(model, {lay.strategy!r}, ...) under torchrun")
+    return ClusterPlan(model=name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
                        ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
                        time_basis=_basis(p.flops, calibrated, p.host), interconnect=link, global_batch=p.batch, seq=p.seq,
-                       plan=single.to_json(), traced_peak=traced, ranked=[_brief(r) for r in rows[:20]], notes=notes,
+                       plan=single.to_json(), traced_peak=traced, ranked=_ranked(rows), notes=notes,
                        host_memory=p.host_memory, host_need=row.host, host_text=host_text)
 
 
@@ -204,7 +213,25 @@ def _digest(spec) -> str:
     """The configuration digest memfit train checks a plan file against (memfit.plan.fit.model_digest)."""
     import hashlib
 
+    if spec.config is None:  # a config.json: its sorted contents, as memfit.plan.fit digests it (tested equal)
+        import json
+
+        text = json.dumps(json.loads(spec.hf_config.read_text()), sort_keys=True) + repr(spec.lora)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
     return hashlib.sha256(repr(spec.config).encode()).hexdigest()[:16]
+
+
+def _ranked(rows: list[Row], top: int = 20) -> list[dict]:
+    """The `top` fastest rows, then the fastest of each strategy (and pipeline schedule) not among them, so
+    that the table shows every kind of layout the search weighed."""
+    kind = lambda r: (r.layout.strategy, r.layout.schedule if r.layout.strategy == "pipeline" else "")  # noqa: E731
+    shown = rows[:top]
+    seen = {kind(r) for r in shown}
+    for r in rows[top:]:
+        if kind(r) not in seen:
+            seen.add(kind(r))
+            shown.append(r)
+    return [_brief(r) for r in shown]
 
 
 def _brief(r: Row) -> dict:

@@ -135,10 +135,11 @@ def rank_peaks(lay: Layout, unit: UnitProfile, layers: int, tied: bool = False) 
         t_bwd = unit.temps[1] * lay.rows // 2
         t_step = int(unit.temps[0] * min(1.0, shard / max(one_block, 1)))
         bwd_grads = grads
-        if lay.accum == 1 and lay.strategy in ("none", "zero1", "zero2", "zero3"):
+        if lay.accum == 1 and lay.strategy in ("none", "zero1", "zero2", "zero3", "tensor"):
             # made (ZeRO-2/3: reduced) during backward as the activations are freed: at its peak (its
             # start), the head's and one block's; DDP's buckets and an earlier micro-batch's gradients
-            # are there throughout
+            # are there throughout. A TP rank's shards too (reduced over dp at the step only): its
+            # traced and tracked peaks hold no gradients (tests/test_plan_cluster_hf.py)
             bwd_grads = int(grads * min(1.0, (unit.head_numel + unit.block_numel) / max(numel, 1)))
         bwd_extra = 0 if lay.zero == 1 else extra  # ZeRO-1's flat bucket: at the step only
         row = {"rank": r, "params": params, "optimizer": opt, "grad_bytes": grads,

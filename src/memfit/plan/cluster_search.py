@@ -47,6 +47,13 @@ class ClusterProblem:
     """Host memory per node (bytes, memfit.plan.host_memory): a layout needing more is not feasible."""
     host_source: str = ""
 
+    @property
+    def cfg(self):
+        """The model's shape (memfit.plan.cluster_shape): memfit's GPT or a Hugging Face causal LM."""
+        from memfit.plan.cluster_shape import shape_of
+
+        return shape_of(self.spec)
+
     def unit(self, tp: int, precision: str):
         key = (tp, precision)
         if key not in self.units:
@@ -85,7 +92,7 @@ def _splits(per: int, allowed) -> list[tuple[int, int]]:
 
 
 def layouts(p: ClusterProblem, n: int) -> list[Layout]:
-    cfg, out = p.spec.config, []
+    cfg, out = p.cfg, []
     if p.batch % n:
         return out
     per = p.batch // n  # memfit train's --batch: sequences per process per step
@@ -98,11 +105,11 @@ def layouts(p: ClusterProblem, n: int) -> list[Layout]:
                 out += [Layout(strategy, dp=n, rows=rows, accum=acc, offload_optimizer=o, head_chunks=h, **base)
                         for o in offs for h in heads]
         for tp in _divisors(n)[1:]:
-            if tp <= p.tp_max and cfg.heads % tp == 0 and (cfg.kv_heads or cfg.heads) % tp == 0:
+            if cfg.tp and tp <= p.tp_max and cfg.heads % tp == 0 and (cfg.kv_heads or cfg.heads) % tp == 0:
                 out += [Layout("tensor", dp=n // tp, tp=tp, rows=tp * b, accum=acc, **base)
                         for b, acc in _splits(per, p.allowed)]
         for pp in _divisors(n)[1:]:
-            if pp > cfg.layers:
+            if pp > cfg.layers or not cfg.pp:
                 continue
             replica = pp * per
             for m in _divisors(replica):
@@ -116,7 +123,7 @@ def layouts(p: ClusterProblem, n: int) -> list[Layout]:
 
 def _over_floor(p: ClusterProblem, lay: Layout) -> bool:
     """Whether the model states alone exceed the budget on some rank (decided without a trace)."""
-    cfg = p.spec.config
+    cfg = p.cfg
     unit = states_only(p.spec, p.seq, lay.tp)
     probe = replace(lay, counts=[(0, 0, 0)] * lay.pp)
     tied = bool(getattr(cfg, "tied_embeddings", False))
@@ -127,7 +134,7 @@ def _solve(p: ClusterProblem, lay: Layout) -> Layout | None:
     """The layout with its per-stage block counts, or None when no counts fit."""
     if _over_floor(p, lay):
         return None
-    unit, cfg = p.unit(lay.tp, lay.precision), p.spec.config
+    unit, cfg = p.unit(lay.tp, lay.precision), p.cfg
     tied = bool(getattr(cfg, "tied_embeddings", False))
     block_f = 2 * unit.block_numel * p.seq  # forward FLOPs of one block per sequence (ratios only)
     out = []
@@ -150,7 +157,7 @@ def _solve(p: ClusterProblem, lay: Layout) -> Layout | None:
 
 def evaluate(p: ClusterProblem, lay: Layout) -> Row:
     """Peak and time of a layout whose counts are set (or the all-keep figures when they are not)."""
-    cfg = p.spec.config
+    cfg = p.cfg
     unit = p.unit(lay.tp, lay.precision)
     ranks = rank_peaks(lay, unit, cfg.layers, bool(getattr(cfg, "tied_embeddings", False)))
     peak = max(r["total"] for r in ranks)
@@ -164,8 +171,8 @@ def host_per_rank(p: ClusterProblem, lay: Layout) -> int:
     way to the host step), the largest rank's; else none that the plan puts there."""
     if not lay.offload_optimizer:
         return 0
-    on = rank_peaks(replace(lay, offload_optimizer=None), p.unit(lay.tp, lay.precision), p.spec.config.layers,
-                    bool(getattr(p.spec.config, "tied_embeddings", False)))
+    on = rank_peaks(replace(lay, offload_optimizer=None), p.unit(lay.tp, lay.precision), p.cfg.layers,
+                    bool(getattr(p.cfg, "tied_embeddings", False)))
     return max(r["optimizer"] + r["grad_bytes"] for r in on)
 
 
@@ -185,7 +192,7 @@ def candidates(p: ClusterProblem, n: int) -> list[Row]:
             rows.append(evaluate(p, solved))
         elif _over_floor(p, lay):  # no trace for a layout whose states alone do not fit
             rows.append(Row(lay, max(r["total"] for r in rank_peaks(replace(lay, counts=[(0, 0, 0)] * lay.pp),
-                            states_only(p.spec, p.seq, lay.tp), p.spec.config.layers)), [], {"total": 0.0,
+                            states_only(p.spec, p.seq, lay.tp), p.cfg.layers)), [], {"total": 0.0,
                             "comm_bytes": 0}, False, p.batch * p.seq))
         else:
             rows.append(replace(evaluate(p, lay), feasible=False))

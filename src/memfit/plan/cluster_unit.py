@@ -3,8 +3,9 @@
     u = unit_profile(spec, seq=4096, tp=8, precision="bf16-master", optimizer="adamw")
     u.block_numel, u.saved["keep"], u.head_saved, u.temporaries(rows=2)
 
-From three short traces under FakeTensorMode (nothing allocated) of memfit's GPT cut to one block,
-built with the shapes one tensor-parallel rank holds (memfit.measure.parallel_estimate.local_tp_gpt;
+From three short traces under FakeTensorMode (nothing allocated) of the model (memfit's GPT or a Hugging
+Face causal LM: memfit.plan.cluster_shape.unit_model) cut to one block, built with the shapes one
+tensor-parallel rank holds (memfit.measure.parallel_estimate.local_tp_gpt, local_tp_hf;
 tp=1 is the plain model): checkpoint none and selective at one sequence, and none at two (a recomputed block saves only
 its input, the hidden states, counted from the shapes).
 Their per-module saved bytes (module_activations) give what a block saves for backward under each
@@ -62,22 +63,18 @@ class UnitProfile:
         return self.embed_numel + self.head_numel
 
 
-def _one_block(spec):
-    return dataclasses.replace(spec, config=dataclasses.replace(spec.config, layers=1))
-
-
 def _counts(spec, seq: int, tp: int) -> tuple[int, int, int, int, int]:
     from memfit.measure.fake_mode import fake_mode
-    from memfit.measure.parallel_estimate import local_tp_gpt
     from memfit.models.spec import _no_init
+    from memfit.plan.cluster_shape import names_of, unit_model
 
     out = []
     for layers in (1, 2):
-        cut = dataclasses.replace(spec, config=dataclasses.replace(spec.config, layers=layers))
         with fake_mode(), _no_init():
-            m = local_tp_gpt(cut, seq, tp)
+            m = unit_model(spec, seq, tp, layers)
             ps = [p for p in m.parameters()]
-            embed = sum(e.weight.numel() for e in (getattr(m, "tok", None), getattr(m, "pos", None)) if e is not None)
+            embed = sum(m.get_submodule(n).weight.numel() for n in names_of(m)[1]
+                        if getattr(m, n.split(".")[0], None) is not None)
             out.append((sum(p.numel() for p in ps), len(ps), embed))
     (n1, t1, embed), (n2, t2, _) = out
     block, block_t = n2 - n1, t2 - t1
@@ -85,28 +82,35 @@ def _counts(spec, seq: int, tp: int) -> tuple[int, int, int, int, int]:
 
 
 def _traced(spec, seq: int, tp: int, precision: str, optimizer: str) -> dict:
-    from memfit.measure.parallel_estimate import local_tp_gpt
-    from memfit.measure.trace import trace_step
+    import torch
 
-    one = _one_block(spec)
-    build = lambda: local_tp_gpt(one, seq, tp)  # noqa: E731
+    from memfit.measure.trace import trace_step
+    from memfit.models.spec import _no_init
+    from memfit.plan.cluster_shape import names_of, shape_of, unit_model
+
+    build = lambda: unit_model(spec, seq, tp, 1)  # noqa: E731
     runs = {a: trace_step(build, 1, seq, precision, optimizer, _CHECKPOINT[a]) for a in ACTIONS[:2]}
     two = trace_step(build, 2, seq, precision, optimizer, "none")
     keep = runs["keep"].module_activations
-    embed = keep.get("tok", 0) + keep.get("pos", 0)
-    saved = {a: r.module_activations.get("blocks.0", 0) for a, r in runs.items()}
-    cfg = spec.config
+    with torch.device("meta"), _no_init():
+        probe = unit_model(spec, seq, 1, 1)
+    (block, embeds), root = names_of(probe), type(probe).__name__  # the tracker's names of its modules
+    embed = sum(keep.get(n, 0) for n in embeds)
+    saved = {a: r.module_activations.get(block, 0) for a, r in runs.items()}
+    cfg = shape_of(spec)
     # a recomputed block saves only its input: the residual stream (fp32 under autocast)
     saved["recompute"] = seq * cfg.hidden * (2 if precision.startswith(("bf16", "16")) and
                                               not precision.endswith("-mixed") else 4)
-    return {"saved": saved, "embed_saved": embed, "head_saved": max(keep.get("GPT", 0) - saved["keep"] - embed, 0),
+    return {"saved": saved, "embed_saved": embed, "head_saved": max(keep.get(root, 0) - saved["keep"] - embed, 0),
             "logits": seq * cfg.vocab * 4, "temps": [runs["keep"].temporaries, two.temporaries],
             "boundary": saved["recompute"]}  # a recomputed block saves its input: the hidden states
 
 
 def states_only(spec, seq: int, tp: int) -> UnitProfile:
     """The element counts alone (no trace; activations zero): a floor that rules layouts out cheaply."""
-    key = ("numel", repr(spec.config), seq, tp)
+    from memfit.plan.cluster_shape import shape_of
+
+    key = ("numel", shape_of(spec).key, seq, tp)
     if key not in _MEMO:
         block, embed, head, bt, rt = _counts(spec, seq, tp)
         _MEMO[key] = UnitProfile(tp, block, embed, head, bt, rt, dict.fromkeys(ACTIONS, 0), 0, 0, 0, (0, 0), 0)
@@ -114,8 +118,10 @@ def states_only(spec, seq: int, tp: int) -> UnitProfile:
 
 
 def unit_profile(spec, seq: int, tp: int, precision: str, optimizer: str) -> UnitProfile:
-    """The unit for memfit's GPT `spec` (a ModelSpec with a GPTConfig) at this TP degree."""
-    key = {"v": _VERSION, "spec": repr(spec.config), "seq": seq, "tp": tp, "precision": precision,
+    """The unit for `spec` (memfit's GPT or a Hugging Face causal LM: memfit.plan.cluster_shape) at this TP degree."""
+    from memfit.plan.cluster_shape import shape_of
+
+    key = {"v": _VERSION, "spec": shape_of(spec).key, "seq": seq, "tp": tp, "precision": precision,
            "optimizer": optimizer}
     memo = tuple(sorted((k, str(v)) for k, v in key.items()))
     got = _MEMO.get(memo)

@@ -15,8 +15,9 @@ def precheck_model_parallel(cfg: Any, world: int | None, resuming: bool) -> None
 
     config = getattr(parse_model(cfg.model), "config", None)
     if config is None or not hasattr(config, "layers"):
-        raise ConfigError(f"--strategy {cfg.strategy} needs memfit's GPT (a gpt:/llama: spec or a known name), "
-                          f"not {cfg.model!r}")
+        raise ConfigError(f"memfit train runs --strategy {cfg.strategy} on memfit's GPT (a gpt:/llama: spec or a "
+                          f"known name), not {cfg.model!r}; a Hugging Face model runs it through "
+                          f"memfit.distributed.distribute(model, {cfg.strategy!r}, ...), or train it with ddp or zero1-3")
     if world is None:
         return
     if cfg.strategy == "pipeline":
