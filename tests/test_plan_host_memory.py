@@ -18,7 +18,7 @@ MiB = 2**20
 
 
 def test_one_gpu_plan_reports_the_offloaded_state_as_host_memory_and_respects_a_smaller_host():
-    allow = "recompute,selective,optimizer-offload"  # no accumulation: nothing else fits 8 MiB
+    allow = "recompute,optimizer-offload"  # no accumulation: nothing else fits 8 MiB
     plan = memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False, allow=allow)
     assert plan.offload_optimizer == "cpu"  # the budget needs it (the control for the refusal below)
     local = torch.cuda.is_available()  # planned for a GPU elsewhere: a GPU's share of a DGX node
