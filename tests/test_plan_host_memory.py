@@ -18,7 +18,7 @@ MiB = 2**20
 
 
 def test_one_gpu_plan_reports_the_offloaded_state_as_host_memory_and_respects_a_smaller_host():
-    allow = "recompute,selective,optimizer-offload"  # no accumulation: nothing else fits 8 MiB
+    allow = "recompute,optimizer-offload"  # no accumulation: nothing else fits 8 MiB
     plan = memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False, allow=allow)
     assert plan.offload_optimizer == "cpu"  # the budget needs it (the control for the refusal below)
     local = torch.cuda.is_available()  # planned for a GPU elsewhere: a GPU's share of a DGX node
@@ -32,10 +32,12 @@ def test_one_gpu_plan_reports_the_offloaded_state_as_host_memory_and_respects_a_
 
 
 def test_on_a_cpu_device_the_whole_step_counts_against_host_memory():
-    plan = memfit.fit(SPEC, budget="64MiB", batch=4, seq=64, device="cpu")
+    # One technique is enough (the whole set took 13 CPU-s): what is checked is how the chosen plan's
+    # host memory is counted, which does not depend on how many kinds the search tried.
+    plan = memfit.fit(SPEC, budget="64MiB", batch=4, seq=64, device="cpu", allow="recompute")
     assert plan.host_need >= plan.measured_peak  # one RAM: the device peak is host memory too
     with pytest.raises(PlanError, match="host memory"):
-        memfit.fit(SPEC, budget="64MiB", batch=4, seq=64, device="cpu", host_memory="1MiB")
+        memfit.fit(SPEC, budget="64MiB", batch=4, seq=64, device="cpu", allow="recompute", host_memory="1MiB")
 
 
 def test_cluster_plan_holds_each_node_to_its_host_memory():

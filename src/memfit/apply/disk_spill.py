@@ -4,7 +4,7 @@ write each spilled tensor to its own file and read it back.
 Files are created 0600 and deleted when read, or when their tensor is no longer needed (also after
 an exception, see `discard`); the folder is removed on close, at exit, or after kill -9 by the
 next run that spills under the same root. A failed write (a full disk) is kept as a message and
-raised as SpillError in the training thread.
+raised as SpillError in the training thread; it also removes every spill file at once (`_fail`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 
 from memfit.apply import compress as codecs
 from memfit.core.errors import MemfitError
-from memfit.core.spill import SpillFolder
+from memfit.core.spill import LOCK_NAME, SpillFolder
 
 
 class SpillError(MemfitError):
@@ -77,6 +77,8 @@ class DiskSpill:
         runs (after the future is set), and on a loaded machine that thread can wait for the
         interpreter long after, holding the saved bytes in RAM with every write reported done."""
         t = box.pop()
+        if self.error is not None:  # an earlier write failed: the step is lost, its reads will raise
+            return
         if ready is not None:
             ready.synchronize()  # the device-to-host copy into `t` has finished
         data = memoryview(codecs.flat_bytes(t).numpy())
@@ -89,19 +91,44 @@ class DiskSpill:
                     data = data[f.write(data):]
         except OSError as exc:
             _remove(path)
-            self.error = spill_error_message(exc, str(self.dir.parent), path)
+            self._fail(spill_error_message(exc, str(self.dir.parent), path))
             raise SpillError(self.error) from None
         finally:
             t = data = None  # also on a failure: the exception's frame would keep the bytes alive
+        if self.error is not None:  # another write failed while this one ran: _fail may have listed
+            _remove(path)           # the folder before this file was created
+            return
         with self._lock:
             self.stats.write_seconds += time.perf_counter() - t0
             self.stats.spilled_bytes += nbytes
             self.stats.files += 1
 
+    def _fail(self, message: str) -> None:
+        """The first failed write: keep its message and remove every spill file now.
+
+        A failed write loses the step: its backward cannot run. The saved tensors already written
+        stay referenced by the step's autograd graph for as long as the caller keeps its loss (a
+        local variable in the training loop, the exception's traceback), so waiting for them to be
+        dropped would leave their files on a full disk. Reads of them raise the same message; writes
+        still queued or running remove their own file (`write` checks `error` after creating it)."""
+        with self._lock:
+            if self.error is None:
+                self.error = message
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        for name in names:
+            if name != LOCK_NAME:
+                _remove(str(self.dir / name))
+
     def read(self, path: str, meta: tuple, buf: torch.Tensor) -> torch.Tensor:
         shape, stride, dtype = meta
         nbytes = buf.numel()
         t0 = time.perf_counter()
+        if self.error is not None:
+            _remove(path)
+            raise SpillError(self.error)
         try:
             with open(path, "rb", buffering=0) as f:
                 view, got = memoryview(buf.numpy()), 0
@@ -111,6 +138,8 @@ class DiskSpill:
                         raise SpillError(f"spill file {path!r} is truncated")
                     got += n
         except OSError as exc:
+            if self.error is not None:  # _fail removed the file while it was being read
+                raise SpillError(self.error) from None
             raise SpillError(f"reading spill file {path!r} failed: {exc.strerror}") from None
         finally:
             _remove(path)
