@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import replace
@@ -37,6 +38,7 @@ from common import run_line, save  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "finetune_recipes.json"
 GIB = 2**30
+UNITS = {"GiB": GIB, "GB": 10**9}
 TOLERANCE = 0.05  # the issue's bound for an estimate against a published peak
 ALLOW = ("recompute", "selective", "offload-cpu", "accumulate", "chunked-head", "optimizer-offload", "step-in-backward")
 REQUIRED = ("name", "source", "row", "config", "published", "model", "gpu", "batch", "seq", "precision", "optimizer",
@@ -53,9 +55,13 @@ def load_recipes(path: Path = DATA) -> dict:
             raise ValueError(f"recipe {r.get('name', '?')!r} lacks {', '.join(missing)}")
         if r["source"] not in data["sources"]:
             raise ValueError(f"recipe {r['name']!r}: unknown source {r['source']!r}")
-        if not isinstance(r["published"].get("peak_gib"), (int, float)):
-            raise ValueError(f"recipe {r['name']!r}: published.peak_gib must be a number")
+        if not isinstance(r["published"].get("peak"), (int, float)) or r["published"].get("unit") not in UNITS:
+            raise ValueError(f"recipe {r['name']!r}: published needs a numeric peak and a unit in {sorted(UNITS)}")
     return data
+
+
+def published_bytes(r: dict) -> float:
+    return r["published"]["peak"] * UNITS[r["published"]["unit"]]
 
 
 def _lora(r: dict) -> str | None:
@@ -91,7 +97,7 @@ def estimate_recipe(r: dict) -> dict:
     paged = cats["optimizer"] if r["paged_optimizer"] else 0
     out["counted"] = {"allocated": traced.cuda_allocated - paged, "reserved": traced.cuda_reserved - paged,
                       "paged_state": paged}
-    published = r["published"]["peak_gib"] * GIB
+    published = published_bytes(r)
     out["ratio"] = {k: out["counted"][k] / published for k in ("allocated", "reserved")}
     out["within"] = any(abs(x - 1) <= TOLERANCE for x in out["ratio"].values())
     return out
@@ -113,7 +119,8 @@ def plan_recipe(r: dict, est: dict) -> dict:
         return {"budget": budget, "error": f"{type(exc).__name__}: {exc}", "cpu_s": round(time.process_time() - t0, 1)}
     rel = plan.predicted_time / plan.baseline_time if plan.baseline_time > 0 else 1.0
     return {"budget": budget, "predicted_peak": plan.predicted_peak, "traced_peak": plan.measured_peak,
-            "relative_time": rel, "micro_batch": plan.micro_batch, "accumulation": plan.accumulation,
+            "relative_time": rel, "predicted_time": plan.predicted_time, "baseline_time": plan.baseline_time,
+            "micro_batch": plan.micro_batch, "accumulation": plan.accumulation,
             "actions": plan.to_json()["actions"], "head_chunks": plan.head_chunks,
             "offload_optimizer": plan.offload_optimizer, "step_in_backward": plan.step_in_backward,
             "notes": plan.notes, "cpu_s": round(time.process_time() - t0, 1)}
@@ -165,17 +172,27 @@ def _estimate_table(rows: list[dict]) -> list[str]:
         e = row["estimate"]
         c = e["counted"]
         paged = f" (less {_g(c['paged_state'])} GiB paged state)" if c["paged_state"] else ""
-        lines.append(f"| {row['name']} | {row['published']['peak_gib']} GiB | {_g(e['plain']['allocated'])} / "
+        lines.append(f"| {row['name']} | {row['published']['peak']} {row['published']['unit']} | {_g(e['plain']['allocated'])} / "
                      f"{_g(e['plain']['reserved'])} GiB | {_g(e['chunked']['allocated'])} / {_g(e['chunked']['reserved'])} GiB"
                      f" | {_g(c['allocated'])} / {_g(c['reserved'])} GiB{paged} | {e['ratio']['allocated']:.3f} / "
                      f"{e['ratio']['reserved']:.3f} | {'yes' if e['within'] else 'no: see the note'} |")
     return lines
 
 
+def _kinds(actions: str) -> str:
+    """A plan's block actions counted by kind (segment tags dropped): 'recompute x17, keep+offload:cpu x15'."""
+    counts: dict[str, int] = {}
+    for item in actions.split(","):
+        kind, _, n = item.partition("*")
+        kind = re.sub(r"\+seg=\d+", "", kind)
+        counts[kind] = counts.get(kind, 0) + (int(n) if n else 1)
+    return ", ".join(f"{k} x{n}" for k, n in counts.items())
+
+
 def _plan_cell(p: dict) -> str:
     if "error" in p:
         return p["error"].split(": ", 1)[-1]
-    parts = [f"micro-batch {p['micro_batch']} x {p['accumulation']}", f"blocks {p['actions']}",
+    parts = [f"micro-batch {p['micro_batch']} x {p['accumulation']}", f"blocks {_kinds(p['actions'])}",
              f"head chunks {p['head_chunks'] or 'none'}"]
     if p["offload_optimizer"]:
         parts.append(f"optimizer offloaded to {p['offload_optimizer']}")
@@ -204,7 +221,8 @@ def snippets(r: dict) -> dict[str, str]:
     src = "; ".join(f"{k}: {v['repo']} {v['path']} at {v['commit'][:12]} ({v['section']})" for k, v in r["sources"].items())
     lines = [f"From `python bench/finetune_recipes.py`, run {r['date']}; recipes and sources in "
              f"`bench/data/finetune_recipes.json` ({src}). Peaks in GiB; ratios are memfit's counted figure over the "
-             "published one (allocated / reserved: the source does not say which counter it reports).", ""]
+             "published one (allocated / reserved: the source does not say which counter it reports); 'within 5%' "
+             "holds when either is.", ""]
     lines += _estimate_table(r["rows"])
     lines += ["", "Times are memfit's FLOP model relative to the step that keeps every activation (the recipe: every layer "
               "recomputed once; its head chunks, torch.compile and paging not charged). Plans allow "

@@ -33,7 +33,7 @@ def test_recipes_are_complete_and_accepted_by_memfit():
         assert re.fullmatch(r"[0-9a-f]{40}", src["commit"]) and src["commit"] in src["url"]
     for r in data["recipes"]:
         assert re.fullmatch(r"[0-9a-f]{40}", r["config"]["commit"]), r["name"]
-        assert r["published"]["peak_gib"] > 0 and str(r["published"]["peak_gib"]) in r["row"], r["name"]
+        assert r["published"]["peak"] > 0 and str(r["published"]["peak"]) in r["row"], r["name"]
         assert parse_model(r["model"]).config.layers > 0
         assert target(r["gpu"]) is not None, r["gpu"]
         precision_mode(r["precision"])
