@@ -7,8 +7,9 @@ The recipes, their sources (repository, path, commit) and their configurations a
 bench/data/finetune_recipes.json, with what the source does not publish and the assumption made. For each:
 1. the estimate as configured: `memfit.estimate(model, device=gpu, batch, seq, precision, optimizer,
    checkpoint, lora, qlora, step_in_backward)` (memfit's plain LM head), and the same step traced with the
-   head and loss in the recipe's chunks (memfit.chunk_head; torchtune's CEWithChunkedOutputLoss runs
-   the output projection and the loss in 8 chunks): the allocated peak and the caching allocator's
+   head and loss in the recipe's chunks (head_chunks, by memfit.chunk_head: torchtune's
+   CEWithChunkedOutputLoss runs the output projection and the loss in 8; null, the plain loss, traces
+   the plain head again): the allocated peak and the caching allocator's
    predicted reserve. A paged optimizer (bitsandbytes' Paged*) keeps its states in CUDA unified memory,
    outside PyTorch's allocator and its counters: the figure torch.cuda.max_memory_* can show is the
    step's less the optimizer state, reported beside it.
