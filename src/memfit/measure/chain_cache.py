@@ -58,7 +58,7 @@ def disk_key(key: tuple) -> dict[str, Any] | None:
 def to_json(p: ChainProfile) -> dict[str, Any]:
     d: dict[str, Any] = {"n_blocks": p.n_blocks, "start": list(p.start), "start_per_block": list(p.start_per_block),
                          "traced_blocks": p.traced_blocks, "bw_temps": p.bw_temps, "seconds": p.seconds,
-                         "grad_bytes": p.grad_bytes,
+                         "grad_bytes": p.grad_bytes, "block_params": p.block_params,
                          "deferred": {k: {kk: list(v) for kk, v in dv.items()} for k, dv in p.deferred.items()},
                          "plain": to_json(p.plain) if p.plain is not None else None}
     for name in _STRETCHES:
@@ -87,6 +87,7 @@ def from_json(d: dict[str, Any]) -> ChainProfile:
         n_blocks=d["n_blocks"], start=tuple(d["start"]), start_per_block=tuple(d["start_per_block"]),
         deferred={k: {kk: tuple(v) for kk, v in dv.items()} for k, dv in d["deferred"].items()},
         traced_blocks=d["traced_blocks"], bw_temps=d["bw_temps"], seconds=d["seconds"], grad_bytes=d.get("grad_bytes"),
+        block_params=d.get("block_params"),
         plain=from_json(d["plain"]) if d["plain"] is not None else None, **kw)
 
 

@@ -105,6 +105,9 @@ class ChainProfile:
     grad_bytes: int | None = None
     """Step-in-backward profiles: bytes of one block's gradients, which their traces free as they arrive
     (a plain profile's block leaves them: fwd + bwd net bytes); the planner's time model reads it."""
+    block_params: int | None = None
+    """Elements of one repeated block's parameters, frozen ones included: the planner's time model counts
+    a block's FLOPs from them (its gradients undercount a LoRA block's, whose base weights are frozen)."""
 
     def actions(self) -> list[BlockAction]:
         return [a for a in (_parse_key(k) for k in self.fwd if "|" not in k)]
@@ -370,7 +373,17 @@ def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, prec
         per_block=per_block, deferred=deferred, fwd=fwd, bwd=bwd, seg_extra=seg_extra, traced_blocks=k,
         first=first, last=last, first_around=fa, last_around=la, first_ckpt=first_ckpt, bw_temps=a.bw_temps, plain=plain,
         seconds=time.perf_counter() - t0, grad_bytes=_block_grad_bytes(build_k, precision) if step_in_backward else None,
+        block_params=_block_params(build_k),
     )
+
+
+def _block_params(build_k: Callable[[int], nn.Module]) -> int:
+    """Elements of one repeated block's parameters, trainable or not (an NF4 weight counts its logical shape)."""
+    from memfit.apply.checkpoint import find_blocks
+    from memfit.measure.fake_mode import fake_mode
+
+    with fake_mode():
+        return sum(p.numel() for p in find_blocks(build_k(1))[0].parameters())
 
 
 def _block_grad_bytes(build_k: Callable[[int], nn.Module], precision: str) -> int:

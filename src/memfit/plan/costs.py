@@ -73,7 +73,12 @@ def _bases(allow: tuple[str, ...]) -> list[BlockAction]:
 
 
 def _block_seconds(prof: ChainProfile, tokens: int) -> float:
-    # Gradients of one block (bytes) / 4 ~ its parameters; forward ~ 2 FLOPs per parameter per token.
+    # Forward ~ 2 FLOPs per parameter per token, frozen parameters included (a LoRA block computes with
+    # its whole base: its gradients, the adapters', would price its recompute near zero).
+    n = getattr(getattr(prof, "base", prof), "block_params", None)
+    if n:
+        return 2 * n * tokens / FLOPS
+    # (a profile cached without the count) gradients of one block (bytes) / 4 ~ its parameters
     g = prof.fwd["keep"].net_bytes + prof.bwd["keep"].net_bytes
     if getattr(prof, "grad_bytes", None) is not None:  # the step in backward frees them in its trace
         g = prof.grad_bytes
