@@ -75,7 +75,7 @@ def _fields() -> dict[str, tuple[tuple[Callable[[Any], bool], str], bool]]:
         "baseline_time": (_number(0), False),
         "host_memory": (_nullable(_int(0, 2**63 - 1)), False),
         "host_need": (_nullable(_int(0, 2**63 - 1)), False),
-        "host_source": (_nullable(_TEXT), False),
+        "host_source": (((lambda v: v is None or isinstance(v, str)), "null or a string"), False),
     }
 
 
