@@ -70,14 +70,9 @@ def table(rows: list[dict], limit: int = 12) -> str:
 
 def _with_each_kind(rows: list[dict], limit: int) -> list[dict]:
     """The first `limit` rows, then the first of each strategy (pipeline: and schedule) not among them."""
-    kind = lambda r: (r["strategy"], "gpipe" in r["degrees"])  # noqa: E731
-    shown = rows[:limit]
-    seen = {kind(r) for r in shown}
-    for r in rows[limit:]:
-        if kind(r) not in seen:
-            seen.add(kind(r))
-            shown.append(r)
-    return shown
+    from memfit.plan.cluster_fit import first_of_each
+
+    return first_of_each(rows, limit, lambda r: (r["strategy"], "gpipe" in r["degrees"]))
 
 
 def smallest_cluster_hint(args: argparse.Namespace, model: str, device: str) -> str:

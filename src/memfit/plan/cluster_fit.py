@@ -11,7 +11,7 @@ budget the next fastest is checked instead (at most MAX_REFUSED times).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from memfit.apply.policy import BlockAction
 from memfit.core.errors import ConfigError
@@ -225,13 +225,18 @@ def _ranked(rows: list[Row], top: int = 20) -> list[dict]:
     """The `top` fastest rows, then the fastest of each strategy (and pipeline schedule) not among them, so
     that the table shows every kind of layout the search weighed."""
     kind = lambda r: (r.layout.strategy, r.layout.schedule if r.layout.strategy == "pipeline" else "")  # noqa: E731
-    shown = rows[:top]
+    return [_brief(r) for r in first_of_each(rows, top, kind)]
+
+
+def first_of_each(rows: list, limit: int, kind: Callable[[Any], Any]) -> list:
+    """The first `limit` rows, then the first row of each kind not among them (rows fastest first)."""
+    shown = rows[:limit]
     seen = {kind(r) for r in shown}
-    for r in rows[top:]:
+    for r in rows[limit:]:
         if kind(r) not in seen:
             seen.add(kind(r))
             shown.append(r)
-    return [_brief(r) for r in shown]
+    return shown
 
 
 def _brief(r: Row) -> dict:
