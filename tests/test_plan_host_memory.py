@@ -78,12 +78,3 @@ def test_disk_profile_round_trips_through_its_json():
     dp = trace_disk(src, base, disk_bases(allow), "32-true", "adamw")
     back = _from_json(_to_json(dp), base)
     assert back == replace(dp, seconds=0.0)  # every traced stretch, key and byte count, through the file and back
-
-
-def test_a_workstation_card_defaults_to_a_workstations_ram_and_a_server_card_to_its_node_share():
-    from memfit.plan.host_memory import host_limit
-
-    limit, source = host_limit(None, "rtx4090")
-    assert limit == 64 * 2**30 and "workstation" in source
-    assert host_limit(None, "h100")[0] == DEFAULT_NODE_HOST // 8
-    assert host_limit("32GiB", "rtx4090") == (32 * 2**30, "given")  # a given figure wins

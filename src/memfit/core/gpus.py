@@ -26,9 +26,6 @@ class GpuSpec:
     """Bytes of the CUDA context (not measured except where `measured` says; bench/gpu_target.py records it)."""
     measured: bool = False
     """True when `memory` is a figure read from such a card (bench/results/gpu_*.json), not a typical one."""
-    host: int | None = None
-    """The host RAM a plan for this card assumes when not told (a workstation card's box, not a server's
-    share), or None for the server default (memfit.plan.host_memory)."""
 
     @property
     def bf16(self) -> bool:
@@ -55,9 +52,8 @@ class GpuSpec:
 
 
 def _spec(name: str, label: str, gib: float, cap: tuple[int, int], context_mib: int, measured: bool = False,
-          exact: int | None = None, host_gib: int | None = None) -> GpuSpec:
-    return GpuSpec(name, label, exact or int(gib * GiB), cap, context_mib * MiB, measured,
-                   host_gib * GiB if host_gib else None)
+          exact: int | None = None) -> GpuSpec:
+    return GpuSpec(name, label, exact or int(gib * GiB), cap, context_mib * MiB, measured)
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
@@ -66,7 +62,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     _spec("a100-80gb", "NVIDIA A100 80GB", 79.15, (8, 0), 430),
     _spec("a100-40gb", "NVIDIA A100 40GB", 39.39, (8, 0), 430),
     _spec("l40s", "NVIDIA L40S 48GB", 44.39, (8, 9), 400),
-    _spec("rtx4090", "NVIDIA GeForce RTX 4090 24GB", 23.65, (8, 9), 400, host_gib=64),  # a workstation's 64 GiB
+    _spec("rtx4090", "NVIDIA GeForce RTX 4090 24GB", 23.65, (8, 9), 400),
     _spec("v100-32gb", "NVIDIA V100 32GB", 31.74, (7, 0), 350),
     _spec("t4", "NVIDIA T4 16GB", 14.58, (7, 5), 300),
 )}

@@ -12,8 +12,7 @@ Defaults (stated in every plan's output):
 * one device on this machine (its CPU, or its own GPU), and ranks on this machine's CPU (--gpus with
   --device cpu): this machine's RAM;
 * one GPU planned from a machine without it (a CUDA device or a GPU name where torch sees no GPU):
-  256 GiB, one GPU's share of a DGX H100 node (2 TiB / 8); for a workstation card (rtx4090) its box's
-  RAM, 64 GiB (core/gpus.py `host`);
+  256 GiB, one GPU's share of a DGX H100 node (2 TiB / 8);
 * a cluster of GPUs (--gpus N|auto): DEFAULT_NODE_HOST per node of 8 devices, a DGX H100 node's
   2 TiB of system memory.
 """
@@ -50,11 +49,6 @@ def host_limit(host_memory: Any, device: str, cluster: bool = False) -> tuple[in
     if cluster and device != "cpu":
         return DEFAULT_NODE_HOST, "default: a DGX H100 node's 2 TiB"
     if device != "cpu" and not _local_gpu(device):  # a GPU planned from elsewhere: its host is not this one
-        from memfit.core.gpus import target
-
-        gpu = target(device)
-        if gpu is not None and gpu.host:  # a workstation card: its box's RAM, not a server's share
-            return gpu.host, f"default: {format_bytes(gpu.host)}, a workstation's RAM for one {gpu.label}"
         return DEFAULT_NODE_HOST // 8, "default: one GPU's share of a DGX H100 node, 2 TiB / 8"
     return machine_ram(), "default: this machine's RAM"
 
