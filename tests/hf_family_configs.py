@@ -57,3 +57,26 @@ def batch(rows: int = 4, seq: int = 32, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, VOCAB, (rows, seq), generator=g)
     return {"input_ids": x, "labels": x.clone()}
+
+
+def token_batches(steps: int, rows: int, seq: int, seed: int = 1) -> list:
+    """`steps` batches of random token ids, (rows, seq) each: the same for every caller and rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (rows, seq), generator=g) for _ in range(steps)]
+
+
+def one_process_losses(model, batches: list) -> list[float]:
+    """Each step's loss of `model` trained in one process (AdamW, lr 1e-2, clipped at 1.0): the
+    reference the parallel layouts' losses are compared with."""
+    from memfit.apply.optimizer import TrainingOptimizer
+
+    out = []
+    with TrainingOptimizer(model, "adamw", lr=1e-2, clip=1.0) as opt:
+        for x in batches:
+            loss = model(input_ids=x, labels=x).loss
+            opt.backward(loss)
+            opt.step()
+            out.append(float(loss.detach()))
+    return out

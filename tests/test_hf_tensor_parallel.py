@@ -56,21 +56,11 @@ def test_a_family_without_a_plan_is_refused_in_one_line(tmp_path, capsys):
 
 
 def _batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, fam.VOCAB, (ROWS, SEQ), generator=g) for _ in range(STEPS)]
+    return fam.token_batches(STEPS, ROWS, SEQ)
 
 
 def _single(family: str) -> list[float]:
-    from memfit.apply.optimizer import TrainingOptimizer
-
-    model, out = fam.model(family), []
-    with TrainingOptimizer(model, "adamw", lr=1e-2, clip=1.0) as opt:
-        for x in _batches():
-            loss = model(input_ids=x, labels=x).loss
-            opt.backward(loss)
-            opt.step()
-            out.append(float(loss.detach()))
-    return out
+    return fam.one_process_losses(fam.model(family), _batches())
 
 
 def _tensor(rank: int, world: int, family: str) -> list[float]:
