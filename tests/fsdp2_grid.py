@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from rank_grid import loss_of
+
 WRAPPERS = ("none", "checkpoint_wrapper", "hf", "full")
 """How the blocks are checkpointed: not at all, torch's checkpoint_wrapper, Hugging Face's own, memfit's full."""
 ESTIMATE_POLICY = {"none": "none", "checkpoint_wrapper": "wrapper", "hf": "full", "full": "full"}
@@ -76,15 +78,6 @@ def _build(case: Case):
     return opt, spec.config.vocab if spec.config is not None else model.config.vocab_size
 
 
-def _loss(model, x):
-    from memfit.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        _, loss_sum, n = model(x, x)
-        return loss_sum / n
-    return model(input_ids=x, labels=x).loss
-
-
 def _one(case: Case, rank: int, world: int) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -106,7 +99,7 @@ def _one(case: Case, rank: int, world: int) -> dict:
             tracker = track(opt.tracked_module, opt, device="cpu")
         with tracker:
             with opt.micro_batch(True), opt.autocast():
-                loss = _loss(opt.model, x)
+                loss = loss_of(opt.model, x)
             opt.backward(loss / world if case.engine == "memfit" else loss, final=True)  # memfit's sum over ranks
             opt.step()
         losses.append(loss.item())

@@ -87,7 +87,8 @@ def _build(case: Case):
     return spec, model
 
 
-def _loss(model, x):
+def loss_of(model, x):
+    """The mean token loss of memfit's GPT (wrapped or not) or a Hugging Face causal LM on batch `x`."""
     from memfit.models.gpt import GPT
 
     inner = getattr(model, "module", model)
@@ -136,7 +137,7 @@ def _data_parallel_step(case: Case, opt, ms: list, rank: int, world: int) -> Non
         last = i == len(ms) - 1
         x = m[rank * BATCH:(rank + 1) * BATCH] if case.strategy != "none" else m[:BATCH]
         with opt.micro_batch(last), opt.autocast():
-            loss = _loss(opt.model, x)
+            loss = loss_of(opt.model, x)
         if case.strategy == "none":
             opt.backward(loss / len(ms))
         else:

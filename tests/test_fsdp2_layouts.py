@@ -98,7 +98,7 @@ def _one_process_losses(case: grid.Case, world: int) -> list[float]:
     out = []
     for _ in range(3):
         x = torch.randint(0, vocab, (case.batch * world, case.seq), generator=g)
-        loss = grid._loss(model, x)
+        loss = grid.loss_of(model, x)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
