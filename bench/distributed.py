@@ -65,7 +65,10 @@ def _reexec_in_deepspeed_venv() -> None:
         return
     except Exception:  # noqa: BLE001
         pass
-    env = {**os.environ, "MEMFIT_DS_REEXEC": "1", "DS_ACCELERATOR": "cpu"}
+    import site  # the venv sees this interpreter's packages first: its .pth may name a venv since moved
+
+    path = os.pathsep.join(p for p in [*site.getsitepackages(), os.environ.get("PYTHONPATH", "")] if p)
+    env = {**os.environ, "MEMFIT_DS_REEXEC": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": path}
     os.execve(str(python), [str(python), *sys.argv], env)
 
 

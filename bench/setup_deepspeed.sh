@@ -13,7 +13,8 @@ base="${MEMFIT_BASE_PYTHON:-$here/.venv/bin/python}"
 "$base" -m venv --system-site-packages "$venv"
 # A venv made from a venv's interpreter sees only the system's packages: name the base venv's too.
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-"$base" -c 'import site; print("\n".join(site.getsitepackages()))' > "$site/memfit-base.pth"
+# Real paths: a base venv reached through a link (a worktree's .venv) would otherwise be named by the link.
+"$base" -c 'import os, site; print("\n".join(os.path.realpath(p) for p in site.getsitepackages()))' > "$site/memfit-base.pth"
 "$venv/bin/python" -m pip install --quiet --no-deps deepspeed hjson py-cpuinfo msgpack ninja psutil einops
 # pydantic 2 (and its core) only if the base environment lacks it; packaging, numpy, tqdm come from the base.
 "$venv/bin/python" -c "import pydantic, sys; sys.exit(int(pydantic.VERSION.split('.')[0]) < 2)" 2>/dev/null || \

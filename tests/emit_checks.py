@@ -35,15 +35,31 @@ def _literals(obj, where: str) -> None:
             raise ValueError(f"{where}.{f.name} = {value!r} is not one of {typing.get_args(hint)}")
 
 
-def torchtitan(path: str) -> dict:
+def _titan_config_alone() -> None:
+    """torchtitan/__init__ imports its MoE kernels (triton); torchtitan.config needs only tyro."""
     import importlib.util
     import types
 
-    # torchtitan/__init__ imports its MoE kernels (triton); torchtitan.config needs only tyro
     spec = importlib.util.find_spec("torchtitan")
     pkg = types.ModuleType("torchtitan")
     pkg.__path__ = list(spec.submodule_search_locations)
     sys.modules["torchtitan"] = pkg
+
+
+def probe(module: str) -> dict:
+    """Whether this venv imports the framework (tests skip, saying why, when it does not)."""
+    import importlib
+
+    import torch
+
+    if module.startswith("torchtitan"):
+        _titan_config_alone()
+    importlib.import_module(module)
+    return {"torch": torch.__version__, "module": module}
+
+
+def torchtitan(path: str) -> dict:
+    _titan_config_alone()
     from torchtitan.config import ConfigManager
 
     job = ConfigManager().parse_args(["--job.config_file", path])  # unknown keys raise here
@@ -55,4 +71,4 @@ def torchtitan(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"deepspeed": deepspeed, "torchtitan": torchtitan}[sys.argv[1]](sys.argv[2])))
+    print(json.dumps({"deepspeed": deepspeed, "torchtitan": torchtitan, "--probe": probe}[sys.argv[1]](sys.argv[2])))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +29,29 @@ CASES = {  # name -> the plan
 }
 
 
-def _load(python: Path, kind: str, path: Path) -> dict:
+def _env() -> dict:
+    """The side venv sees the running suite's packages (torch, memfit) first: its own .pth names the
+    venv it was made from, which may have moved or been removed since (a worktree, a fresh clone)."""
+    paths = [*site.getsitepackages(), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def _usable(python: Path, kind: str) -> None:
+    """Skip, saying why, unless the side venv exists and imports its framework beside this suite's torch."""
     if not python.exists():
         pytest.skip(f"{python} missing: bash bench/setup_{kind}.sh")
+    module = {"deepspeed": "deepspeed", "torchtitan": "torchtitan.config"}[kind]
+    probe = subprocess.run([str(python), str(CHECKS), "--probe", module], capture_output=True, text=True,
+                           timeout=300, env=_env(), cwd=CHECKS.parent)
+    if probe.returncode != 0:
+        pytest.skip(f"{python} cannot import {module} ({probe.stderr.strip().splitlines()[-1:]}): "
+                    f"bash bench/setup_{kind}.sh")
+
+
+def _load(python: Path, kind: str, path: Path) -> dict:
+    _usable(python, kind)
     got = subprocess.run([str(python), str(CHECKS), kind, str(path)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"}, cwd=path.parent)
+                         env=_env(), cwd=path.parent)
     assert got.returncode == 0, got.stderr[-2000:]
     return json.loads(got.stdout.strip().splitlines()[-1])
 
@@ -67,10 +86,9 @@ def test_torchtitan_job_loads_in_torchtitans_config_manager(name, tmp_path):
 def test_torchtitan_manager_refuses_a_key_it_lacks(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(emitted(CASES["tensor"], "torchtitan").text + "\n[parallelism_typo]\ntensor = 2\n")
-    if not TT.exists():
-        pytest.skip(f"{TT} missing: bash bench/setup_torchtitan.sh")
+    _usable(TT, "torchtitan")
     got = subprocess.run([str(TT), str(CHECKS), "torchtitan", str(path)], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+                         env=_env(), cwd=tmp_path)
     assert got.returncode != 0  # so the loads above are checks, not a parser that takes anything
 
 
