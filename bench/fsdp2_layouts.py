@@ -8,8 +8,10 @@ reshard_after_forward True or False) without checkpointing, with torch's checkpo
 block, and (Hugging Face models) with gradient_checkpointing_enable; memfit's flat ZeRO-3 without and
 with `--checkpoint full`. FSDP2 is measured with torch's MemTracker (it sees FSDP2's storage
 resizes), memfit's engine with memfit's tracker; both the third step's peak per rank. The estimate is
-`memfit estimate MODEL --strategy zero3|zero2 --world 2 --checkpoint P` (reshard False: zero2); the
-rows estimated with `--checkpoint full` under checkpoint_wrapper are issue 34's finding. Memory
+`memfit estimate MODEL --engine fsdp2 --reshard-after-forward R --world N --checkpoint P` for FSDP2 and
+`--strategy zero3` for memfit's engine; the rows estimated with `--checkpoint full` under
+checkpoint_wrapper are issue 34's finding. On 4 ranks, reshard_after_forward 2 (a 1/2 shard of each
+block kept from forward to backward) beside True and False. Memory
 figures are byte counts (the same on every run): one run. tests/fsdp2_grid.py holds the cases.
 """
 from __future__ import annotations
@@ -67,24 +69,32 @@ def main() -> None:
         todo = cases(paths)
         measured = run_world(grid.tracked, 2, (todo,), timeout_s=1800)
         rows = grid.errors(todo, 2, measured)
+        # reshard_after_forward as an int needs a world it divides: 2 of 4 ranks, beside True and False
+        wide = [grid.Case(paths[f], r, "none", BATCH, SEQ) for f in ("memfit GPT", "HF llama") for r in (True, 2, False)]
+        rows += grid.errors(wide, 4, run_world(grid.tracked, 4, (wide,), timeout_s=1800))
     for r in rows:
         r["model"] = family[r["model"]]
     save("fsdp2_layouts", {"command": COMMAND, "batch_per_rank": BATCH, "seq": SEQ, "hidden": HIDDEN,
-                           "layers": LAYERS, "vocab": VOCAB, "world": 2, "rows": rows})
+                           "layers": LAYERS, "vocab": VOCAB, "world": "2 (the last rows 4)", "rows": rows})
 
 
-_LAYOUT = {("fsdp2", True): "FSDP2 reshard=True", ("fsdp2", False): "FSDP2 reshard=False",
-           ("memfit", True): "memfit zero3"}
+def _layout(row: dict) -> str:
+    return "memfit zero3" if row["engine"] == "memfit" else f"FSDP2 reshard_after_forward={row['reshard']}"
+
+
+def _estimated_as(row: dict) -> str:
+    if row["engine"] == "memfit":
+        return f"--strategy zero3 --checkpoint {row['policy']}"
+    return f"--engine fsdp2 --reshard-after-forward {str(row['reshard']).lower()} --checkpoint {row['policy']}"
 _CKPT = {"none": "none", "checkpoint_wrapper": "torch checkpoint_wrapper", "hf": "HF gradient_checkpointing_enable",
          "full": "memfit full"}
 
 
 def _table(result: dict) -> str:
-    lines = ["| model | layout | checkpointing | estimated as | estimate (B/rank) | measured (B/rank) | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | ranks | layout | checkpointing | estimated as | estimate (B/rank) | measured (B/rank) | error |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        est = f"{r['strategy']} --checkpoint {r['policy']}"
-        lines.append(f"| {r['model']} | {_LAYOUT[(r['engine'], r['reshard'])]} | {_CKPT[r['wrapper']]} | {est} | "
+        lines.append(f"| {r['model']} | {r['world']} | {_layout(r)} | {_CKPT[r['wrapper']]} | {_estimated_as(r)} | "
                      f"{r['estimate']:,} | {max(r['measured']):,} | {max(r['error'], key=abs):+.2%} |")
     return "\n".join(lines)
 

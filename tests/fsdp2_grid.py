@@ -28,7 +28,8 @@ ESTIMATE_POLICY = {"none": "none", "checkpoint_wrapper": "wrapper", "hf": "full"
 @dataclass(frozen=True)
 class Case:
     model: str
-    reshard: bool = True
+    reshard: bool | int = True
+    """FSDP2's reshard_after_forward: True, False, or N (a 1/N shard kept from forward to backward)."""
     wrapper: str = "none"
     batch: int = 2
     seq: int = 32
@@ -52,7 +53,7 @@ class Case:
     def strategy(self) -> str:
         # reshard_after_forward=False keeps each block's gathered weights from its forward to its
         # backward: at the backward's start every weight is whole on every rank, as in ZeRO-2.
-        return "zero3" if self.reshard else "zero2"
+        return "zero2" if self.reshard is False else "zero3"
 
 
 def _build(case: Case):
@@ -74,7 +75,12 @@ def _build(case: Case):
         blocks = find_blocks(model)
         for i in range(len(blocks)):
             blocks[i] = checkpoint_wrapper(blocks[i])
-    opt = distribute(model, case.strategy, "adamw", lr=1e-3, engine=case.engine, precision=case.precision)
+    if case.engine == "fsdp2" and not isinstance(case.reshard, bool):  # an int: FSDP2's own option
+        from memfit.distributed.fsdp2 import FSDP2Optimizer
+
+        opt = FSDP2Optimizer(model, "adamw", lr=1e-3, precision=case.precision, reshard=case.reshard)
+    else:
+        opt = distribute(model, case.strategy, "adamw", lr=1e-3, engine=case.engine, precision=case.precision)
     return opt, spec.config.vocab if spec.config is not None else model.config.vocab_size
 
 
@@ -118,12 +124,16 @@ def tracked(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
 
 
 def estimated(case: Case, world: int) -> int:
-    """`memfit estimate ... --strategy zero3|zero2 --world N --checkpoint P --json`: the largest rank's total."""
+    """`memfit estimate ... --world N --checkpoint P --json` as a user asks it, the largest rank's total:
+    FSDP2 with `--engine fsdp2 --reshard-after-forward R`, memfit's engine with `--strategy zero3`."""
     from memfit.cli import main
 
     args = ["estimate", case.model, "--batch", str(case.batch), "--seq", str(case.seq), "--json",
-            "--precision", case.precision,
-            "--strategy", case.strategy, "--world", str(world), "--checkpoint", case.estimate_policy]
+            "--precision", case.precision, "--world", str(world), "--checkpoint", case.estimate_policy]
+    if case.engine == "fsdp2":
+        args += ["--engine", "fsdp2", "--reshard-after-forward", str(case.reshard).lower()]
+    else:
+        args += ["--strategy", case.strategy]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(args) == 0, args

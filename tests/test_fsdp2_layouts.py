@@ -16,10 +16,10 @@ from memfit.distributed.spawn import run_world
 
 SEQ, BATCH, HIDDEN = 128, 4, 64
 
-# The issue's bound. Seen (bench/results/fsdp2_layouts.json): checkpointed cases within 0.1%; without
-# checkpointing FSDP2 holds a little more than memfit's flat ZeRO-3 (its all-gather and reduce-scatter
-# buffers are per block, copied into and out of each parameter): -1.7% on GPT, -1.2% on Llama.
-TOLERANCE = 0.03
+# Seen (bench/results/fsdp2_layouts.json, `--engine fsdp2`): every case within 0.1% but HF GPT-2 with
+# reshard_after_forward False (-0.6%, one block's weights more than the moments place, not yet found
+# where). The bound is the byte counting's, not the machine's (MemTracker counts tensors exactly): 1%.
+TOLERANCE = 0.01
 
 
 def _llama(tmp_path, layers: int = 4, kv_heads: int = 4) -> str:
@@ -65,7 +65,7 @@ def test_fsdp2_engine_refuses_what_it_cannot_run():
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_fsdp2_with_the_frameworks_checkpointing_within_3_percent(tmp_path):
+def test_fsdp2_with_the_frameworks_checkpointing_within_1_percent(tmp_path):
     llama, gpt2 = _llama(tmp_path), _gpt2(tmp_path)
     cases = [grid.Case(m, True, w, BATCH, SEQ) for m in (GPT, llama, gpt2) for w in ("none", "checkpoint_wrapper")]
     cases += [grid.Case(llama, True, "hf", BATCH, SEQ)]
@@ -129,3 +129,20 @@ def test_fsdp2_engine_trains_as_one_process_with_the_global_batch(tmp_path):
     assert max(map(abs, zero3["error"])) <= TOLERANCE, zero3
     # the gathered weights and the activations in bf16: less memory than float32
     assert measured[0][cases[3]]["total"] < measured[0][cases[0]]["total"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_reshard_after_forward_false_and_n_within_1_percent_on_4_ranks(tmp_path):
+    """FSDP2's reshard_after_forward False (Trainer's shard_grad_op) and 2 of 4 ranks (a 1/2 shard of each
+    block kept from forward to backward), estimated with `--engine fsdp2 --reshard-after-forward`; the
+    three layouts' peaks in the order of what they keep, and the losses equal across them."""
+    gpt = f"gpt:layers=4,hidden={HIDDEN},heads=4,vocab=256,seq={SEQ}"
+    cases = [grid.Case(gpt, r, "none", 4, 128) for r in (True, 2, False)]
+    measured = run_world(grid.tracked, 4, (cases,), timeout_s=900)
+    rows = grid.errors(cases, 4, measured)
+    bad = [(r["case"], r["estimate"], r["measured"]) for r in rows if max(map(abs, r["error"])) > TOLERANCE]
+    assert not bad, bad
+    peaks = [max(r["measured"]) for r in rows]
+    assert peaks[0] < peaks[1] < peaks[2], peaks
+    assert measured[0][cases[1]]["losses"] == pytest.approx(measured[0][cases[0]]["losses"], rel=1e-6)

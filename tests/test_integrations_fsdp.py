@@ -40,10 +40,13 @@ def test_the_trainers_fsdp_config_is_read_and_what_is_not_priced_refused(tmp_pat
     assert read_plugin(full, "no", 2) == FsdpSetup(2)
     got = read_plugin(plugin_of(tmp_path, fsdp="full_shard", fsdp_config=v2(activation_checkpointing=True)), "bf16", 4)
     assert (got.world, got.precision, got.checkpointing) == (4, "bf16-mixed", True)
-    for kw, words in ((dict(fsdp="shard_grad_op", fsdp_config=v2()), "reshard_after_forward=False"),
-                      (dict(fsdp="full_shard offload", fsdp_config=v2()), "CPU offload")):
-        with pytest.raises(ConfigError, match=words):
-            read_plugin(plugin_of(tmp_path, **kw), "no", 2)
+    assert read_plugin(plugin_of(tmp_path, fsdp="shard_grad_op", fsdp_config=v2()), "no", 2).reshard is False
+    with pytest.raises(ConfigError, match="CPU offload"):
+        read_plugin(plugin_of(tmp_path, fsdp="full_shard offload", fsdp_config=v2()), "no", 2)
+    half = types.SimpleNamespace(fsdp_version=2, cpu_offload=None, reshard_after_forward=2)
+    assert read_plugin(half, "no", 4).reshard == 2 and read_plugin(half, "no", 2).reshard is True  # 2 of 2: all
+    with pytest.raises(ConfigError, match="divisor of the world size"):
+        read_plugin(types.SimpleNamespace(fsdp_version=2, cpu_offload=None, reshard_after_forward=3), "no", 4)
     with pytest.raises(ConfigError, match="fsdp_version 1"):  # (accelerate builds FSDP1's plugin on GPUs only)
         read_plugin(types.SimpleNamespace(fsdp_version=1), "no", 2)
     with pytest.raises(ConfigError, match="fp16"):

@@ -53,6 +53,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--accum", type=integer(1), default=1, metavar="K",
                    help="micro-batches per optimizer step (default 1): the gradients of the earlier ones are held "
                    "through the later ones (ZeRO-2/3: each rank's reduced slices)")
+    p.add_argument("--engine", choices=("memfit", "fsdp2"), default="memfit",
+                   help="who shards the model under --strategy zero3/zero2: memfit's flat ZeRO (default) or torch's "
+                   "FSDP2, fully_shard per block then the root, as torchtitan, accelerate, Lightning and the HF "
+                   "Trainer run it (docs/distributed.md)")
+    p.add_argument("--reshard-after-forward", metavar="true|false|N",
+                   help="--engine fsdp2: FSDP2's reshard_after_forward (default true; false with --strategy zero2, "
+                   "i.e. shard_grad_op; N: keep a 1/N shard of each block from forward to backward)")
     add(p, "checkpoint", default="none")
     add(p, "offload_optimizer", default="none")
     add(p, "step_in_backward", default=False)
@@ -92,6 +99,8 @@ def _estimate(args: argparse.Namespace):
         return _torchtitan(args, model)
     if args.deepspeed:
         return _deepspeed(args, model)
+    if args.engine == "fsdp2" or args.reshard_after_forward is not None:
+        return _fsdp2(args, model)
     if model is None and args.params is None:
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
@@ -166,6 +175,49 @@ def _deepspeed(args: argparse.Namespace, model: str | None):
                            seq=args.seq, lora=args.lora, **kw)
 
 
+def _fsdp2(args: argparse.Namespace, model: str | None):
+    from memfit.measure.fsdp2_estimate import fsdp2_estimate
+    from memfit.models.spec import parse_model
+
+    if args.engine != "fsdp2":
+        raise ConfigError("--reshard-after-forward is FSDP2's option: add --engine fsdp2")
+    if model is None or is_factory(model):
+        raise ConfigError("--engine fsdp2 traces a model name, gpt:... spec or config.json (give one)")
+    if args.strategy not in (None, "zero3", "zero2") or args.zero not in (0, 2, 3):
+        raise ConfigError(f"--engine fsdp2 shards like zero3 (zero2: weights kept from forward to backward), not "
+                          f"{args.strategy or f'zero{args.zero}'}; use --engine memfit for the other strategies")
+    unsupported = [f for f, on in (("--tp", args.tp), ("--microbatches", args.microbatches), ("--accum", args.accum != 1),
+                                   ("--offload-optimizer", args.offload_optimizer not in (None, "none")),
+                                   ("--lora/--qlora", args.lora or args.qlora), ("--input", args.input),
+                                   ("--step-in-backward", args.step_in_backward), ("--params", args.params)) if on]
+    if unsupported:
+        raise ConfigError(f"--engine fsdp2 is estimated for one micro-batch of a fully trained model on the device; "
+                          f"drop {', '.join(unsupported)} (or use --engine memfit)")
+    zero2 = args.strategy == "zero2" or args.zero == 2
+    reshard = _reshard_value(args.reshard_after_forward, default=not zero2)
+    spec = parse_model(model, task=args.task, families=True)
+    spec.check_shape(args.batch, args.seq)
+    kw = {"device_memory": parse_bytes(args.device_memory)} if args.device_memory else {}
+    if args.device is not None:
+        kw["device"] = _device(args.device)
+    gpu = kw.get("device") not in (None, "cpu", "cuda")
+    precision = args.precision or ("bf16-mixed" if gpu else "32-true")  # what FSDP2 runs on a GPU by default
+    return fsdp2_estimate(spec, args.batch, args.seq, args.world, precision=precision,
+                          optimizer=args.optimizer, checkpoint=args.checkpoint, reshard=reshard, **kw)
+
+
+def _reshard_value(text: str | None, default: bool) -> bool | int:
+    if text is None:
+        return default
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low.isdigit() and int(low) >= 1:
+        return int(low)
+    raise ConfigError(f"--reshard-after-forward {text!r}: give true, false or a number of ranks N (a divisor "
+                      "of --world)")
+
+
 def _device(name: str | None) -> str | None:
     """A named GPU passes through; cpu or cuda must be usable here (resolve_device's one-line refusals)."""
     from memfit.core.device import estimate_device
@@ -180,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.measure.estimate import CATEGORIES
 
     est = _estimate(args)
-    if (args.torchtitan or args.deepspeed) and not args.json:
+    if (args.torchtitan or args.deepspeed or args.engine == "fsdp2") and not args.json:
         print(est.note + "\n")
     if args.json:
         text = json.dumps(est.to_json(), indent=1)

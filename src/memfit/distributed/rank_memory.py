@@ -14,6 +14,10 @@ Figures are the bytes held at the step's peak (plain data, so a planner can rank
                in zero2/3, during backward; the largest bucket in zero1, at the step).
     optimizer  ddp, and ps's rank 0: all the state; ps's other ranks none; zero*: the rank's slices'
                state (master weights included in -master modes), plus torch's per-tensor step counters.
+    post_forward zero3 rows may carry it (0 when absent): the bytes of one block's weights that stay
+               after its forward until its backward, beyond the rank's slice (torch FSDP2's
+               reshard_after_forward False: the whole block; an int N: its 1/N shard;
+               memfit.measure.fsdp2_estimate sets it).
     head_grads zero2/zero3: gradients of the rest bucket that exist when the last block's bucket is
                reduce-scattered (final norm and head; a tied embedding's pending head contribution).
     grad_per_token  bytes per token of the gradient that flows between blocks (hidden x weight bytes).
@@ -138,14 +142,17 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
         elif zero:
             before = (sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"]) if blocks
                       else one_device["activations"])  # no per-block figures: everything saved stays
-            moments_r.append(dict(held, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
+            # the last block's backward (its reduce-scatter; the block before it prefetched): the blocks
+            # before those two still hold what their forward left (post_forward)
+            kept = dict(held, gathered=held["gathered"] + _held_blocks(r, r.get("n_blocks", 2) - 2))
+            moments_r.append(dict(kept, grads=r["head_grads"], in_flight=2 * r["in_flight"], activations=before,
                                   temporaries=tokens * r["grad_per_token"]))
             steps.append(dict(held, grads=r["grads"]))
             if blocks and root is not None:  # the head's backward done, the last block's beginning
                 # (the head's temporaries, the logits and their gradient, are gone: what flows is the
                 # gradient into the block)
                 head = saved[root] - sum(blocks) - sum(saved.get(e, 0) for e in r["embeddings"])
-                moments_r.append(dict(held, grads=r["head_grads"], activations=saved[root] - head,
+                moments_r.append(dict(kept, grads=r["head_grads"], activations=saved[root] - head,
                                       temporaries=tokens * r["grad_per_token"]))
         if accum > 1:
             moments_r += [_later(r, m) for m in moments_r]
@@ -193,7 +200,26 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
             # first block's backward, the last block's forward
             ends = block == 0 and m["grads"] or block == r["n_blocks"] - 1 and not m["grads"]
             out["gathered"] = r["rest"] + (0 if block is None else r["one_block"] if ends else held["gathered"] - r["rest"])
+            out["gathered"] += _held_blocks(r, _blocks_left_by_forward(r, m, block))
     return out
+
+
+def _blocks_left_by_forward(r: dict, m: dict, block: int | None) -> int:
+    """How many blocks, besides the ones `gathered` counts (the running one and the prefetched one), hold
+    what their forward left at one-device moment `m` (see post_forward): in block i's forward the i
+    before it; in its backward the i - 1 before the prefetched one; between blocks all of them in the
+    forward and the head's backward (its gradients at most the head's), none after the first block's
+    backward; at a moment not placed (-1), all but two."""
+    n = r.get("n_blocks", 0)
+    if block is None:
+        return n if not m["grads"] or m["grads"] <= r["head_grads"] else 0
+    if block < 0:
+        return max(n - 2, 0)
+    return block if not m["grads"] else max(block - 1, 0)
+
+
+def _held_blocks(r: dict, count: int) -> int:
+    return max(count, 0) * r.get("post_forward", 0)
 
 
 def _later(r: dict, m: dict) -> dict:

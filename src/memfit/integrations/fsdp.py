@@ -18,10 +18,10 @@ micro-batch that fits without recomputation, else the largest that fits with it;
 memfit's own (memfit.checkpoint "full"), which is what the estimate prices, not torch's
 checkpoint_wrapper, which saves more per layer.
 
-What FSDP2 runs that is priced: reshard_after_forward True (zero3) in fp32 or bf16 (FSDP2's
-MixedPrecisionPolicy: bf16 gathered weights, fp32 shards, the fp32 shard cast into the gather per use).
-Refused with one line: FSDP1, reshard_after_forward False (the unsharded weights kept from forward to
-backward, which memfit does not estimate yet), CPU offload, fp16.
+What FSDP2 runs that is priced (memfit.measure.fsdp2_estimate): reshard_after_forward True (full_shard),
+False (shard_grad_op: each layer's gathered weights kept from its forward to its backward) or an int N
+(a 1/N shard kept), in fp32 or bf16 (FSDP2's MixedPrecisionPolicy: bf16 gathered weights, fp32 shards,
+the fp32 shard cast into the gather per use). Refused with one line: FSDP1, CPU offload, fp16.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ class FsdpSetup:
     world: int
     precision: str = "32-true"
     """memfit's name: 32-true (no mixed precision) or bf16-mixed (FSDP2 gathering bf16 weights)."""
-    reshard: bool = True
+    reshard: bool | int = True
+    """FSDP2's reshard_after_forward: True (full_shard), False (shard_grad_op), an int N (1/N kept)."""
     checkpointing: bool = False
     """Whether the framework's configuration asked for activation checkpointing (the plan decides)."""
 
@@ -64,10 +65,12 @@ class RankPlan:
     precision: str
     tried: list[dict] = field(default_factory=list)
     ranks: list[dict] = field(default_factory=list)
+    reshard: bool | int = True
 
     def summary(self) -> str:
         ckpt = "every decoder layer recomputed" if self.checkpoint == "full" else "no recomputation"
-        return (f"memfit: FSDP2 (zero3) on {self.world} ranks, {self.precision}: micro-batch {self.micro_batch} x "
+        layout = "zero3" if self.reshard is True else f"reshard_after_forward={self.reshard}"
+        return (f"memfit: FSDP2 ({layout}) on {self.world} ranks, {self.precision}: micro-batch {self.micro_batch} x "
                 f"accumulation {self.accumulation} per rank, {ckpt}; predicted per-rank peak "
                 f"{format_bytes(self.predicted)} of {format_bytes(self.budget)}")
 
@@ -82,9 +85,18 @@ def read_plugin(plugin: Any, mixed_precision: str, world: int) -> FsdpSetup:
     if _offloads(getattr(plugin, "cpu_offload", None)):
         raise ConfigError("FSDP2 with CPU offload is not estimated per rank by memfit; remove offload "
                           "(fsdp_config cpu_offload / fsdp='offload')")
-    reshard = plugin.reshard_after_forward
-    return setup_of(world, mixed_precision, reshard if isinstance(reshard, bool) else bool(reshard),
+    return setup_of(world, mixed_precision, _reshard_of(plugin.reshard_after_forward),
                     bool(getattr(plugin, "activation_checkpointing", False)))
+
+
+def _reshard_of(value: Any) -> Any:
+    """FSDP2's reshard_after_forward from accelerate's plugin: a bool or an int as torch takes it; a
+    sharding-strategy name (accelerate's FSDP1 spelling) by what it means for FSDP2."""
+    if isinstance(value, (bool, int)):
+        return value
+    name = str(getattr(value, "name", value)).upper()
+    return {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False, "_HYBRID_SHARD_ZERO2": False,
+            "NO_SHARD": False, "TRUE": True, "FALSE": False}.get(name, value)
 
 
 def _offloads(policy: Any) -> bool:
@@ -104,57 +116,27 @@ def _offloads(policy: Any) -> bool:
 
 def setup_of(world: int, mixed_precision: str, reshard: Any, checkpointing: bool) -> FsdpSetup:
     """An FsdpSetup from plain values; refuses what memfit does not price (see the module docstring)."""
+    from memfit.measure.fsdp2_estimate import check_reshard
+
     if world < 2:
         raise ConfigError(f"FSDP over {world} process: launch 2 or more (torchrun --nproc_per_node N)")
-    if reshard is not True:
-        raise ConfigError(f"reshard_after_forward={reshard!r} (shard_grad_op): memfit estimates FSDP2 with "
-                          "reshard_after_forward=True (full_shard); use fsdp='full_shard'")
     mp = str(mixed_precision).lower()
     if mp in ("fp16", "16-mixed", "16-true"):
         raise ConfigError("fp16 with FSDP2 is not planned by memfit; use bf16 (or fp32)")
     if mp not in ("no", "fp32", "32-true", "bf16", "bf16-mixed", "bf16-true"):
         raise ConfigError(f"mixed precision {mixed_precision!r}: memfit plans FSDP2 in fp32 or bf16")
     precision = "bf16-mixed" if mp.startswith("bf16") else "32-true"
-    return FsdpSetup(world=world, precision=precision, reshard=True, checkpointing=checkpointing)
+    return FsdpSetup(world=world, precision=precision, reshard=check_reshard(reshard, world),
+                     checkpointing=checkpointing)
 
 
 def rank_estimate(spec: Any, micro: int, seq: int, setup: FsdpSetup, optimizer: str, checkpoint: str) -> Any:
-    """memfit's zero3 Estimate of one rank of `setup` (per_device: the largest rank; ranks: each), with
-    FSDP2's head-backward moment (head_moment) among the moments its peak is the highest of."""
-    from memfit.measure.estimate import estimate
-    from memfit.measure.rank_estimate import per_device, with_ranks
+    """memfit's Estimate of one FSDP2 rank of `setup` (memfit.measure.fsdp2_estimate: zero3's figures with
+    FSDP2's head-backward moment and the weights reshard_after_forward keeps)."""
+    from memfit.measure.fsdp2_estimate import fsdp2_estimate
 
-    # FSDP2's bf16 policy is memfit's bf16-master (bf16 compute weights gathered per layer, fp32 master)
-    # without the bf16 shard FSDP2 does not keep (_fsdp2_states)
-    precision = "32-true" if setup.precision == "32-true" else "bf16-master"
-    one = estimate(spec, batch=micro, seq=seq, precision=precision, optimizer=optimizer, checkpoint=checkpoint)
-    alone = dict(one.per_device)
-    est = with_ranks(one, spec, "zero3", setup.world)
-    if precision == "bf16-master":
-        from memfit.integrations.torchtitan import _fsdp2_states
-
-        _fsdp2_states(est)
-    head = head_moment(spec, seq, setup, precision, optimizer, alone, est.ranks[0])
-    if head["total"] > est.ranks[0]["total"]:
-        est.ranks[0] = {**est.ranks[0], **head}
-        est.per_device = per_device(est.ranks[0])
-    return est
-
-
-def head_moment(spec: Any, seq: int, setup: FsdpSetup, precision: str, optimizer: str, alone: dict,
-                row: dict) -> dict:
-    """FSDP2's moment at the head's backward: everything the forward saved is still there (the one-device
-    peak's activations and temporaries), with the root's gathered weights (embedding, final norm, head)
-    and one decoder layer's all-gathered weights (the last one, gathered again for its backward). The
-    measured peak of a bare fully_shard step has these categories (bench/trainer_fsdp2.py); memfit's zero3
-    moments gather a layer only inside the layers' backward, so this one is added here."""
-    from memfit.distributed.rank_memory import rank_model_state
-
-    states = rank_model_state(spec.on_meta(seq), "zero3", setup.world, precision, optimizer)[0]
-    out = {"params": row["params"], "gathered": states["rest"] + states["one_block"], "grads": 0, "in_flight": 0,
-           "optimizer": row["optimizer"], "activations": alone["activations"], "temporaries": alone["temporaries"]}
-    out["total"] = sum(out.values())
-    return out
+    return fsdp2_estimate(spec, micro, seq, setup.world, precision=setup.precision, optimizer=optimizer,
+                          checkpoint=checkpoint, reshard=setup.reshard)
 
 
 def held_gradients(spec: Any, setup: FsdpSetup) -> int:
@@ -210,7 +192,7 @@ def plan_ranks(model: Any, batch: Any, budget: Any, setup: FsdpSetup, *, optimiz
                 tried.append({"micro_batch": micro, "checkpoint": checkpoint, "per_rank": need})
                 if need <= cap:
                     return RankPlan(micro, total // micro, checkpoint, need, cap, setup.world, setup.precision,
-                                    tried, est.ranks)
+                                    tried, est.ranks, setup.reshard)
     least = min(tried, key=lambda t: t["per_rank"])
     raise PlanError(f"{where}: nothing fits {format_bytes(cap)} per rank under FSDP2 on {setup.world} ranks: the "
                     f"smallest (micro-batch {least['micro_batch']}, checkpoint {least['checkpoint']}) needs "

@@ -264,7 +264,9 @@ def estimate_job(path: str, world: int = 1, **kw: Any):
     lay.setdefault("seq", job.seq)
     est = estimate(spec, optimizer=job.optimizer, checkpoint=checkpoint_policy(job, spec.config.layers), **lay, **kw)
     if lay.get("strategy") == "zero3" and lay["precision"] == "bf16-master":
-        _fsdp2_states(est)
+        from memfit.measure.fsdp2_estimate import fsdp2_states
+
+        fsdp2_states(est)
     if lay.get("strategy") == "tensor" and job.shard > 1:
         _fsdp_over_tp(est, spec, job)
     if getattr(est, "reserve_overhead", None) is not None and est.device is not None:
@@ -272,21 +274,6 @@ def estimate_job(path: str, world: int = 1, **kw: Any):
     est.model = f"torchtitan llama3 {job.flavor}"
     est.note = describe(job, lay)
     return est
-
-
-def _fsdp2_states(est: Any) -> None:
-    """FSDP2's mixed precision keeps the fp32 shard only (cast into the all-gather buffer per use);
-    memfit's bf16-master keeps a bf16 shard beside its fp32 master. Each rank's params become the
-    fp32 master (out of optimizer), and the bf16 shard goes: the total drops by it at every moment."""
-    from memfit.measure.rank_estimate import per_device
-
-    for row in est.ranks:
-        bf16 = row["params"]
-        row["params"] += bf16  # the fp32 shard: twice the bf16 one's bytes
-        row["optimizer"] -= 2 * bf16
-        row["total"] -= bf16
-    est.ranks.sort(key=lambda r: (-r["total"], r["rank_ids"][0]))
-    est.per_device = per_device(est.ranks[0])
 
 
 def _fsdp_over_tp(est: Any, spec: Any, job: TorchtitanJob) -> None:

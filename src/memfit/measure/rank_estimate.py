@@ -35,11 +35,12 @@ def strategy_of(strategy: str | None, zero: int, world: int) -> str | None:
 
 def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: int | None = None,
               schedule: str = "1f1b", tp: int | None = None, accum: int = 1,
-              sequence_parallel: bool = False, vocab_parallel: bool = False) -> list[dict]:
+              sequence_parallel: bool = False, vocab_parallel: bool = False, post_forward: int = 0) -> list[dict]:
     """Every rank's row (see the module docstring); `one` is the one-device Estimate of the per-rank
     micro-batch (model states unsharded); `accum` micro-batches per step (the gradients of the earlier
     ones are held through the later ones); `sequence_parallel`, `vocab_parallel`: tensor only (estimated,
-    not run)."""
+    not run); `post_forward`: zero3 only, a block's bytes kept from its forward to its backward
+    (memfit.distributed.rank_memory; torch FSDP2's reshard_after_forward, memfit.measure.fsdp2_estimate)."""
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
 
     if (sequence_parallel or vocab_parallel) and strategy != "tensor":
@@ -62,11 +63,16 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
                                 vocab_parallel=vocab_parallel, **common)
     else:
         states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer)
+        if post_forward:
+            if strategy != "zero3":
+                raise ConfigError(f"weights kept after forward are a zero3 layout's choice, not {strategy}'s")
+            for row in states:
+                row["post_forward"] = post_forward
         rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1),
                            peak_block=_peak_block(one.modules), moments=one.moments, accum=accum)
     for r in rows:
         r.pop("embeddings", None)
-        for k in ("rest", "one_block", "n_blocks", "blocks_n", "spare", "full_grads"):
+        for k in ("rest", "one_block", "n_blocks", "blocks_n", "spare", "full_grads", "post_forward"):
             r.pop(k, None)
         r["total"] = sum(r[c] for c in RANK_CATEGORIES)
     return rows
