@@ -1,7 +1,7 @@
 """DeepSpeed configs that `memfit plan --emit deepspeed` writes, run by DeepSpeed on 2 gloo ranks (CPU),
 against `memfit estimate --deepspeed` of the same file.
 
-    PYTHONPATH=src python bench/deepspeed_config.py [--rounds 3] [--steps 3]
+    PYTHONPATH=src python bench/deepspeed_config.py [--rounds 3] [--steps 3] [--stages 3]
 
 For ZeRO stage 1, 2 and 3: a plan of bench/distributed.py's model (2 ranks, batch 4 per rank, fp32,
 AdamW, no checkpointing) is emitted as DeepSpeed's JSON; DeepSpeedConfig parses and validates the file;
@@ -97,6 +97,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--stages", type=int, nargs="+", choices=STAGES, default=list(STAGES),
+                    help="run only these ZeRO stages (printed, not saved: the JSON holds all three)")
     args = ap.parse_args()
     _reexec_in_deepspeed_venv()
     skipped = _deepspeed_ready()
@@ -111,7 +113,7 @@ def main() -> None:
     block = sum(p.numel() for p in GPT(GPTConfig(**MODEL)).blocks[0].parameters())
     folder = Path(tempfile.mkdtemp(prefix="memfit-ds-"))
     rows, paths = {}, {}
-    for stage in STAGES:
+    for stage in args.stages:
         config = emitted(stage)
         run_config = _merge(config, overrides(block, stage))
         path = folder / f"zero{stage}.json"
@@ -126,6 +128,9 @@ def main() -> None:
         row["measured"] = [statistics.median(r[k]) for r in ranks]
         row["measured_range"] = [[min(r[k]), max(r[k])] for r in ranks]
         row["ratio"] = row["estimate"] / max(row["measured"])
+    if sorted(args.stages) != list(STAGES):
+        print(table({"results": rows}))
+        return
     path = save("deepspeed_config", {
         "command": f"PYTHONPATH=src python bench/deepspeed_config.py --rounds {args.rounds} --steps {args.steps}",
         "deepspeed": __import__("deepspeed").__version__, "model": MODEL, "batch_per_rank": BATCH, "world": 2,

@@ -168,11 +168,14 @@ def _buffers(est: Any, job: DeepSpeedJob, world: int) -> str:
 
 
 def _zero3(est: Any, job: DeepSpeedJob, world: int, model: Any) -> str:
-    """memfit's ZeRO-3 rank rows turned into DeepSpeed's (memfit.integrations.deepspeed_zero3): at the
-    rank's forward/backward peak the weights DeepSpeed holds whole replace memfit's two gathered blocks, its
-    gradient partition buffer (allocated whole for good) replaces the slices reduced so far, the IPG bucket
-    joins the gradients in flight and an fp32 weights' partition copy the optimizer; the step (no
-    activations: persistent weights whole, the flat fp32 gradient of the largest sub-group) may be higher."""
+    """memfit's ZeRO-3 rank rows turned into DeepSpeed's (memfit.integrations.deepspeed_zero3). Forward and
+    backward: the weights DeepSpeed holds whole at forward's end replace memfit's two gathered blocks, so
+    the peak is the one-device moment with the most activations and temporaries (memfit's ZeRO-3 row may
+    pick a lower one where it gathers less); its gradient partition buffer (allocated whole for good)
+    replaces the slices reduced so far (DeepSpeed copies each gradient into the bucket as backward makes
+    it), the IPG bucket joins the gradients in flight and an fp32 weights' partition copy the optimizer.
+    The step (no activations: persistent weights whole, the flat fp32 gradient of the largest sub-group)
+    may be higher."""
     from memfit.integrations.deepspeed_zero3 import (gathered_numel, module_params, partitions, persistent,
                                                      zero3_buffers)
     from memfit.measure.rank_estimate import per_device
@@ -186,18 +189,19 @@ def _zero3(est: Any, job: DeepSpeedJob, world: int, model: Any) -> str:
     keep = persistent(numels, s)
     buf = zero3_buffers(s, parts, w, w == 4, bool(job.offload_optimizer))
     whole = w * gathered_numel(module_params(meta), s, keep)
+    full = w * sum(n for _, n in numels)  # one process's gradients: a moment with them all is the step
+    live = [(m["activations"], m["temporaries"]) for m in (est.moments or {}).values() if m["grads"] < full]
     rows = est.ranks or [dict(est.per_device, gathered=0, in_flight=0)]
     for row in rows:
+        act, tmp = max([(row["activations"], row["temporaries"]), *live], key=sum)
         held = dict(params=w * sum(parts), grads=buf["grads"], optimizer=row["optimizer"] + buf["copy"])
         step = dict(held, gathered=w * sum(n for pid, n in numels if pid in keep), in_flight=buf["bucket"],
                     activations=0, temporaries=buf["step"])
         moving = dict(held, gathered=whole, in_flight=row["in_flight"] + buf["bucket"],
-                      activations=row["activations"], temporaries=row["temporaries"])
+                      activations=act, temporaries=tmp)
         top = max((moving, step) if row["activations"] else (step,), key=lambda m: sum(m.values()))
         row.update(top, total=sum(top.values()))
     est.per_device = per_device(max(rows, key=lambda r: r["total"]))
-    if not est.ranks:
-        est.per_device = {k: v for k, v in est.per_device.items()}
     return (f"DeepSpeed ZeRO-3's buffers: gradient partition {buf['grads']:,} B, IPG bucket {buf['bucket']:,} B "
             f"(reduce_bucket_size {s.reduce_bucket:,})" + (f", fp32 partition copy {buf['copy']:,} B" if buf["copy"]
                                                            else "")
