@@ -182,7 +182,10 @@ def _zero3(est: Any, job: DeepSpeedJob, world: int, model: Any) -> str:
     from memfit.models.spec import parse_model
 
     s = job.zero3 or Zero3Settings()
-    meta = (parse_model(model, families=True) if isinstance(model, str) else model).on_meta(est.seq)
+    if hasattr(model, "named_parameters"):  # a module: its own weights (only their shapes are read)
+        meta = model
+    else:
+        meta = (parse_model(model, families=True) if isinstance(model, str) else model).on_meta(est.seq)
     numels = [(id(p), p.numel()) for p in meta.parameters()]
     w = 2 if job.precision in ("bf16-master", "16-master") else 4
     parts = partitions([n for _, n in numels], world)
