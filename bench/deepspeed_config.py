@@ -1,7 +1,7 @@
 """DeepSpeed configs that `memfit plan --emit deepspeed` writes, run by DeepSpeed on 2 gloo ranks (CPU),
 against `memfit estimate --deepspeed` of the same file.
 
-    PYTHONPATH=src python bench/deepspeed_config.py [--rounds 3] [--steps 3]
+    PYTHONPATH=src python bench/deepspeed_config.py [--rounds 3] [--steps 3] [--stages 3]
 
 For ZeRO stage 1, 2 and 3: a plan of bench/distributed.py's model (2 ranks, batch 4 per rank, fp32,
 AdamW, no checkpointing) is emitted as DeepSpeed's JSON; DeepSpeedConfig parses and validates the file;
@@ -12,6 +12,8 @@ emitted file for this tiny model, as bench/distributed.py sets them (recorded in
 block's elements and ZeRO-3's persistence threshold 0 (DeepSpeed's defaults, 5e8-element buffers and
 tensors under 1e5 elements left whole, are sized for billion-parameter models: at these sizes every
 tensor would stay unsharded), and `torch_adam` (DeepSpeed's fused Adam is a compiled GPU kernel).
+ZeRO-3 runs three times (CASES): as emitted, with stage3_max_reuse_distance 0, and with no prefetch
+either, so that DeepSpeed's rules for holding weights whole are checked where they hold different weights. `--stages 3` runs only ZeRO-3's cases and prints them without saving.
 Needs the bench's DeepSpeed venv (bash bench/setup_deepspeed.sh); this script re-runs itself under it.
 """
 from __future__ import annotations
@@ -32,6 +34,13 @@ from common import fmt_bytes, save  # noqa: E402
 from distributed import BATCH, MODEL, _deepspeed_ready, _reexec_in_deepspeed_venv  # noqa: E402
 
 STAGES = (1, 2, 3)
+CASES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_reuse0": 3, "zero3_reuse0_noprefetch": 3}
+"""ZeRO-3 as emitted (stage3_max_reuse_distance 1e9: this model keeps every weight gathered for backward);
+with stage3_max_reuse_distance 0 (a module's weights released after it runs, but each module prefetches
+another bucket while stage3_max_live_parameters allows, so they are gathered again ahead of backward); and
+with no prefetch either (only the running module's weights held)."""
+_CASE_KEYS = {"zero3_reuse0": {"stage3_max_reuse_distance": 0},
+              "zero3_reuse0_noprefetch": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
 SPEC = "gpt:" + ",".join(f"{k}={v}" for k, v in MODEL.items())
 
 
@@ -47,10 +56,11 @@ def emitted(stage: int) -> dict:
     return config_of(view)[0]
 
 
-def overrides(block: int, stage: int) -> dict:
+def overrides(block: int, case: str) -> dict:
     zero = {"reduce_bucket_size": block, "allgather_bucket_size": block}
-    if stage == 3:
+    if CASES[case] == 3:
         zero.update(stage3_prefetch_bucket_size=block, stage3_param_persistence_threshold=0)
+    zero.update(_CASE_KEYS.get(case, {}))
     return {"zero_optimization": zero, "optimizer": {"params": {"torch_adam": True, "lr": 1e-3}}}
 
 
@@ -97,6 +107,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--stages", type=int, nargs="+", choices=STAGES, default=list(STAGES),
+                    help="run only these ZeRO stages (printed, not saved: the JSON holds all three)")
     args = ap.parse_args()
     _reexec_in_deepspeed_venv()
     skipped = _deepspeed_ready()
@@ -111,21 +123,24 @@ def main() -> None:
     block = sum(p.numel() for p in GPT(GPTConfig(**MODEL)).blocks[0].parameters())
     folder = Path(tempfile.mkdtemp(prefix="memfit-ds-"))
     rows, paths = {}, {}
-    for stage in STAGES:
-        config = emitted(stage)
-        run_config = _merge(config, overrides(block, stage))
-        path = folder / f"zero{stage}.json"
+    for case in (c for c, stage in CASES.items() if stage in args.stages):
+        config = emitted(CASES[case])
+        run_config = _merge(config, overrides(block, case))
+        path = folder / f"{case}.json"
         path.write_text(json.dumps(run_config))
         DeepSpeedConfig(str(path))  # DeepSpeed's own parse and validation of the file it will train with
         est = estimate_config(str(path), SPEC, world=2, seq=MODEL["seq"])
-        rows[f"zero{stage}"] = {"emitted": config, "overrides": overrides(block, stage), "estimate": bytes_per_rank(est)}
-        paths[f"zero{stage}"] = str(path)
+        rows[case] = {"emitted": config, "overrides": overrides(block, case), "estimate": bytes_per_rank(est)}
+        paths[case] = str(path)
     load0 = os.getloadavg()
     ranks = run_world(_work, 2, args=(paths, args.rounds, args.steps), timeout_s=3000)
     for k, row in rows.items():
         row["measured"] = [statistics.median(r[k]) for r in ranks]
         row["measured_range"] = [[min(r[k]), max(r[k])] for r in ranks]
         row["ratio"] = row["estimate"] / max(row["measured"])
+    if sorted(args.stages) != list(STAGES):
+        print(table({"results": rows}))
+        return
     path = save("deepspeed_config", {
         "command": f"PYTHONPATH=src python bench/deepspeed_config.py --rounds {args.rounds} --steps {args.steps}",
         "deepspeed": __import__("deepspeed").__version__, "model": MODEL, "batch_per_rank": BATCH, "world": 2,
@@ -138,7 +153,8 @@ def table(result: dict) -> str:
     lines = ["| emitted config | memfit estimate --deepspeed (per rank) | DeepSpeed measured peak (rank 0 / rank 1) "
              "| estimate / measured |", "|---|---|---|---|"]
     for k, r in result["results"].items():
-        lines.append(f"| ZeRO-{k[-1]} | {fmt_bytes(r['estimate'])} | {fmt_bytes(r['measured'][0])} / "
+        label = f"ZeRO-{CASES.get(k, k[-1])}" + "".join(f", {key} {v}" for key, v in _CASE_KEYS.get(k, {}).items())
+        lines.append(f"| {label} | {fmt_bytes(r['estimate'])} | {fmt_bytes(r['measured'][0])} / "
                      f"{fmt_bytes(r['measured'][1])} | {r['ratio']:.3f} |")
     return "\n".join(lines)
 

@@ -45,6 +45,9 @@ def print_per_rank(args: Any, est: Any) -> int:
         if r.get("vocab_parallel"):
             print("  vocabulary parallel: embedding, head and logits split over tp; estimated only, memfit train does "
                   "not run it")
+    elif getattr(args, "deepspeed", None) and est.zero == 3:
+        print("  gathered: the weights DeepSpeed holds whole; grads: its gradient partition buffer; in_flight: its "
+              "IPG bucket and the reduce-scatter's copy (see the note above)")
     else:
         print("  gathered: ZeRO-3's rest + running + prefetched block; in_flight: ZeRO's flat gradient bucket for a "
               "reduce-scatter")

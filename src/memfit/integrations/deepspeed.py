@@ -19,7 +19,9 @@ What is read (DeepSpeed is not needed: the JSON, with DeepSpeed's own defaults f
   --checkpoint says otherwise.
 
 Stages 1 and 2 add DeepSpeed's own buffers to memfit's per-rank figures (_buffers: its gradient bucket and
-the fp32 copy of the partition when the weights are fp32); ZeRO-3's are not modelled (the note says so).
+the fp32 copy of the partition when the weights are fp32); stage 3 turns memfit's ZeRO-3 rows into
+DeepSpeed's (_zero3, with memfit.integrations.deepspeed_zero3: its gradient partition buffer, IPG bucket,
+fp32 partition copy, and the weights its reuse-distance and prefetch rules hold whole).
 Tensor parallelism (tensor_parallel.autotp_size > 1) and pipeline stages are refused: estimate them
 with --strategy tensor / pipeline.
 """
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.core.errors import ConfigError
+from memfit.integrations.deepspeed_zero3 import Zero3Settings, read_zero3
 
 _OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lion": "lion", "adagrad": "adagrad",
                "fusedadam": "adamw", "cpuadam": "adamw", "deepspeedcpuadam": "adamw"}
@@ -51,6 +54,8 @@ class DeepSpeedJob:
     """zero_optimization.contiguous_gradients (default true): the bucket is allocated whole."""
     overlap: bool = False
     """zero_optimization.overlap_comm (stage 1/2 default false): a second bucket."""
+    zero3: Zero3Settings | None = None
+    """Stage 3's settings (memfit.integrations.deepspeed_zero3)."""
 
 
 def _load(path: str) -> dict:
@@ -129,7 +134,8 @@ def read_config(path: str, world: int = 1) -> DeepSpeedJob:
                         accumulation=accum, offload_optimizer={"none": None, "cpu": "cpu", "nvme": "disk"}[device],
                         optimizer=_OPTIMIZERS.get(kind), checkpointing="activation_checkpointing" in cfg,
                         bucket=int(bucket), contiguous=bool(zero.get("contiguous_gradients", True)),
-                        overlap=bool(zero.get("overlap_comm", stage == 3)))
+                        overlap=bool(zero.get("overlap_comm", stage == 3)),
+                        zero3=read_zero3(path, zero, _section(path, cfg, "data_types")) if stage == 3 else None)
 
 
 def _buffers(est: Any, job: DeepSpeedJob, world: int) -> str:
@@ -161,6 +167,52 @@ def _buffers(est: Any, job: DeepSpeedJob, world: int) -> str:
             + (f", fp32 copy of the partition {copy:,} B" if copy else ""))
 
 
+def _zero3(est: Any, job: DeepSpeedJob, world: int, model: Any) -> str:
+    """memfit's ZeRO-3 rank rows turned into DeepSpeed's (memfit.integrations.deepspeed_zero3). Forward and
+    backward: the weights DeepSpeed holds whole at forward's end replace memfit's two gathered blocks, so
+    the peak is the one-device moment with the most activations and temporaries (memfit's ZeRO-3 row may
+    pick a lower one where it gathers less); its gradient partition buffer (allocated whole for good)
+    replaces the slices reduced so far (DeepSpeed copies each gradient into the bucket as backward makes
+    it), the IPG bucket joins the gradients in flight and an fp32 weights' partition copy the optimizer.
+    The step (no activations: persistent weights whole, the flat fp32 gradient of the largest sub-group)
+    may be higher."""
+    from memfit.integrations.deepspeed_zero3 import (gathered_numel, module_params, partitions, persistent,
+                                                     zero3_buffers)
+    from memfit.measure.rank_estimate import per_device
+    from memfit.models.spec import parse_model
+
+    s = job.zero3 or Zero3Settings()
+    if hasattr(model, "named_parameters"):  # a module: its own weights (only their shapes are read)
+        meta = model
+    else:
+        meta = (parse_model(model, families=True) if isinstance(model, str) else model).on_meta(est.seq)
+    numels = [(id(p), p.numel()) for p in meta.parameters()]
+    w = 2 if job.precision in ("bf16-master", "16-master") else 4
+    parts = partitions([n for _, n in numels], world)
+    keep = persistent(numels, s)
+    buf = zero3_buffers(s, parts, w, w == 4, bool(job.offload_optimizer))
+    whole = w * gathered_numel(module_params(meta), s, keep)
+    full = w * sum(n for _, n in numels)  # one process's gradients: a moment with them all is the step
+    live = [(m["activations"], m["temporaries"]) for m in (est.moments or {}).values() if m["grads"] < full]
+    rows = est.ranks or [dict(est.per_device, gathered=0, in_flight=0)]
+    for row in rows:
+        act, tmp = max([(row["activations"], row["temporaries"]), *live], key=sum)
+        held = dict(params=w * sum(parts), grads=buf["grads"], optimizer=row["optimizer"] + buf["copy"])
+        step = dict(held, gathered=w * sum(n for pid, n in numels if pid in keep), in_flight=buf["bucket"],
+                    activations=0, temporaries=buf["step"])
+        moving = dict(held, gathered=whole, in_flight=row["in_flight"] + buf["bucket"],
+                      activations=act, temporaries=tmp)
+        top = max((moving, step) if row["activations"] else (step,), key=lambda m: sum(m.values()))
+        row.update(top, total=sum(top.values()))
+    est.per_device = per_device(max(rows, key=lambda r: r["total"]))
+    return (f"DeepSpeed ZeRO-3's buffers: gradient partition {buf['grads']:,} B, IPG bucket {buf['bucket']:,} B "
+            f"(reduce_bucket_size {s.reduce_bucket:,})" + (f", fp32 partition copy {buf['copy']:,} B" if buf["copy"]
+                                                           else "")
+            + f"; whole weights held at forward's end {whole:,} B (stage3_max_reuse_distance {s.max_reuse:,}, "
+            f"stage3_prefetch_bucket_size {s.prefetch_bucket:,}, {len(keep)} tensors under "
+            f"stage3_param_persistence_threshold {s.persistence:,} kept whole)")
+
+
 def describe(job: DeepSpeedJob, world: int, checkpoint: str) -> str:
     return (f"DeepSpeed config {job.path}: ZeRO stage {job.stage} on {world} rank(s), micro-batch "
             f"{job.micro_batch} x accumulation {job.accumulation}, {job.precision}"
@@ -182,9 +234,7 @@ def estimate_config(path: str, model: Any, world: int = 1, *, checkpoint: str | 
     est = estimate(model, batch=job.micro_batch, accum=job.accumulation, precision=job.precision,
                    optimizer=job.optimizer or optimizer or "adamw", world=world, checkpoint=ckpt,
                    offload_optimizer=job.offload_optimizer, **zero_kw, **kw)
-    added = _buffers(est, job, world)
-    if job.stage == 3:
-        added = "DeepSpeed ZeRO-3's own buffers (partition copies, gradient partitions, prefetch buckets) not modelled"
+    added = _zero3(est, job, world, model) if job.stage == 3 else _buffers(est, job, world)
     est.note = "; ".join(x for x in (describe(job, world, ckpt), added, est.note) if x)
     return est
 
