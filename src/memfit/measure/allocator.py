@@ -82,15 +82,17 @@ class AllocatorProfile:
                     events.append((e.start_time_ns, f.alloc_size, f.ptr))
             elif e.tag == _EventType.TorchOp and e.name.startswith(_PREFIX):
                 marks.append((e.name[len(_PREFIX):], e.start_time_ns, e.end_time_ns))
-        events.sort(key=lambda ev: ev[0])
+        events.sort(key=lambda ev: (ev[0], ev[1] > 0))  # at one timestamp, frees before allocations
         # Live bytes after each event. A free counts only if its block was allocated inside this
         # profile: the CPU reporter also reports frees of blocks it learnt in earlier profiles.
+        # An allocation at an address still live replaces that block: an allocator never hands out a
+        # live address, so its free went unreported (adding the two counted it twice).
         live: dict[int, int] = {}
         running, times, levels = 0, [], []
         for t, size, ptr in events:
             if size > 0:
-                live[ptr] = live.get(ptr, 0) + size
-                running += size
+                running += size - live.get(ptr, 0)
+                live[ptr] = size
             elif ptr in live:
                 running -= live.pop(ptr)
             times.append(t)
