@@ -40,6 +40,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--world", type=integer(1), default=1, help="ranks (default 1)")
     p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
+    p.add_argument("--engine", choices=("memfit", "zero-redundancy"), default="memfit",
+                   help="who runs --strategy zero1: memfit's flat engine (default) or torch's DDP with "
+                   "ZeroRedundancyOptimizer (each rank the optimizer state of whole tensors)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
     p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world); "
@@ -99,7 +102,8 @@ def _estimate(args: argparse.Namespace):
     common = dict(precision=args.precision, optimizer=args.optimizer, zero=args.zero, world=args.world,
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
-                  schedule=args.schedule, tp=args.tp, accum=args.accum, device=_device(args.device))
+                  schedule=args.schedule, tp=args.tp, accum=args.accum, device=_device(args.device),
+                  engine=args.engine)
     if args.step_in_backward:
         common["step_in_backward"] = True
     for flag in ("sequence_parallel", "vocab_parallel"):

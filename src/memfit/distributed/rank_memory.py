@@ -28,6 +28,7 @@ import re
 import torch.nn as nn
 
 from memfit.apply.precision import precision_mode
+from memfit.core.errors import ConfigError
 from memfit.distributed.layout import FlatLayout
 
 _STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
@@ -35,10 +36,12 @@ _STEP_COUNTER = {"adam", "adamw"}
 
 
 def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str = "32-true",
-                     optimizer: str = "adamw") -> list[dict]:
+                     optimizer: str = "adamw", engine: str = "memfit") -> list[dict]:
     from memfit.distributed.strategy import check_strategy
 
     check_strategy(strategy)
+    if engine == "zero-redundancy":
+        return _zero_redundancy(model, strategy, world, precision, optimizer)
     mode = precision_mode(precision)
     w = mode.param_dtype.itemsize if hasattr(mode.param_dtype, "itemsize") else 4
     state_bytes = mode.state_dtype.itemsize * _STATES.get(optimizer.lower(), 2)
@@ -81,6 +84,30 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
             row["optimizer"] = (per_elem_opt * full + counters * tensors) if holds else 0
         out.append(row)
     return out
+
+
+def _zero_redundancy(model: nn.Module, strategy: str, world: int, precision: str, optimizer: str) -> list[dict]:
+    """zero1 on DDP with torch's ZeroRedundancyOptimizer: DDP's rows (every weight, every gradient in
+    DDP's buckets), each rank's optimizer state that of the whole tensors torch assigns it
+    (memfit.distributed.zero_redundancy.assignment), step counters included."""
+    from memfit.distributed.zero_redundancy import assignment
+
+    if strategy != "zero1":
+        raise ConfigError(f"the zero-redundancy engine carries out zero1, not {strategy}")
+    rows = rank_model_state(model, "ddp", world, precision, optimizer)
+    mode = precision_mode(precision)
+    if mode.master_dtype is not None:
+        raise ConfigError(f"precision {precision!r} on the zero-redundancy engine: it keeps no master copy; "
+                          "use 32-true, bf16-mixed or bf16-true, or the memfit engine")
+    per_elem = mode.state_dtype.itemsize * _STATES.get(optimizer.lower(), 2)
+    counters = 4 if optimizer.lower() in _STEP_COUNTER else 0
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    owner = assignment(sizes, world)
+    for r in rows:
+        mine = [n for n, o in zip(sizes, owner) if o == r["rank"]]
+        r.update(strategy=strategy, runs_as="ddp", engine="zero-redundancy",
+                 optimizer=per_elem * sum(mine) + counters * len(mine), owned_tensors=len(mine))
+    return rows
 
 
 _BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?\d+")
@@ -129,11 +156,11 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     out = []
     for r in rows:
         held = dict(params=r["params"], gathered=r["gathered"], optimizer=r["optimizer"])
-        zero = r["strategy"].startswith("zero")
+        zero = r.get("runs_as", r["strategy"]).startswith("zero")
         full = r["full_grads"]
         moments_r = [_moment(r, held, m, inside, full) for m, inside in cands if m["grads"] < full]
         steps = [_moment(r, held, m, inside, full) for m, inside in cands if m["grads"] >= full]
-        if r["strategy"] == "zero1":
+        if r.get("runs_as", r["strategy"]) == "zero1":
             steps.append(dict(held, grads=r["grads"], in_flight=r["in_flight"]))
         elif zero:
             before = (sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"]) if blocks
@@ -169,7 +196,7 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
     """One-device moment `m` on rank `r` (`full`: one process's whole gradient bytes; `block`: the
     index of the block it is in, -1 for one not known, None between blocks)."""
     out = dict(held, activations=m["activations"], temporaries=m["temporaries"], grads=m["grads"])
-    s = r["strategy"]
+    s = r.get("runs_as", r["strategy"])
     if s == "ddp" and m["grads"]:
         out["grads"] = max(m["grads"], r["grads"])  # the buckets exist from the first backward on
     elif s == "ddp":
@@ -198,7 +225,7 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
 
 def _later(r: dict, m: dict) -> dict:
     """Moment `m` of the first micro-batch as a later micro-batch sees it (see rank_totals)."""
-    if r["strategy"] in ("zero2", "zero3"):
+    if r.get("runs_as", r["strategy"]) in ("zero2", "zero3"):
         # the current micro-batch's reduce-scatters add into the slices (no new bytes); its unreduced
         # gradients (in_flight) are beside them and the flat buffer kept from the earlier one
         spare = 0 if m.get("spare_kept") else r["spare"]  # (replaced at this micro-batch's first reduce)

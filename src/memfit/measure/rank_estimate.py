@@ -35,13 +35,17 @@ def strategy_of(strategy: str | None, zero: int, world: int) -> str | None:
 
 def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: int | None = None,
               schedule: str = "1f1b", tp: int | None = None, accum: int = 1,
-              sequence_parallel: bool = False, vocab_parallel: bool = False) -> list[dict]:
+              sequence_parallel: bool = False, vocab_parallel: bool = False, engine: str = "memfit") -> list[dict]:
     """Every rank's row (see the module docstring); `one` is the one-device Estimate of the per-rank
     micro-batch (model states unsharded); `accum` micro-batches per step (the gradients of the earlier
     ones are held through the later ones); `sequence_parallel`, `vocab_parallel`: tensor only (estimated,
-    not run)."""
+    not run); `engine`: who runs a data-parallel strategy (memfit.distributed.strategy.ENGINES; memfit's
+    and FSDP2's are estimated alike, zero-redundancy by torch's assignment of whole tensors)."""
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
 
+    if engine == "zero-redundancy" and strategy != "zero1":
+        raise ConfigError(f"the zero-redundancy engine (DDP with ZeroRedundancyOptimizer) carries out zero1, not "
+                          f"{strategy}; use --strategy zero1, or leave out --engine")
     if (sequence_parallel or vocab_parallel) and strategy != "tensor":
         raise ConfigError(f"sequence and vocabulary parallelism shard more of tensor parallelism's layout; they "
                           f"need --strategy tensor, not {strategy}")
@@ -61,12 +65,13 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
             rows = tensor_ranks(spec, one.batch, one.seq, world, tp, sequence_parallel=sequence_parallel,
                                 vocab_parallel=vocab_parallel, **common)
     else:
-        states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer)
+        states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer,
+                                  engine=engine)
         rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1),
                            peak_block=_peak_block(one.modules), moments=one.moments, accum=accum)
     for r in rows:
         r.pop("embeddings", None)
-        for k in ("rest", "one_block", "n_blocks", "blocks_n", "spare", "full_grads"):
+        for k in ("rest", "one_block", "n_blocks", "blocks_n", "spare", "full_grads", "runs_as"):
             r.pop(k, None)
         r["total"] = sum(r[c] for c in RANK_CATEGORIES)
     return rows
