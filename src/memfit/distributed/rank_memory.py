@@ -49,7 +49,9 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     layout = FlatLayout(model, world if strategy.startswith("zero") else 1)
     full = layout.numel
     counters = 4 if optimizer.lower() in _STEP_COUNTER else 0
-    tensors = len(layout.buckets) if strategy.startswith("zero") else sum(len(b.params) for b in layout.buckets)
+    # step counters: one per flat bucket in memfit's engine, one per parameter under FSDP2
+    per_bucket = strategy.startswith("zero") and engine != "fsdp2"
+    tensors = len(layout.buckets) if per_bucket else sum(len(b.params) for b in layout.buckets)
     blocks = [b.padded for b in layout.buckets if b.block is not None]
     rest = layout.rest.padded if layout.rest is not None else 0
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
@@ -63,6 +65,8 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     for rank in range(world):
         row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0, "full_grads": w * full,
                "head_grads": head_grads, "grad_per_token": w * hidden, "embeddings": sorted(embeddings)}
+        if engine != "memfit":
+            row["engine"] = engine
         if strategy.startswith("zero"):
             stage, shard = int(strategy[-1]), layout.shard_numel
             row["params"] = w * (shard if stage == 3 else sum(b.padded for b in layout.buckets))
@@ -220,6 +224,11 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
             # first block's backward, the last block's forward
             ends = block == 0 and m["grads"] or block == r["n_blocks"] - 1 and not m["grads"]
             out["gathered"] = r["rest"] + (0 if block is None else r["one_block"] if ends else held["gathered"] - r["rest"])
+            if r.get("engine") == "fsdp2" and block is None:
+                # FSDP2 all-gathers a block into one flat buffer, copied out into its parameters when
+                # the block runs: between the blocks (the root's pre-backward prefetches the last block
+                # before the head's backward) that buffer is held beside the gathered weights
+                out["in_flight"] = out.get("in_flight", 0) + r["one_block"]
     return out
 
 
