@@ -132,8 +132,7 @@ def estimate(
     vocab_parallel: bool = False,
     device: str | None = None,
     qlora: bool = False,
-    step_in_backward: bool = False,
-    engine: str = "memfit",
+    step_in_backward: bool = False, engine: str = "memfit",
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -158,9 +157,7 @@ def estimate(
     precision to what people run there (bf16-master). None or cpu: this machine's CPU, 32-true.
     `step_in_backward`: each parameter updated, and its gradient freed, as soon as backward produced it
     (memfit.apply.step_in_backward; one device, accum 1, no master weights or optimizer offload).
-    `engine`: who runs the strategy (memfit.distributed.strategy.ENGINES); "zero-redundancy" is zero1
-    on DDP with torch's ZeroRedundancyOptimizer (each rank the state of the whole tensors torch gives it).
-    """
+    `engine`: who runs the strategy (memfit.distributed.strategy.ENGINES; rank_estimate.rank_rows)."""
     from memfit.core.device import estimate_device
     from memfit.core.gpus import local_gpu
 
@@ -180,9 +177,8 @@ def estimate(
     est = _strategies(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                       zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
                       device_memory=device_memory, loss_fn=loss_fn, lora=lora, routing=routing, strategy=strategy,
-                      microbatches=microbatches, schedule=schedule, tp=tp, accum=accum, gpu=gpu,
-                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, sib=step_in_backward,
-                      engine=engine)
+                      microbatches=microbatches, schedule=schedule, tp=tp, accum=accum, gpu=gpu, engine=engine,
+                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, sib=step_in_backward)
     est.step_in_backward = step_in_backward
     est.precision_default = default if gpu is not None else None
     if gpu is not None:
