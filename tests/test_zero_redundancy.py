@@ -58,11 +58,16 @@ def test_each_rank_holds_the_state_of_the_tensors_it_owns():
         rank_model_state(model, "zero1", 2, precision="bf16-master", engine="zero-redundancy")
 
 
-def test_the_engine_refuses_what_it_cannot_run():
+def test_the_engine_refuses_what_it_cannot_run(capsys):
+    from memfit.cli import main
     from memfit.distributed import distribute
 
     with pytest.raises(ConfigError, match="carries out zero1"):
         distribute(torch.nn.Linear(2, 2), "zero3", engine="zero-redundancy")
+    for extra in ([], ["--strategy", "zero2", "--world", "2"]):  # one line, exit 2, before any trace
+        assert main(["estimate", GPT, "--engine", "zero-redundancy", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and ("strategy" in err or "zero1" in err), err
 
 
 def _steps(rank: int, world: int) -> dict:
