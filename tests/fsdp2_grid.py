@@ -117,13 +117,15 @@ def tracked(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
     return {c: _one(c, rank, world) for c in cases}
 
 
-def estimated(case: Case, world: int) -> int:
-    """`memfit estimate ... --strategy zero3|zero2 --world N --checkpoint P --json`: the largest rank's total."""
+def estimated(case: Case, world: int, engine: str | None = None) -> int:
+    """`memfit estimate ... --strategy zero3|zero2 --world N --checkpoint P [--engine E] --json`: the
+    largest rank's total."""
     from memfit.cli import main
 
     args = ["estimate", case.model, "--batch", str(case.batch), "--seq", str(case.seq), "--json",
             "--precision", case.precision,
             "--strategy", case.strategy, "--world", str(world), "--checkpoint", case.estimate_policy]
+    args += ["--engine", engine] if engine else []
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(args) == 0, args

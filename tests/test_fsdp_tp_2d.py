@@ -1,6 +1,6 @@
 """FSDP2 over "dp" x the model's tensor plan over "tp" on one 2x2 DeviceMesh (torchtitan's and
 accelerate's 2-D layout): `distribute(model, "zero3", engine="fsdp2", tp=2)` and its estimate
-(memfit.measure.fsdp_tp_estimate). Default tier: the composed estimate's shards; slow, multiproc: 4
+(`estimate(..., strategy="tensor", engine="fsdp2")`: memfit.measure.fsdp_tp_estimate). Default tier: the composed estimate's shards; slow, multiproc: 4
 gloo processes against one process and against the estimate."""
 from __future__ import annotations
 
@@ -30,21 +30,26 @@ def _write(tmp_path, family: str) -> str:
     return str(d / "config.json")
 
 
-def test_the_estimate_shards_one_tp_ranks_model_over_dp(tmp_path):
-    """The 2-D estimate is ZeRO-3 over dp of the model one TP rank holds: AdamW's two float32 moments of
-    half of every local tensor (padded to dp) and FSDP2's step counter per tensor; every rank alike."""
+def test_the_estimate_shards_one_tp_ranks_model_over_dp(tmp_path, capsys):
+    """`memfit estimate --strategy tensor --engine fsdp2` is ZeRO-3 over dp of the model one TP rank
+    holds: AdamW's two float32 moments of half of every local tensor and FSDP2's step counter per tensor
+    (the flat layout pads each bucket to dp: a few elements more); every rank alike."""
+    import json
+
+    from memfit.cli import main
     from memfit.distributed.hf_tensor import localize_hf
-    from memfit.measure.fsdp_tp_estimate import fsdp_tp_estimate
     from memfit.models.spec import parse_model
 
     path = _write(tmp_path, "llama")
-    local = localize_hf(parse_model(path, families=True).on_meta(SEQ), TP)
-    shard = sum(-(-p.numel() // 2) for p in local.parameters())  # (the flat layout pads buckets, not tensors)
-    est = fsdp_tp_estimate(path, batch=1, seq=SEQ, world=WORLD, tp=TP)
-    assert [r["rank_ids"] for r in est.ranks] == [[0, 1, 2, 3]]
-    assert abs(est.ranks[0]["optimizer"] - (8 * shard + 4 * len(list(local.parameters())))) <= 8 * 8
-    with pytest.raises(ConfigError, match="tensor plan"):
-        fsdp_tp_estimate(_write(tmp_path, "gpt2"), batch=1, seq=SEQ, world=WORLD, tp=TP)
+    local = list(localize_hf(parse_model(path, families=True).on_meta(SEQ), TP).parameters())
+    args = ["estimate", path, "--strategy", "tensor", "--tp", str(TP), "--seq", str(SEQ), "--engine", "fsdp2"]
+    assert main([*args, "--world", str(WORLD), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranks"]
+    assert [r["rank_ids"] for r in rows] == [[0, 1, 2, 3]] and rows[0]["dp"] == 2
+    state = 8 * sum(p.numel() for p in local) // 2 + 4 * len(local)
+    assert state <= rows[0]["optimizer"] <= state + 8 * 8
+    assert main([*args, "--world", str(TP)]) == 2  # tp = world: no dp dimension
+    assert "no data-parallel dimension" in capsys.readouterr().err
 
 
 def _run(family: str, ckpt: bool, rank: int, world: int) -> dict:
@@ -83,7 +88,7 @@ def _ranks(rank: int, world: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_2d_trains_as_one_process_within_3_percent_of_its_estimate(tmp_path):
-    from memfit.measure.fsdp_tp_estimate import fsdp_tp_estimate
+    from memfit.measure.estimate import estimate
 
     ranks = run_world(_ranks, WORLD, timeout_s=600)
     for family, ckpt in CASES:
@@ -93,8 +98,8 @@ def test_2d_trains_as_one_process_within_3_percent_of_its_estimate(tmp_path):
         mean = [sum(r["losses"][s] for r in runs) / WORLD for s in range(STEPS)]
         want = fam.one_process_losses(fam.model(family), fam.token_batches(STEPS, ROWS, SEQ))
         assert mean == pytest.approx(want, rel=RTOL), family
-        est = fsdp_tp_estimate(_write(tmp_path / str(ckpt), family), batch=ROWS // WORLD, seq=SEQ, world=WORLD,
-                               tp=TP, checkpoint="full" if ckpt else "none")
+        est = estimate(_write(tmp_path / str(ckpt), family), batch=ROWS // WORLD, seq=SEQ, strategy="tensor",
+                       world=WORLD, tp=TP, engine="fsdp2", checkpoint="full" if ckpt else "none")
         per_rank = {i: row["total"] for row in est.ranks for i in row["rank_ids"]}
         for i, r in enumerate(runs):
             assert abs(per_rank[i] - r["total"]) <= PER_RANK * r["total"], (family, ckpt, i, per_rank[i], r["total"])

@@ -40,9 +40,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--world", type=integer(1), default=1, help="ranks (default 1)")
     p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
-    p.add_argument("--engine", choices=("memfit", "zero-redundancy"), default="memfit",
-                   help="who runs --strategy zero1: memfit's flat engine (default) or torch's DDP with "
-                   "ZeroRedundancyOptimizer (each rank the optimizer state of whole tensors)")
+    p.add_argument("--engine", choices=("memfit", "fsdp2", "zero-redundancy"), default="memfit",
+                   help="who runs the strategy: memfit's flat engine (default); torch's FSDP2 for zero2/zero3, or "
+                   "with --strategy tensor FSDP2 over dp x the tensor plan over tp (2-D, a Hugging Face config); "
+                   "zero-redundancy: zero1 on DDP with ZeroRedundancyOptimizer (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
     p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world); "

@@ -224,6 +224,10 @@ def _strategies(model: Any, example: Any, *, params, batch, seq, precision, opti
         if strategy is not None and isinstance(model, (str, ModelSpec)) and not lora_run:
             from memfit.measure.rank_estimate import with_ranks
 
+            if strategy == "tensor" and engine == "fsdp2":  # 2-D: FSDP2 over dp x the tensor plan over tp
+                from memfit.measure.fsdp_tp_estimate import fsdp_tp_estimate
+                return fsdp_tp_estimate(estimate, _spec_of(model, lora), batch, seq, world, tp or world,
+                                        precision=precision, optimizer=optimizer, checkpoint=checkpoint)
             one = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision,
                             optimizer=optimizer, zero=0, world=1, checkpoint=checkpoint,
                             offload_optimizer=offload_optimizer, device_memory=device_memory, loss_fn=loss_fn,

@@ -1,7 +1,7 @@
 """Each rank's step peak under FSDP2 x tensor parallel on one ("dp", "tp") DeviceMesh (2-D).
 
-    est = fsdp_tp_estimate("config.json", batch=1, seq=64, world=4, tp=2)   # dp = world / tp = 2
-    est.per_device, est.ranks
+    est = memfit.estimate("config.json", batch=1, seq=64, strategy="tensor", world=4, tp=2, engine="fsdp2")
+    est.per_device, est.ranks                                                 # dp = world / tp = 2
 
 The two estimates memfit already has, composed: tensor parallelism's (memfit.measure.parallel_estimate:
 the model one TP rank holds, built with its plan's local shapes: column-parallel outputs and row-parallel
@@ -13,12 +13,13 @@ FSDP2 does. `batch` is per process, as for --strategy tensor: a replica of tp ra
 rows, and every rank of it computes all of them.
 
 A Hugging Face causal LM whose family ships a tensor plan (memfit.distributed.hf_tensor); the run
-this estimates is `distribute(model, "zero3", engine="fsdp2", tp=tp)`.
+this estimates is `distribute(model, "zero3", engine="fsdp2", tp=tp)`; on the command line
+`memfit estimate CONFIG --strategy tensor --tp T --world N --engine fsdp2`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -45,11 +46,11 @@ def tp_rank_spec(spec: ModelSpec, tp: int) -> TPRankSpec:
     return TPRankSpec(**values, tp=tp)
 
 
-def fsdp_tp_estimate(model: Any, batch: int, seq: int | None, world: int, tp: int, precision: str = "32-true",
-                     optimizer: str = "adamw", checkpoint: str = "none") -> Any:
+def fsdp_tp_estimate(estimate: Callable[..., Any], model: Any, batch: int, seq: int | None, world: int, tp: int,
+                     precision: str = "32-true", optimizer: str = "adamw", checkpoint: str = "none") -> Any:
     """The Estimate of a 2-D FSDP2 x TP step (see the module docstring): per_device the largest rank's,
-    `ranks` each distinct rank of the world (a rank's figures are those of its place on "dp")."""
-    from memfit.measure.estimate import estimate
+    `ranks` each distinct rank of the world (a rank's figures are those of its place on "dp").
+    `estimate`: memfit.measure.estimate.estimate (passed in: that module calls this one)."""
     from memfit.measure.parallel_estimate import check_tensor_spec
 
     spec = parse_model(model, families=True) if isinstance(model, str) else model
@@ -58,12 +59,13 @@ def fsdp_tp_estimate(model: Any, batch: int, seq: int | None, world: int, tp: in
                           "(a llama/qwen2/qwen3/mistral config.json); for memfit's GPT use --strategy tensor or zero3")
     check_tensor_spec(spec, world, tp)
     dp = world // tp
+    if dp == 1:
+        raise ConfigError(f"tp {tp} on {world} ranks leaves no data-parallel dimension for FSDP2 to shard; give "
+                          f"--tp dividing {world} below it, or leave out --engine fsdp2")
     est = estimate(tp_rank_spec(spec, tp), batch=batch * tp, seq=seq, precision=precision, optimizer=optimizer,
-                   checkpoint=checkpoint, strategy="zero3" if dp > 1 else None, world=dp,
-                   engine="fsdp2" if dp > 1 else "memfit")
-    est.model, est.world, est.strategy = spec.name, world, f"fsdp2 x tensor (dp={dp}, tp={tp})"
-    if dp > 1:  # rank r sits at dp place r // tp: every TP rank of a place holds what that place holds
-        for row in est.ranks:
-            row["rank_ids"] = sorted(r * tp + t for r in row["rank_ids"] for t in range(tp))
-            row.update(world=world, dp=dp, tp=tp)
+                   checkpoint=checkpoint, strategy="zero3", world=dp, engine="fsdp2")
+    est.model, est.world, est.strategy, est.batch = spec.name, world, "tensor", batch
+    for row in est.ranks:  # rank r sits at dp place r // tp: every TP rank of a place holds what it holds
+        row["rank_ids"] = sorted(r * tp + t for r in row["rank_ids"] for t in range(tp))
+        row.update(strategy="tensor", world=world, dp=dp, tp=tp, rows=batch * tp)
     return est

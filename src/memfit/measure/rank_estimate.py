@@ -43,9 +43,12 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
     and FSDP2's are estimated alike, zero-redundancy by torch's assignment of whole tensors)."""
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
 
-    if engine == "zero-redundancy" and strategy != "zero1":
-        raise ConfigError(f"the zero-redundancy engine (DDP with ZeroRedundancyOptimizer) carries out zero1, not "
-                          f"{strategy}; use --strategy zero1, or leave out --engine")
+    from memfit.distributed.strategy import ENGINE_STRATEGIES
+
+    if engine != "memfit" and strategy not in ENGINE_STRATEGIES.get(engine, ()):
+        raise ConfigError(f"engine {engine} carries out {' and '.join(ENGINE_STRATEGIES.get(engine, ()))}, not "
+                          f"{strategy} (fsdp2 also --strategy tensor of a Hugging Face config: 2-D); leave out "
+                          "--engine otherwise")
     if (sequence_parallel or vocab_parallel) and strategy != "tensor":
         raise ConfigError(f"sequence and vocabulary parallelism shard more of tensor parallelism's layout; they "
                           f"need --strategy tensor, not {strategy}")
