@@ -70,6 +70,46 @@ def test_the_engine_refuses_what_it_cannot_run(capsys):
         assert len(err.splitlines()) == 1 and ("strategy" in err or "zero1" in err), err
 
 
+TINY = "gpt:layers=2,hidden=16,heads=2,vocab=64,seq=8"
+
+
+def _one_step(rank: int, world: int) -> dict:
+    from memfit.distributed import distribute
+    from memfit.models.spec import parse_model
+
+    torch.manual_seed(0)
+    model = parse_model(TINY).build(seq=8)
+    opt = distribute(model, "zero1", "adamw", lr=1e-2, engine="zero-redundancy")
+    x = torch.randint(0, 64, (2 * world, 8), generator=torch.Generator().manual_seed(1))[2 * rank:2 * rank + 2]
+    _, loss_sum, n = opt.model(x, x)
+    opt.backward(loss_sum / (n * world))  # summed over the ranks: the global mean's gradient
+    opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "owned": len(opt.owned()),
+            "state": sum(t.numel() for t in opt.state_tensors())}
+
+
+def test_two_ranks_step_as_one_process():
+    """2-rank smoke: after one step every rank holds the same weights (each broadcast from its owner),
+    those of one process's AdamW step on the whole batch (1e-6: a float32 all-reduce's rounding, one
+    step), and each rank the state of the tensors torch assigned it."""
+    ranks = run_world(_one_step, 2, timeout_s=120)
+    torch.manual_seed(0)
+    from memfit.models.spec import parse_model
+
+    model = parse_model(TINY).build(seq=8)
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    _, loss_sum, n = model(x, x)
+    (loss_sum / n).backward()
+    opt.step()
+    for a, b, want in zip(ranks[0]["params"], ranks[1]["params"], model.parameters()):
+        assert torch.equal(a, b) and torch.allclose(a, want.detach(), rtol=1e-6, atol=1e-7)
+    owner = assignment([p.numel() for p in model.parameters()], 2)
+    for r in range(2):
+        mine = [p for p, o in zip(model.parameters(), owner) if o == r]
+        assert ranks[r]["owned"] == len(mine) and ranks[r]["state"] == sum(2 * p.numel() + 1 for p in mine)
+
+
 def _steps(rank: int, world: int) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
