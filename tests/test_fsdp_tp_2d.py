@@ -60,7 +60,8 @@ def _run(family: str, ckpt: bool, rank: int, world: int) -> dict:
     model = fam.model(family)
     if ckpt:
         model.gradient_checkpointing_enable()
-    opt = distribute(model, "zero3", "adamw", lr=1e-2, clip=1.0, engine="fsdp2", tp=TP)
+    strategy = "tensor" if family == "qwen3" else "zero3"  # the same layout, by either name
+    opt = distribute(model, strategy, "adamw", lr=1e-2, clip=1.0, engine="fsdp2", tp=TP)
     rows, losses = opt.data_rows(ROWS), []
     for step, x in enumerate(fam.token_batches(STEPS, ROWS, SEQ)):
         tracker = MemTracker() if step == STEPS - 1 else contextlib.nullcontext()

@@ -1,6 +1,7 @@
 """zero1 on torch's engines: DDP with ZeroRedundancyOptimizer (memfit.distributed.zero_redundancy).
 
-Default tier: torch's assignment of whole tensors reproduced, and the per-rank estimate built on it.
+Default tier: torch's assignment of whole tensors reproduced, the per-rank estimate built on it, and a
+2-rank smoke (one step equals one process's).
 Slow, multiproc: on 2 gloo ranks the losses of one process with the global batch, torch's own
 partition equal to memfit's, and each rank's tracked peak against its estimate.
 """

@@ -38,7 +38,14 @@ ENGINES = ("memfit", "fsdp2", "zero-redundancy")
 """Who carries out a ZeRO stage: memfit's flat engine (memfit.distributed.sharded), torch's FSDP2 for
 zero2/zero3 (memfit.distributed.fsdp2: fully_shard per block; zero2 is reshard_after_forward=False),
 or torch's DDP with ZeroRedundancyOptimizer for zero1 (memfit.distributed.zero_redundancy)."""
-ENGINE_STRATEGIES = {"fsdp2": ("zero2", "zero3"), "zero-redundancy": ("zero1",)}
+ENGINE_STRATEGIES = {"fsdp2": ("zero2", "zero3", "tensor"), "zero-redundancy": ("zero1",)}
+"""tensor on fsdp2: FSDP2 over "dp" x a Hugging Face model's tensor plan over "tp" (zero3 with tp=)."""
+
+
+def engine_strategies(engine: str) -> str:
+    """The strategies `engine` carries out, in words: "zero2, zero3 and tensor"."""
+    names = ENGINE_STRATEGIES.get(engine, ())
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else "none"
 
 
 def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: float = 3e-4,
@@ -51,7 +58,7 @@ def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: fl
     if engine not in ENGINES:
         raise ConfigError(f"unknown engine {engine!r}; accepted: {', '.join(ENGINES)}")
     if engine != "memfit" and strategy not in ENGINE_STRATEGIES[engine]:
-        raise ConfigError(f"engine {engine} carries out {' and '.join(ENGINE_STRATEGIES[engine])}, not {strategy}; "
+        raise ConfigError(f"engine {engine} carries out {engine_strategies(engine)}, not {strategy}; "
                           "use engine memfit")
     if not dist.is_initialized():
         raise ConfigError("distribute() needs a process group: call memfit.distributed.init() under torchrun first")
@@ -64,7 +71,10 @@ def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: fl
         from memfit.distributed.fsdp2 import FSDP2Optimizer
 
         kw.pop("prefetch", None)  # FSDP2 prefetches the next block itself
-        return FSDP2Optimizer(model, optimizer, lr, reshard=strategy == "zero3", **kw)
+        if strategy == "tensor" and not 1 < kw.get("tp", 1) < dist.get_world_size(kw.get("group")):
+            raise ConfigError(f"tensor on engine fsdp2 is FSDP2 over dp x the tensor plan over tp: give tp between 1 "
+                              f"and the world of {dist.get_world_size(kw.get('group'))}, not {kw.get('tp')}")
+        return FSDP2Optimizer(model, optimizer, lr, reshard=strategy != "zero2", **kw)
     if strategy == "ddp":
         from memfit.distributed.ddp import DDPOptimizer
 

@@ -43,10 +43,10 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
     and FSDP2's are estimated alike, zero-redundancy by torch's assignment of whole tensors)."""
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
 
-    from memfit.distributed.strategy import ENGINE_STRATEGIES
+    from memfit.distributed.strategy import ENGINE_STRATEGIES, engine_strategies
 
     if engine != "memfit" and strategy not in ENGINE_STRATEGIES.get(engine, ()):
-        raise ConfigError(f"engine {engine} carries out {' and '.join(ENGINE_STRATEGIES.get(engine, ()))}, not "
+        raise ConfigError(f"engine {engine} carries out {engine_strategies(engine)}, not "
                           f"{strategy} (fsdp2 also --strategy tensor of a Hugging Face config: 2-D); leave out "
                           "--engine otherwise")
     if (sequence_parallel or vocab_parallel) and strategy != "tensor":
