@@ -123,14 +123,15 @@ def tracked(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
     return {c: _one(c, rank, world) for c in cases}
 
 
-def estimated(case: Case, world: int) -> int:
+def estimated(case: Case, world: int, engine: str | None = None) -> int:
     """`memfit estimate ... --world N --checkpoint P --json` as a user asks it, the largest rank's total:
-    FSDP2 with `--engine fsdp2 --reshard-after-forward R`, memfit's engine with `--strategy zero3`."""
+    FSDP2 with `--engine fsdp2 --reshard-after-forward R`, memfit's engine with `--strategy zero3|zero2`;
+    `engine` (default: the case's) "memfit" asks the ZeRO estimate of an FSDP2 case."""
     from memfit.cli import main
 
     args = ["estimate", case.model, "--batch", str(case.batch), "--seq", str(case.seq), "--json",
             "--precision", case.precision, "--world", str(world), "--checkpoint", case.estimate_policy]
-    if case.engine == "fsdp2":
+    if (engine or case.engine) == "fsdp2":
         args += ["--engine", "fsdp2", "--reshard-after-forward", str(case.reshard).lower()]
     else:
         args += ["--strategy", case.strategy]

@@ -57,12 +57,15 @@ class Case:
     microbatches: int | None = None
     tags: tuple = field(default=())
     accum: int = 1
+    engine: str = "memfit"
+    """who runs a data-parallel strategy (memfit.distributed.strategy.ENGINES)"""
 
     @property
     def name(self) -> str:
         s = self.strategy + (f"-{self.schedule}" if self.schedule else "")
         return f"{Path(self.model).parent.name if self.model.endswith('.json') else self.model} {s} " \
-               f"{self.precision} ckpt={self.checkpoint}" + (f" accum={self.accum}" if self.accum > 1 else "")
+               f"{self.precision} ckpt={self.checkpoint}" + (f" accum={self.accum}" if self.accum > 1 else "") \
+               + (f" engine={self.engine}" if self.engine != "memfit" else "")
 
     def options(self) -> list[str]:
         out = ["--precision", self.precision, "--checkpoint", self.checkpoint]
@@ -72,6 +75,8 @@ class Case:
             out += ["--microbatches", str(self.microbatches)]
         if self.accum > 1:
             out += ["--accum", str(self.accum)]
+        if self.engine != "memfit":
+            out += ["--engine", self.engine]
         return out
 
 
@@ -115,7 +120,7 @@ def _one(case: Case, rank: int, world: int) -> dict:
         opt.model, opt.tracked_module = model, model
         opt.micro_batch = lambda last: contextlib.nullcontext()
     else:
-        opt = distribute(model, case.strategy, "adamw", lr=1e-3, precision=case.precision, **kw)
+        opt = distribute(model, case.strategy, "adamw", lr=1e-3, precision=case.precision, engine=case.engine, **kw)
     with opt:
         rows = opt.data_rows(BATCH * world) if case.strategy == "tensor" else None
         for step in range(3):

@@ -53,7 +53,7 @@ def test_fsdp2_engine_refuses_what_it_cannot_run():
 
     model = torch.nn.Linear(2, 2)
     for kw, words in (({"strategy": "zero3", "engine": "deepspeed"}, "unknown engine"),
-                      ({"strategy": "ddp", "engine": "fsdp2"}, "zero2 and zero3")):
+                      ({"strategy": "ddp", "engine": "fsdp2"}, "zero2, zero3 and tensor")):
         with pytest.raises(ConfigError, match=words):
             distribute(model, **kw)
     with pytest.raises(ConfigError, match="loss scaler"):
@@ -146,3 +146,31 @@ def test_reshard_after_forward_false_and_n_within_1_percent_on_4_ranks(tmp_path)
     peaks = [max(r["measured"]) for r in rows]
     assert peaks[0] < peaks[1] < peaks[2], peaks
     assert measured[0][cases[1]]["losses"] == pytest.approx(measured[0][cases[0]]["losses"], rel=1e-6)
+
+
+# `--engine fsdp2` against FSDP2 itself. Seen: +0.06% (llama, qwen3, 2 blocks of width 32), -0.03% (GPT,
+# 4 blocks of width 64), +0.07% under Hugging Face's checkpointing and torch's checkpoint_wrapper, where
+# the ZeRO-3 estimate (no --engine) is -4.5%, -4.2%, -1.7%: FSDP2's step counter per tensor and its flat
+# all-gather buffer between blocks. 0.5%: the bytes neither estimate sees (a rotary buffer, small views).
+ENGINE_TOLERANCE = 0.005
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_engine_fsdp2_estimates_fsdp2_itself(tmp_path):
+    import hf_family_configs as fam
+
+    paths = {}
+    for family in ("llama", "qwen3"):
+        (tmp_path / family).mkdir()
+        (tmp_path / family / "config.json").write_text(fam.config(family).to_json_string())
+        paths[family] = str(tmp_path / family / "config.json")
+    cases = [grid.Case(paths["llama"], True, "none", 2, 32), grid.Case(paths["qwen3"], True, "none", 2, 32),
+             grid.Case(paths["llama"], True, "hf", 2, 32), grid.Case(GPT, True, "none", BATCH, SEQ)]
+    measured = run_world(grid.tracked, 2, (cases,), timeout_s=900)
+    for c in cases:
+        est, plain = grid.estimated(c, 2), grid.estimated(c, 2, engine="memfit")
+        got = [measured[r][c]["total"] for r in range(2)]
+        assert all(abs(est - g) <= ENGINE_TOLERANCE * g for g in got), (c.name, est, got)
+        if c.wrapper == "none":  # what --engine fsdp2 adds is seen: the ZeRO-3 estimate misses by more
+            assert abs(plain - got[0]) > ENGINE_TOLERANCE * got[0], (c.name, plain, got)

@@ -40,6 +40,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--world", type=integer(1), default=1, help="ranks (default 1)")
     p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
+    p.add_argument("--engine", choices=("memfit", "fsdp2", "zero-redundancy"), default="memfit",
+                   help="who runs the strategy: memfit's flat engine (default); torch's FSDP2 for zero2/zero3, or "
+                   "with --strategy tensor FSDP2 over dp x the tensor plan over tp (2-D, a Hugging Face config); "
+                   "zero-redundancy: zero1 on DDP with ZeroRedundancyOptimizer (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
     p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world); "
@@ -53,10 +57,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--accum", type=integer(1), default=1, metavar="K",
                    help="micro-batches per optimizer step (default 1): the gradients of the earlier ones are held "
                    "through the later ones (ZeRO-2/3: each rank's reduced slices)")
-    p.add_argument("--engine", choices=("memfit", "fsdp2"), default="memfit",
-                   help="who shards the model under --strategy zero3/zero2: memfit's flat ZeRO (default) or torch's "
-                   "FSDP2, fully_shard per block then the root, as torchtitan, accelerate, Lightning and the HF "
-                   "Trainer run it (docs/distributed.md)")
     p.add_argument("--reshard-after-forward", metavar="true|false|N",
                    help="--engine fsdp2: FSDP2's reshard_after_forward (default true; false with --strategy zero2, "
                    "i.e. shard_grad_op; N: keep a 1/N shard of each block from forward to backward)")
@@ -99,8 +99,8 @@ def _estimate(args: argparse.Namespace):
         return _torchtitan(args, model)
     if args.deepspeed:
         return _deepspeed(args, model)
-    if args.engine == "fsdp2" or args.reshard_after_forward is not None:
-        return _fsdp2(args, model)
+    if args.engine == "fsdp2" and args.strategy != "tensor" or args.reshard_after_forward is not None:
+        return _fsdp2(args, model)  # (tensor on fsdp2, the 2-D layout: estimate() below)
     if model is None and args.params is None:
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
@@ -108,7 +108,8 @@ def _estimate(args: argparse.Namespace):
     common = dict(precision=args.precision, optimizer=args.optimizer, zero=args.zero, world=args.world,
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
-                  schedule=args.schedule, tp=args.tp, accum=args.accum, device=_device(args.device))
+                  schedule=args.schedule, tp=args.tp, accum=args.accum, device=_device(args.device),
+                  engine=args.engine)
     if args.step_in_backward:
         common["step_in_backward"] = True
     for flag in ("sequence_parallel", "vocab_parallel"):
@@ -176,6 +177,7 @@ def _deepspeed(args: argparse.Namespace, model: str | None):
 
 
 def _fsdp2(args: argparse.Namespace, model: str | None):
+    from memfit.measure.estimate import estimate
     from memfit.measure.fsdp2_estimate import fsdp2_estimate
     from memfit.models.spec import parse_model
 
@@ -184,8 +186,9 @@ def _fsdp2(args: argparse.Namespace, model: str | None):
     if model is None or is_factory(model):
         raise ConfigError("--engine fsdp2 traces a model name, gpt:... spec or config.json (give one)")
     if args.strategy not in (None, "zero3", "zero2") or args.zero not in (0, 2, 3):
-        raise ConfigError(f"--engine fsdp2 shards like zero3 (zero2: weights kept from forward to backward), not "
-                          f"{args.strategy or f'zero{args.zero}'}; use --engine memfit for the other strategies")
+        raise ConfigError(f"--engine fsdp2 shards like zero3 (zero2: weights kept from forward to backward; tensor: "
+                          f"2-D with --tp), not {args.strategy or f'zero{args.zero}'}; use --engine memfit for the "
+                          "other strategies")
     unsupported = [f for f, on in (("--tp", args.tp), ("--microbatches", args.microbatches), ("--accum", args.accum != 1),
                                    ("--offload-optimizer", args.offload_optimizer not in (None, "none")),
                                    ("--lora/--qlora", args.lora or args.qlora), ("--input", args.input),
@@ -202,7 +205,7 @@ def _fsdp2(args: argparse.Namespace, model: str | None):
         kw["device"] = _device(args.device)
     gpu = kw.get("device") not in (None, "cpu", "cuda")
     precision = args.precision or ("bf16-mixed" if gpu else "32-true")  # what FSDP2 runs on a GPU by default
-    return fsdp2_estimate(spec, args.batch, args.seq, args.world, precision=precision,
+    return fsdp2_estimate(estimate, spec, args.batch, args.seq, args.world, precision=precision,
                           optimizer=args.optimizer, checkpoint=args.checkpoint, reshard=reshard, **kw)
 
 

@@ -37,6 +37,9 @@ def print_per_rank(args: Any, est: Any) -> int:
         r = rows[0]
         print(f"  tp {r['tp']} x dp {r['dp']}: weights, gradients and optimizer state of the attention and "
               "MLP projections sharded over tp")
+        if r.get("engine") == "fsdp2":
+            print(f"  FSDP2 over dp: each rank holds 1/{r['dp']} of its TP rank's weights, gradients and state, "
+                  "gathering a block (gathered) around its forward and backward")
         print(f"  each rank computes its TP group's {r['rows']} rows (tp {r['tp']} x --batch {est.batch}; global batch "
               f"{est.world * est.batch}): for a TP-group micro-batch of b rows give --batch b/{r['tp']}")
         if r.get("sequence_parallel"):

@@ -3,6 +3,7 @@
     opt = FSDP2Optimizer(model, "adamw", lr=3e-4, precision="bf16-master")       # zero3
     opt = distribute(model, "zero3", engine="fsdp2")                             # the same
     opt = distribute(model, "zero2", engine="fsdp2")   # reshard_after_forward=False
+    opt = distribute(hf_model, "zero3", engine="fsdp2", tp=2)  # 2-D: FSDP2 over "dp" x the model's TP plan
 
 Any module whose repeated blocks memfit finds (memfit.apply.checkpoint.find_blocks: memfit's GPT,
 Hugging Face causal LMs, the largest nn.ModuleList otherwise) is sharded block by block, as
@@ -14,6 +15,13 @@ Precision: 32-true shards float32 weights; bf16-mixed and bf16-master shard floa
 are the master) and gather them as bf16 for compute (MixedPrecisionPolicy, gradients reduced in
 float32); bf16-true shards bf16 weights. fp16 modes are refused (FSDP2 has no loss scaler here).
 CPUOffloadPolicy (`offload="cpu"`) only with CUDA ranks: on a CPU rank there is nothing to offload to.
+
+2-D (`tp` > 1, a Hugging Face causal LM): one DeviceMesh ("dp", "tp") of world / tp x tp ranks, as
+torchtitan and accelerate build it. The model's own tensor plan goes on "tp" first
+(memfit.distributed.hf_tensor.shard_hf), then `fully_shard` on "dp" shards those DTensors (and the
+replicated weights) further: each rank holds 1/dp of its TP shard. A replica's tp ranks take the same
+rows (`data_rows`); gradients are averaged over "dp" by FSDP2 (each replica's loss is its mean), and
+the plan's replicated_with_grad_allreduce weights (Qwen3's q/k norms) are summed over "tp" at the step.
 
 What differs from memfit's own engine (memfit.distributed.sharded): zero2 here still shards the
 weights (FSDP2 gathers each block in forward and keeps it gathered to its backward, so between steps
@@ -58,14 +66,35 @@ def _policies(precision: str, offload: str | None, device: torch.device) -> dict
     return out
 
 
+def clip_across_meshes(params, limit: float) -> float:
+    """torch's clip_grad_norm_ for gradients on different meshes (2-D: the plan's shards on ("dp", "tp"),
+    the rest on "dp" alone), which its stacked norms refuse: each rank's squared local shards, weighted
+    by the share of the world holding each element (shard dimensions' sizes / world), summed over the
+    world; then every gradient scaled by min(1, limit / (norm + 1e-6)). Returns the norm."""
+    world = dist.get_world_size()
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        local = g.to_local() if hasattr(g, "to_local") else g
+        sharded = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard()) \
+            if hasattr(g, "placements") else 1
+        total += local.double().square().sum() * (sharded / world)
+    dist.all_reduce(total)
+    norm = float(total.sqrt())
+    if math.isfinite(norm):
+        coef = min(1.0, limit / (norm + 1e-6))
+        for g in grads:
+            (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
+    return norm
+
+
 class FSDP2Optimizer:
     """See the module docstring. `reshard`: FSDP2's reshard_after_forward (True: zero3, False: zero2)."""
 
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None, *,
-                 reshard: bool = True, group=None, blocks: nn.ModuleList | None = None,
+                 reshard: bool = True, group=None, blocks: nn.ModuleList | None = None, tp: int = 1,
                  **optimizer_kwargs: Any) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         if clip is not None and not clip > 0:
@@ -76,8 +105,7 @@ class FSDP2Optimizer:
         policies = _policies(self.precision, offload, device)
         if self.precision == "bf16-true":
             model.to(torch.bfloat16)
-        group = group or dist.group.WORLD
-        mesh = DeviceMesh.from_group(group, device.type)
+        mesh = self._mesh(model, group or dist.group.WORLD, device, tp)
         for block in blocks if blocks is not None else find_blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
@@ -85,6 +113,36 @@ class FSDP2Optimizer:
         self.device_type = device.type
         self.inner = make_torch_optimizer(optimizer, model.parameters(), lr=lr, weight_decay=weight_decay,
                                           **optimizer_kwargs)
+
+    def _mesh(self, model: nn.Module, group, device: torch.device, tp: int):
+        """The mesh FSDP2 shards over: the group's ranks, or with tp > 1 the "dp" dimension of a
+        ("dp", "tp") mesh whose "tp" dimension the model's tensor plan is put on first."""
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        self.tp, self.dp, self.dp_rank, self.tp_summed = tp, dist.get_world_size(group), 0, []
+        if tp == 1:
+            return DeviceMesh.from_group(group, device.type)
+        from memfit.distributed.hf_tensor import heads_of, hf_tp_plan, shard_hf
+        from memfit.distributed.tensor_parallel import check_tensor
+
+        if getattr(model, "config", None) is None or group is not dist.group.WORLD:
+            raise ConfigError("FSDP2 x tensor parallel (tp > 1) shards a Hugging Face causal LM by its tensor plan "
+                              "over the whole world; give such a model and no group=")
+        hf_tp_plan(model)  # a family without a plan is refused before any mesh exists
+        check_tensor(*heads_of(model.config), self.dp, tp)
+        self.dp //= tp
+        self.mesh = init_device_mesh(device.type, (self.dp, tp), mesh_dim_names=("dp", "tp"))
+        self.dp_rank, self.tp_group = self.mesh.get_local_rank("dp"), self.mesh["tp"].get_group()
+        self.tp_summed = shard_hf(model, self.mesh["tp"])  # names: fully_shard replaces the parameters
+        return self.mesh["dp"]
+
+    def data_rows(self, batch: int) -> slice:
+        """This replica's rows of a global batch (the tp ranks of a replica take the same ones)."""
+        if batch % self.dp:
+            raise ConfigError(f"a global batch of {batch} sequences does not split over {self.dp} data-parallel "
+                              f"replicas; use a batch divisible by {self.dp}")
+        per = batch // self.dp
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -103,8 +161,13 @@ class FSDP2Optimizer:
 
     def step(self) -> StepResult:
         norm = None
+        for name in self.tp_summed:  # each TP rank's gradient covers its own heads only
+            p = self.model.get_parameter(name)
+            if p.grad is not None:
+                dist.all_reduce(p.grad.to_local(), group=self.tp_group)
         if self.clip is not None:
-            norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), self.clip).full_tensor())
+            norm = (float(nn.utils.clip_grad_norm_(self.model.parameters(), self.clip).full_tensor())
+                    if self.tp == 1 else clip_across_meshes(self.model.parameters(), self.clip))
             if not math.isfinite(norm):
                 self.zero_grad()
                 return StepResult(stepped=False, grad_norm=norm)

@@ -16,8 +16,8 @@ Figures are the bytes held at the step's peak (plain data, so a planner can rank
                state (master weights included in -master modes), plus torch's per-tensor step counters.
     post_forward zero3 rows may carry it (0 when absent): the bytes of one block's weights that stay
                after its forward until its backward, beyond the rank's slice (torch FSDP2's
-               reshard_after_forward False: the whole block; an int N: its 1/N shard;
-               memfit.measure.fsdp2_estimate sets it).
+               reshard_after_forward False: the whole block, with `kept_whole`; an int N: its 1/N
+               shard; memfit.measure.fsdp2_estimate sets them).
     head_grads zero2/zero3: gradients of the rest bucket that exist when the last block's bucket is
                reduce-scattered (final norm and head; a tied embedding's pending head contribution).
     grad_per_token  bytes per token of the gradient that flows between blocks (hidden x weight bytes).
@@ -32,6 +32,7 @@ import re
 import torch.nn as nn
 
 from memfit.apply.precision import precision_mode
+from memfit.core.errors import ConfigError
 from memfit.distributed.layout import FlatLayout
 
 _STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
@@ -39,10 +40,12 @@ _STEP_COUNTER = {"adam", "adamw"}
 
 
 def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str = "32-true",
-                     optimizer: str = "adamw") -> list[dict]:
+                     optimizer: str = "adamw", engine: str = "memfit") -> list[dict]:
     from memfit.distributed.strategy import check_strategy
 
     check_strategy(strategy)
+    if engine == "zero-redundancy":
+        return _zero_redundancy(model, strategy, world, precision, optimizer)
     mode = precision_mode(precision)
     w = mode.param_dtype.itemsize if hasattr(mode.param_dtype, "itemsize") else 4
     state_bytes = mode.state_dtype.itemsize * _STATES.get(optimizer.lower(), 2)
@@ -50,7 +53,9 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     layout = FlatLayout(model, world if strategy.startswith("zero") else 1)
     full = layout.numel
     counters = 4 if optimizer.lower() in _STEP_COUNTER else 0
-    tensors = len(layout.buckets) if strategy.startswith("zero") else sum(len(b.params) for b in layout.buckets)
+    # step counters: one per flat bucket in memfit's engine, one per parameter under FSDP2
+    per_bucket = strategy.startswith("zero") and engine != "fsdp2"
+    tensors = len(layout.buckets) if per_bucket else sum(len(b.params) for b in layout.buckets)
     blocks = [b.padded for b in layout.buckets if b.block is not None]
     rest = layout.rest.padded if layout.rest is not None else 0
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
@@ -64,6 +69,8 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
     for rank in range(world):
         row = {"rank": rank, "strategy": strategy, "world": world, "gathered": 0, "in_flight": 0, "full_grads": w * full,
                "head_grads": head_grads, "grad_per_token": w * hidden, "embeddings": sorted(embeddings)}
+        if engine != "memfit":
+            row["engine"] = engine
         if strategy.startswith("zero"):
             stage, shard = int(strategy[-1]), layout.shard_numel
             row["params"] = w * (shard if stage == 3 else sum(b.padded for b in layout.buckets))
@@ -85,6 +92,30 @@ def rank_model_state(model: nn.Module, strategy: str, world: int, precision: str
             row["optimizer"] = (per_elem_opt * full + counters * tensors) if holds else 0
         out.append(row)
     return out
+
+
+def _zero_redundancy(model: nn.Module, strategy: str, world: int, precision: str, optimizer: str) -> list[dict]:
+    """zero1 on DDP with torch's ZeroRedundancyOptimizer: DDP's rows (every weight, every gradient in
+    DDP's buckets), each rank's optimizer state that of the whole tensors torch assigns it
+    (memfit.distributed.zero_redundancy.assignment), step counters included."""
+    from memfit.distributed.zero_redundancy import assignment
+
+    if strategy != "zero1":
+        raise ConfigError(f"the zero-redundancy engine carries out zero1, not {strategy}")
+    rows = rank_model_state(model, "ddp", world, precision, optimizer)
+    mode = precision_mode(precision)
+    if mode.master_dtype is not None:
+        raise ConfigError(f"precision {precision!r} on the zero-redundancy engine: it keeps no master copy; "
+                          "use 32-true, bf16-mixed or bf16-true, or the memfit engine")
+    per_elem = mode.state_dtype.itemsize * _STATES.get(optimizer.lower(), 2)
+    counters = 4 if optimizer.lower() in _STEP_COUNTER else 0
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    owner = assignment(sizes, world)
+    for r in rows:
+        mine = [n for n, o in zip(sizes, owner) if o == r["rank"]]
+        r.update(strategy=strategy, runs_as="ddp", engine="zero-redundancy",
+                 optimizer=per_elem * sum(mine) + counters * len(mine), owned_tensors=len(mine))
+    return rows
 
 
 _BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?\d+")
@@ -133,11 +164,11 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
     out = []
     for r in rows:
         held = dict(params=r["params"], gathered=r["gathered"], optimizer=r["optimizer"])
-        zero = r["strategy"].startswith("zero")
+        zero = r.get("runs_as", r["strategy"]).startswith("zero")
         full = r["full_grads"]
         moments_r = [_moment(r, held, m, inside, full) for m, inside in cands if m["grads"] < full]
         steps = [_moment(r, held, m, inside, full) for m, inside in cands if m["grads"] >= full]
-        if r["strategy"] == "zero1":
+        if r.get("runs_as", r["strategy"]) == "zero1":
             steps.append(dict(held, grads=r["grads"], in_flight=r["in_flight"]))
         elif zero:
             before = (sum(blocks) - max(blocks) + sum(saved.get(e, 0) for e in r["embeddings"]) if blocks
@@ -176,7 +207,7 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
     """One-device moment `m` on rank `r` (`full`: one process's whole gradient bytes; `block`: the
     index of the block it is in, -1 for one not known, None between blocks)."""
     out = dict(held, activations=m["activations"], temporaries=m["temporaries"], grads=m["grads"])
-    s = r["strategy"]
+    s = r.get("runs_as", r["strategy"])
     if s == "ddp" and m["grads"]:
         out["grads"] = max(m["grads"], r["grads"])  # the buckets exist from the first backward on
     elif s == "ddp":
@@ -201,6 +232,12 @@ def _moment(r: dict, held: dict, m: dict, block: int | None, full: int) -> dict:
             ends = block == 0 and m["grads"] or block == r["n_blocks"] - 1 and not m["grads"]
             out["gathered"] = r["rest"] + (0 if block is None else r["one_block"] if ends else held["gathered"] - r["rest"])
             out["gathered"] += _held_blocks(r, _blocks_left_by_forward(r, m, block))
+            if r.get("engine") == "fsdp2" and block is None and not r.get("kept_whole"):
+                # FSDP2 all-gathers a block into one flat buffer, copied out into its parameters when
+                # the block runs: between the blocks (the root's pre-backward prefetches the last block
+                # before the head's backward) that buffer is held beside the gathered weights; with
+                # reshard_after_forward False the last block is still whole and nothing is gathered
+                out["in_flight"] = out.get("in_flight", 0) + r["one_block"]
     return out
 
 
@@ -224,7 +261,7 @@ def _held_blocks(r: dict, count: int) -> int:
 
 def _later(r: dict, m: dict) -> dict:
     """Moment `m` of the first micro-batch as a later micro-batch sees it (see rank_totals)."""
-    if r["strategy"] in ("zero2", "zero3"):
+    if r.get("runs_as", r["strategy"]) in ("zero2", "zero3"):
         # the current micro-batch's reduce-scatters add into the slices (no new bytes); its unreduced
         # gradients (in_flight) are beside them and the flat buffer kept from the earlier one
         spare = 0 if m.get("spare_kept") else r["spare"]  # (replaced at this micro-batch's first reduce)

@@ -34,9 +34,18 @@ def check_strategy(name: str) -> str:
     return name
 
 
-ENGINES = ("memfit", "fsdp2")
-"""Who carries out zero2/zero3: memfit's flat engine (memfit.distributed.sharded) or torch's FSDP2
-(memfit.distributed.fsdp2: fully_shard per block; zero2 is reshard_after_forward=False)."""
+ENGINES = ("memfit", "fsdp2", "zero-redundancy")
+"""Who carries out a ZeRO stage: memfit's flat engine (memfit.distributed.sharded), torch's FSDP2 for
+zero2/zero3 (memfit.distributed.fsdp2: fully_shard per block; zero2 is reshard_after_forward=False),
+or torch's DDP with ZeroRedundancyOptimizer for zero1 (memfit.distributed.zero_redundancy)."""
+ENGINE_STRATEGIES = {"fsdp2": ("zero2", "zero3", "tensor"), "zero-redundancy": ("zero1",)}
+"""tensor on fsdp2: FSDP2 over "dp" x a Hugging Face model's tensor plan over "tp" (zero3 with tp=)."""
+
+
+def engine_strategies(engine: str) -> str:
+    """The strategies `engine` carries out, in words: "zero2, zero3 and tensor"."""
+    names = ENGINE_STRATEGIES.get(engine, ())
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else "none"
 
 
 def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: float = 3e-4,
@@ -48,17 +57,24 @@ def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: fl
     check_strategy(strategy)
     if engine not in ENGINES:
         raise ConfigError(f"unknown engine {engine!r}; accepted: {', '.join(ENGINES)}")
+    if engine != "memfit" and strategy not in ENGINE_STRATEGIES[engine]:
+        raise ConfigError(f"engine {engine} carries out {engine_strategies(engine)}, not {strategy}; "
+                          "use engine memfit")
+    if not dist.is_initialized():
+        raise ConfigError("distribute() needs a process group: call memfit.distributed.init() under torchrun first")
+    if engine == "zero-redundancy":
+        from memfit.distributed.zero_redundancy import ZeroRedundancyDDP
+
+        kw.pop("spill_dir", None)  # (no optimizer offload on this engine: offload= is refused by it)
+        return ZeroRedundancyDDP(model, optimizer, lr, **kw)
     if engine == "fsdp2":
-        if strategy not in ("zero2", "zero3"):
-            raise ConfigError(f"engine fsdp2 carries out zero2 and zero3, not {strategy}; use --engine memfit")
-        if not dist.is_initialized():
-            raise ConfigError("distribute() needs a process group: call memfit.distributed.init() under torchrun first")
         from memfit.distributed.fsdp2 import FSDP2Optimizer
 
         kw.pop("prefetch", None)  # FSDP2 prefetches the next block itself
-        return FSDP2Optimizer(model, optimizer, lr, reshard=strategy == "zero3", **kw)
-    if not dist.is_initialized():
-        raise ConfigError("distribute() needs a process group: call memfit.distributed.init() under torchrun first")
+        if strategy == "tensor" and not 1 < kw.get("tp", 1) < dist.get_world_size(kw.get("group")):
+            raise ConfigError(f"tensor on engine fsdp2 is FSDP2 over dp x the tensor plan over tp: give tp between 1 "
+                              f"and the world of {dist.get_world_size(kw.get('group'))}, not {kw.get('tp')}")
+        return FSDP2Optimizer(model, optimizer, lr, reshard=strategy != "zero2", **kw)
     if strategy == "ddp":
         from memfit.distributed.ddp import DDPOptimizer
 

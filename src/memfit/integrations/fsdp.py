@@ -133,9 +133,10 @@ def setup_of(world: int, mixed_precision: str, reshard: Any, checkpointing: bool
 def rank_estimate(spec: Any, micro: int, seq: int, setup: FsdpSetup, optimizer: str, checkpoint: str) -> Any:
     """memfit's Estimate of one FSDP2 rank of `setup` (memfit.measure.fsdp2_estimate: zero3's figures with
     FSDP2's head-backward moment and the weights reshard_after_forward keeps)."""
+    from memfit.measure.estimate import estimate
     from memfit.measure.fsdp2_estimate import fsdp2_estimate
 
-    return fsdp2_estimate(spec, micro, seq, setup.world, precision=setup.precision, optimizer=optimizer,
+    return fsdp2_estimate(estimate, spec, micro, seq, setup.world, precision=setup.precision, optimizer=optimizer,
                           checkpoint=checkpoint, reshard=setup.reshard)
 
 

@@ -132,7 +132,7 @@ def estimate(
     vocab_parallel: bool = False,
     device: str | None = None,
     qlora: bool = False,
-    step_in_backward: bool = False,
+    step_in_backward: bool = False, engine: str = "memfit",
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -157,7 +157,7 @@ def estimate(
     precision to what people run there (bf16-master). None or cpu: this machine's CPU, 32-true.
     `step_in_backward`: each parameter updated, and its gradient freed, as soon as backward produced it
     (memfit.apply.step_in_backward; one device, accum 1, no master weights or optimizer offload).
-    """
+    `engine`: who runs the strategy (memfit.distributed.strategy.ENGINES; rank_estimate.rank_rows)."""
     from memfit.core.device import estimate_device
     from memfit.core.gpus import local_gpu
 
@@ -177,7 +177,7 @@ def estimate(
     est = _strategies(model, example, params=params, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                       zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
                       device_memory=device_memory, loss_fn=loss_fn, lora=lora, routing=routing, strategy=strategy,
-                      microbatches=microbatches, schedule=schedule, tp=tp, accum=accum, gpu=gpu,
+                      microbatches=microbatches, schedule=schedule, tp=tp, accum=accum, gpu=gpu, engine=engine,
                       sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, sib=step_in_backward)
     est.step_in_backward = step_in_backward
     est.precision_default = default if gpu is not None else None
@@ -209,7 +209,7 @@ def torch_index(device: str) -> int | None:
 
 def _strategies(model: Any, example: Any, *, params, batch, seq, precision, optimizer, zero, world, checkpoint,
                 offload_optimizer, device_memory, loss_fn, lora, routing, strategy, microbatches, schedule, tp, accum,
-                gpu, sequence_parallel=False, vocab_parallel=False, sib=False) -> Estimate:
+                gpu, sequence_parallel=False, vocab_parallel=False, sib=False, engine="memfit") -> Estimate:
     """estimate() on one device or under a strategy, for a resolved precision and device."""
     from memfit.measure.moe import routing as moe_routing
     from memfit.measure.rank_estimate import strategy_of
@@ -217,17 +217,32 @@ def _strategies(model: Any, example: Any, *, params, batch, seq, precision, opti
     _positive("world", world)
     _positive("accum", accum)
     strategy = strategy_of(strategy, zero, world)
+    if engine != "memfit" and strategy is None:
+        raise ConfigError(f"engine {engine!r} runs a distributed strategy: give strategy (and world), or leave it out")
     with moe_routing(routing):
         lora_run = lora is not None or getattr(model, "lora", None) is not None
         if strategy is not None and isinstance(model, (str, ModelSpec)) and not lora_run:
             from memfit.measure.rank_estimate import with_ranks
 
+            if strategy in ("zero2", "zero3") and engine == "fsdp2":  # zero2: reshard_after_forward False
+                from memfit.measure.fsdp2_estimate import fsdp2_estimate
+                return fsdp2_estimate(estimate, _spec_of(model, lora), batch, seq, world, precision=precision,
+                                      optimizer=optimizer, checkpoint=checkpoint, reshard=strategy == "zero3",
+                                      device=gpu and gpu.name, device_memory=device_memory)
+            if strategy == "tensor" and engine == "fsdp2":  # 2-D: FSDP2 over dp x the tensor plan over tp
+                from memfit.measure.fsdp_tp_estimate import fsdp_tp_estimate
+                return fsdp_tp_estimate(estimate, _spec_of(model, lora), batch, seq, world, tp or world,
+                                        precision=precision, optimizer=optimizer, checkpoint=checkpoint)
             one = _estimate(model, example, params=params, batch=batch, seq=seq, precision=precision,
                             optimizer=optimizer, zero=0, world=1, checkpoint=checkpoint,
                             offload_optimizer=offload_optimizer, device_memory=device_memory, loss_fn=loss_fn,
                             lora=lora, worst=routing == "worst", gpu=gpu)
             return with_ranks(one, _spec_of(model, lora), strategy, world, microbatches=microbatches, schedule=schedule,
-                              tp=tp, accum=accum, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+                              tp=tp, accum=accum, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                              engine=engine)
+        if engine != "memfit":
+            raise ConfigError(f"engine {engine!r} is estimated per rank for a model name, spec or config.json "
+                              "(without LoRA adapters), not for a module")
         if sequence_parallel or vocab_parallel:
             raise ConfigError("sequence_parallel and vocab_parallel need strategy 'tensor' on a model name or "
                               "gpt:/llama: spec")

@@ -1,19 +1,25 @@
 """Each rank's peak under torch's FSDP2 (`fully_shard` on every repeated block, then the root), as
 torchtitan, accelerate, Lightning and the HF Trainer run it.
 
-    est = fsdp2_estimate(spec, batch=4, seq=128, world=8, precision="bf16-mixed", reshard=True)
+    est = memfit.estimate(spec, batch=4, seq=128, strategy="zero3", world=8, engine="fsdp2")     # True
+    est = fsdp2_estimate(memfit.estimate, spec, 4, 128, 8, precision="bf16-mixed", reshard=2)  # any
     est.per_device["total"], est.ranks
 
 memfit's zero3 figures (memfit.measure.rank_estimate: each rank's weight, gradient and optimizer
 slices, the gathered root and two gathered blocks, one block's gradients in flight, activations from
-the one-device trace of the rank's micro-batch) with what FSDP2 does differently:
+the one-device trace of the rank's micro-batch) with what FSDP2 does differently
+(memfit.distributed.rank_memory, engine "fsdp2"):
 
-- the head's backward moment (head_moment): everything the forward saved is still there, with the
-  root's gathered weights and the last block gathered again for its backward;
+- a step counter per parameter tensor (memfit's engine keeps one per flat bucket);
+- between the blocks, the flat all-gather buffer of the block FSDP2 gathers next: at the head's
+  backward everything the forward saved is still there, with the root's gathered weights and the last
+  block gathered again for its backward;
 - reshard_after_forward (`reshard`): True frees a block's gathered weights after its forward; False
   keeps them whole to its backward (Trainer's fsdp="shard_grad_op"); an int N keeps a 1/N shard of
-  them (each weight's first dimension padded to a multiple of N, as FSDP2 shards it). What a block
-  keeps is counted at every moment until its backward (rank_memory's post_forward);
+  them (each weight's first dimension padded to a multiple of N, as FSDP2 shards it; that shard is the
+  all-gather's input, freed only once the gathered copy is in place, so at the head's backward every
+  block's is there). What a block keeps is counted at every moment until its backward (rank_memory's
+  post_forward);
 - bf16 (MixedPrecisionPolicy): the fp32 shard is the only copy kept (cast into the all-gather per
   use), where memfit's bf16-master keeps a bf16 shard beside an fp32 master (_fsdp2_states).
 
@@ -22,15 +28,15 @@ Checked per rank against torch's MemTracker on gloo ranks (bench/fsdp2_layouts.p
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from memfit.core.errors import ConfigError
 
-PRECISIONS = {"32-true": "32-true", "bf16-mixed": "bf16-master", "bf16-master": "bf16-master"}
+PRECISIONS = {"32-true": "32-true", "bf16-mixed": "bf16-master", "bf16-master": "bf16-master", "bf16-true": "bf16-true"}
 """FSDP2's precision as the user names it -> the memfit mode whose trace it runs (bf16: MixedPrecisionPolicy
-gathering bf16 weights over fp32 shards, gradients reduced in fp32)."""
+gathering bf16 weights over fp32 shards, gradients reduced in fp32; bf16-true: bf16 shards, no master)."""
 
 
 def check_reshard(reshard: Any, world: int) -> bool | int:
@@ -71,36 +77,13 @@ def fsdp2_states(est: Any) -> None:
     est.per_device = per_device(est.ranks[0])
 
 
-def head_moment(spec: Any, seq: int, world: int, precision: str, optimizer: str, alone: dict, row: dict,
-                post_forward: int = 0, shard_kept: bool = False) -> dict:
-    """FSDP2's moment at the head's backward: everything the forward saved is still there (the one-device
-    peak's activations and temporaries), with the root's gathered weights (embedding, final norm, head)
-    and one decoder layer's all-gathered weights (the last one, gathered again for its backward), and
-    what the other blocks kept after their forward (`post_forward` each). The measured peak of a bare
-    fully_shard step has these categories (bench/trainer_fsdp2.py); memfit's zero3 moments gather a
-    layer only inside the layers' backward, so this one is added here. `shard_kept`: reshard_after_forward
-    is an int (see below)."""
-    from memfit.distributed.rank_memory import rank_model_state
-
-    states = rank_model_state(spec.on_meta(seq), "zero3", world, precision, optimizer)[0]
-    # reshard False: the last block's kept weights are the ones its backward uses. An int N: its kept 1/N
-    # shard is the all-gather's input, freed only once the gathered copy is in place (FSDP2's
-    # to_unsharded), so at this moment every block's shard is there beside the last block whole
-    # (measured: 4 blocks on 4 ranks, N = 2, bench/fsdp2_layouts.py)
-    kept = post_forward * (states["n_blocks"] if shard_kept else max(states["n_blocks"] - 1, 0))
-    out = {"params": row["params"], "gathered": states["rest"] + states["one_block"] + kept, "grads": 0,
-           "in_flight": 0, "optimizer": row["optimizer"], "activations": alone["activations"],
-           "temporaries": alone["temporaries"]}
-    out["total"] = sum(out.values())
-    return out
-
-
-def fsdp2_estimate(spec: Any, batch: int, seq: int | None, world: int, *, precision: str = "32-true",
-                   optimizer: str = "adamw", checkpoint: str = "none", reshard: Any = True, **kw: Any) -> Any:
+def fsdp2_estimate(estimate: Callable[..., Any], spec: Any, batch: int, seq: int | None, world: int, *,
+                   precision: str = "32-true", optimizer: str = "adamw", checkpoint: str = "none", reshard: Any = True,
+                   **kw: Any) -> Any:
     """memfit's Estimate of one FSDP2 rank (per_device: the largest rank; ranks: each distinct one).
-    `kw`: memfit.measure.estimate.estimate's other options (device, routing, lora...)."""
-    from memfit.measure.estimate import estimate
-    from memfit.measure.rank_estimate import per_device, with_ranks
+    `estimate`: memfit.measure.estimate.estimate (passed in: that module calls this one); `kw` its other
+    options (device, device_memory)."""
+    from memfit.measure.rank_estimate import with_ranks
 
     if world < 2:
         raise ConfigError(f"FSDP2 over {world} process: give --world 2 or more")
@@ -112,16 +95,10 @@ def fsdp2_estimate(spec: Any, batch: int, seq: int | None, world: int, *, precis
     one = estimate(spec, batch=batch, seq=seq, precision=mode, optimizer=optimizer, checkpoint=checkpoint, **kw)
     if not one.traced:
         raise ConfigError("an FSDP2 estimate traces the model; give a model, not a parameter count alone")
-    alone = dict(one.per_device)
     kept = post_forward_bytes(spec.on_meta(one.seq), reshard, 2 if mode == "bf16-master" else 4)
-    est = with_ranks(one, spec, "zero3", world, post_forward=kept)
+    est = with_ranks(one, spec, "zero3", world, engine="fsdp2", post_forward=kept, kept_whole=reshard is False)
     if mode == "bf16-master":
         fsdp2_states(est)
-    head = head_moment(spec, one.seq, world, mode, optimizer, alone, est.ranks[0], kept,
-                       shard_kept=not isinstance(reshard, bool))
-    if head["total"] > est.ranks[0]["total"]:
-        est.ranks[0] = {**est.ranks[0], **head}
-        est.per_device = per_device(est.ranks[0])
     if est.device is not None and est.reserve_overhead is not None:  # a GPU target: its reserve, again
         est.per_device["reserved"] = est.per_device["total"] + est.reserve_overhead
     kept_how = {True: "resharded after forward", False: "kept whole from forward to backward"}.get(

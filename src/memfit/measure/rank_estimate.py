@@ -35,14 +35,24 @@ def strategy_of(strategy: str | None, zero: int, world: int) -> str | None:
 
 def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: int | None = None,
               schedule: str = "1f1b", tp: int | None = None, accum: int = 1,
-              sequence_parallel: bool = False, vocab_parallel: bool = False, post_forward: int = 0) -> list[dict]:
+              sequence_parallel: bool = False, vocab_parallel: bool = False, engine: str = "memfit",
+              post_forward: int = 0, kept_whole: bool = False) -> list[dict]:
     """Every rank's row (see the module docstring); `one` is the one-device Estimate of the per-rank
     micro-batch (model states unsharded); `accum` micro-batches per step (the gradients of the earlier
     ones are held through the later ones); `sequence_parallel`, `vocab_parallel`: tensor only (estimated,
-    not run); `post_forward`: zero3 only, a block's bytes kept from its forward to its backward
-    (memfit.distributed.rank_memory; torch FSDP2's reshard_after_forward, memfit.measure.fsdp2_estimate)."""
+    not run); `engine`: who runs a data-parallel strategy (memfit.distributed.strategy.ENGINES; memfit's
+    and FSDP2's are estimated alike, zero-redundancy by torch's assignment of whole tensors);
+    `post_forward`, `kept_whole`: zero3 only, a block's bytes kept from its forward to its backward and
+    whether that is the whole block (memfit.distributed.rank_memory; torch FSDP2's reshard_after_forward,
+    memfit.measure.fsdp2_estimate)."""
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
 
+    from memfit.distributed.strategy import ENGINE_STRATEGIES, engine_strategies
+
+    if engine != "memfit" and strategy not in ENGINE_STRATEGIES.get(engine, ()):
+        raise ConfigError(f"engine {engine} carries out {engine_strategies(engine)}, not "
+                          f"{strategy} (fsdp2 also --strategy tensor of a Hugging Face config: 2-D); leave out "
+                          "--engine otherwise")
     if (sequence_parallel or vocab_parallel) and strategy != "tensor":
         raise ConfigError(f"sequence and vocabulary parallelism shard more of tensor parallelism's layout; they "
                           f"need --strategy tensor, not {strategy}")
@@ -62,17 +72,19 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
             rows = tensor_ranks(spec, one.batch, one.seq, world, tp, sequence_parallel=sequence_parallel,
                                 vocab_parallel=vocab_parallel, **common)
     else:
-        states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer)
+        states = rank_model_state(spec.on_meta(one.seq), strategy, world, one.precision, one.optimizer,
+                                  engine=engine)
         if post_forward:
             if strategy != "zero3":
                 raise ConfigError(f"weights kept after forward are a zero3 layout's choice, not {strategy}'s")
             for row in states:
-                row["post_forward"] = post_forward
+                row["post_forward"], row["kept_whole"] = post_forward, kept_whole
         rows = rank_totals(states, one.per_device, one.module_activations, one.batch * (one.seq or 1),
                            peak_block=_peak_block(one.modules), moments=one.moments, accum=accum)
     for r in rows:
         r.pop("embeddings", None)
-        for k in ("rest", "one_block", "n_blocks", "blocks_n", "spare", "full_grads", "post_forward"):
+        for k in ("rest", "one_block", "n_blocks", "blocks_n", "spare", "full_grads", "runs_as", "post_forward",
+                  "kept_whole"):
             r.pop(k, None)
         r["total"] = sum(r[c] for c in RANK_CATEGORIES)
     return rows
