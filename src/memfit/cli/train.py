@@ -86,6 +86,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)")
     g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy; --batch stays per process (default none; ddp with --nproc N)")
+    g.add_argument("--engine", choices=("memfit", "fsdp2"),
+                   help="who carries out --strategy zero2/zero3: memfit's flat engine, or torch's FSDP2 (fully_shard "
+                   "per block, checkpoints through torch.distributed.checkpoint; default memfit)")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
                    "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; "

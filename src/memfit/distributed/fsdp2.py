@@ -76,7 +76,7 @@ class FSDP2Optimizer:
         policies = _policies(self.precision, offload, device)
         if self.precision == "bf16-true":
             model.to(torch.bfloat16)
-        group = group or dist.group.WORLD
+        group = self.group = group or dist.group.WORLD
         mesh = DeviceMesh.from_group(group, device.type)
         for block in blocks if blocks is not None else find_blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
@@ -120,10 +120,26 @@ class FSDP2Optimizer:
                 for s in self.inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
     def state_dict(self) -> dict:
-        return {"precision": self.precision, "engine": "fsdp2", "inner": self.inner.state_dict()}
+        """What checkpoint.pt records; the state itself is in the save_sharded folder."""
+        return {"precision": self.precision, "engine": "fsdp2"}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state["inner"])
+    def save_sharded(self, folder) -> None:
+        """Every rank writes its shards of the weights and optimizer state (torch.distributed.checkpoint)."""
+        from memfit.distributed.fsdp2_checkpoint import save_fsdp2
+
+        save_fsdp2(self.model, self.inner, folder, self.group)
+
+    def load_sharded(self, folder) -> None:
+        """Read a save_sharded folder written on any number of ranks."""
+        from memfit.distributed.fsdp2_checkpoint import load_fsdp2
+
+        load_fsdp2(self.model, self.inner, folder, self.group)
+
+    def full_model_state(self) -> dict:
+        """The whole model's weights on rank 0 (empty on the others)."""
+        from memfit.distributed.fsdp2_checkpoint import full_state
+
+        return full_state(self.model)
 
     def close(self) -> None:
         pass

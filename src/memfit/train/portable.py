@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from memfit.core.errors import ConfigError
 
-from memfit.train.checkpoint_kind import check_checkpointable, kind  # noqa: F401 (re-exported)
+from memfit.train.checkpoint_kind import check_checkpointable, kind, kind_of  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass
@@ -64,7 +64,10 @@ def _scaler(state: dict | None) -> dict[str, float] | None:
 
 def read_portable(checkpoint: dict[str, Any], folder: Path | None) -> Portable:
     """The Portable of a checkpoint.pt dict (and its sharded-<step> `folder` for zero and mp)."""
-    source = kind(checkpoint["config"].get("strategy"))
+    source = kind_of(checkpoint["config"])
+    if source == "fsdp2":
+        raise ConfigError("this checkpoint was written by --engine fsdp2 (torch.distributed.checkpoint): it resumes "
+                          "with --engine fsdp2 (zero2 or zero3, any process count) and cannot change layout yet")
     model = plain_model(checkpoint["config"])
     if source == "pt":
         optim, step, scaler = _from_pt(checkpoint["optimizer"], _names(model))

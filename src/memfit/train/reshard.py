@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from memfit.core.errors import ConfigError, CorruptCheckpointError
 from memfit.train import distributed as dist_train
-from memfit.train.portable import kind, plain_model, read_portable
+from memfit.train.portable import kind, kind_of, plain_model, read_portable
 from memfit.train.portable_load import load_into_pt, write_folder
 
 RESHARD = "reshard"
@@ -30,15 +30,19 @@ def source_folder(checkpoint: dict, run_dir: Path) -> Path | None:
 def restorer(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, ctx: Any) -> Callable[[], None] | None:
     """What loads the model and optimizer state for memfit.train.resume.restore: None for one process
     resuming a one-process, ddp or ps checkpoint (restore's own loads, each with its own message)."""
-    if ctx is None and kind(checkpoint["config"].get("strategy")) == "pt":
+    if ctx is None and kind_of(checkpoint["config"]) == "pt":
         return None
     return lambda: restore_states(opt, model, checkpoint, run_dir, ctx)
 
 
+def _engine_of(layout: str) -> str:
+    return "--engine fsdp2" if layout == "fsdp2" else "memfit's engine"
+
+
 def restore_states(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, ctx: Any) -> None:
     """Load the model and optimizer state of `checkpoint` (written by any layout) into this run's."""
-    source = kind(checkpoint["config"].get("strategy"))
-    target = kind(ctx.strategy if ctx is not None else None)
+    source = kind_of(checkpoint["config"])
+    target = kind(ctx.strategy, ctx.engine) if ctx is not None else "pt"
     if source == target:
         if ctx is not None:
             dist_train.restore(opt, model, checkpoint, run_dir)
@@ -46,6 +50,10 @@ def restore_states(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, 
             model.load_state_dict(checkpoint["model"])
             opt.load_state_dict(checkpoint["optimizer"])
         return
+    if "fsdp2" in (source, target):
+        raise ConfigError(f"this checkpoint was written by {_engine_of(source)} and this run uses "
+                          f"{_engine_of(target)}: a checkpoint of --engine fsdp2 resumes with --engine fsdp2 (zero2 or "
+                          "zero3, any process count) and the others without it; resume with the engine it was written with")
     if target == "pt":
         load_into_pt(read_portable(checkpoint, source_folder(checkpoint, run_dir)), model,
                      getattr(opt, "inner", opt) if ctx is not None else opt)
