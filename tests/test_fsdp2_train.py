@@ -107,3 +107,38 @@ def _resume_as(rank, world, run_dir, overrides):
     from memfit.train import loop
 
     loop.train(*loop.resume_config(run_dir, overrides), progress=False)
+
+
+# The issue's bound for per-rank estimates. Seen: -1.8% (the estimate under; FSDP2's all-gather and
+# reduce-scatter buffers are per block, as tests/test_fsdp2_layouts.py finds for FSDP2 outside memfit train).
+TOLERANCE = 0.03
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_trained_fsdp2_ranks_peak_at_the_zero3_estimate(tmp_path):
+    import json
+
+    from memfit.distributed.spawn import run_world
+
+    spec = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=128"  # tests/test_fsdp2_layouts.py's shape
+    cfg = {**BASE, "model": spec, "seq": 128, "batch": 4, "steps": 2, "eval_batches": 1, "track": True,
+           "strategy": "zero3", "engine": "fsdp2", "out": str(tmp_path / "r")}
+    run_world(train_rank, 2, args=(cfg, None, None), timeout_s=300)
+    ranks = json.loads((tmp_path / "r" / "metrics.json").read_text())["memory"]["step_breakdown"]["ranks"]
+    est = _estimate(spec)
+    for r in ranks:
+        assert r["peak_bytes"] == r["breakdown"]["total"] > 0
+        assert abs(est - r["peak_bytes"]) / r["peak_bytes"] < TOLERANCE, (est, r)
+
+
+def _estimate(spec: str) -> int:
+    import contextlib
+    import io
+    import json
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["estimate", spec, "--batch", "4", "--seq", "128", "--strategy", "zero3", "--world", "2",
+                     "--precision", "32-true", "--json"]) == 0
+    return json.loads(buf.getvalue())["per_device"]["total"]
