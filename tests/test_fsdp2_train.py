@@ -41,6 +41,25 @@ def test_config_checks_the_engine_for_api_users():
     TrainConfig(strategy="zero3", engine="fsdp2").validate()
 
 
+def test_a_cluster_plan_names_the_engine(tmp_path):
+    import dataclasses
+    import json
+
+    from memfit.core.errors import ConfigError
+    from memfit.plan.cluster_memory import Layout
+    from memfit.train.cluster_launch import apply_cluster_plan
+
+    path = tmp_path / "plan.json"
+    cluster = {"layout": dataclasses.asdict(Layout("zero3", dp=2)), "seq": 32, "torchrun": "torchrun ..."}
+    path.write_text(json.dumps({"plan": {}, "cluster": {**cluster, "engine": "fsdp2"}}))
+    given = apply_cluster_plan({"plan": str(path), "nproc": 2})
+    assert (given["strategy"], given["engine"]) == ("zero3", "fsdp2")
+    assert apply_cluster_plan({"plan": str(path), "nproc": 2, "engine": "memfit"})["engine"] == "memfit"  # given wins
+    path.write_text(json.dumps({"plan": {}, "cluster": {**cluster, "engine": "deepspeed"}}))
+    with pytest.raises(ConfigError, match="accepted: memfit, fsdp2"):
+        apply_cluster_plan({"plan": str(path), "nproc": 2})
+
+
 def _single(steps: int) -> list[float]:
     from memfit.train import loop
 
