@@ -78,9 +78,12 @@ class FSDP2Optimizer:
             model.to(torch.bfloat16)
         group = self.group = group or dist.group.WORLD
         mesh = DeviceMesh.from_group(group, device.type)
-        for block in blocks if blocks is not None else find_blocks(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
+        sharded = [fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
+                   for block in (blocks if blocks is not None else find_blocks(model))]
+        sharded.append(fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies))
+        for module in sharded:  # memfit's strategies sum gradients over the ranks (FSDP2 averages by default)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM on every backend (gloo has no PREMUL_SUM)
         self.model = self.tracked_module = model
         self.device_type = device.type
         self.inner = make_torch_optimizer(optimizer, model.parameters(), lr=lr, weight_decay=weight_decay,
