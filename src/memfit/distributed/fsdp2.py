@@ -8,7 +8,8 @@ Any module whose repeated blocks memfit finds (memfit.apply.checkpoint.find_bloc
 Hugging Face causal LMs, the largest nn.ModuleList otherwise) is sharded block by block, as
 torchtitan and accelerate do; apply a checkpoint policy (memfit's, or torch's checkpoint_wrapper)
 before. The interface is memfit's strategies' (model, micro_batch, autocast, backward, step,
-tracked_module), so a loop written for `distribute` runs on it unchanged.
+tracked_module), so a loop written for `distribute` runs on it unchanged, gradients summed over the
+ranks as the strategies sum them (FSDP2's default averages).
 
 Precision: 32-true shards float32 weights; bf16-mixed and bf16-master shard float32 weights (they
 are the master) and gather them as bf16 for compute (MixedPrecisionPolicy, gradients reduced in
