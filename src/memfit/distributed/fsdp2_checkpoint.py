@@ -86,3 +86,24 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+              states: dict[str, dict[str, torch.Tensor]], step: torch.Tensor) -> None:
+    """Whole tensors (every rank holds them; another layout's checkpoint, memfit.train.portable) into
+    this rank's shards: `weights` by name, `states` per parameter name (a "master" replaces the weight:
+    FSDP2 keeps float32 weights, no separate master), `step` the optimizer's step count."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    weights = {**weights, **{n: s["master"] for n, s in states.items() if "master" in s}}
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=full)  # the template, with this run's groups
+    for name, state in optim_sd["state"].items():
+        for key, value in state.items():
+            given = step if key == "step" else states.get(name, {}).get(key)
+            if given is None:
+                raise ConfigError(f"the checkpoint has no {key!r} state for {name}: it was written with another "
+                                  "optimizer; resume with the optimizer it was written with")
+            value.copy_(given)
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim_sd, options=full)

@@ -37,21 +37,6 @@ def check_engine(cfg: Any) -> None:
     _check_optimizer(cfg.optimizer)
 
 
-def check_resume_engine(saved: dict, cfg: Any) -> None:
-    """A resume between --engine fsdp2 and memfit's layouts (or one process) is refused in one line: FSDP2's
-    checkpoint folder is torch's state dicts, memfit's resharding (memfit.train.reshard) reads its own."""
-    was = saved.get("engine") == "fsdp2"
-    now = cfg.engine == "fsdp2" and cfg.strategy in FSDP2_STRATEGIES
-    if was == now:
-        return
-    if was:
-        drop = "--engine memfit" if cfg.strategy in FSDP2_STRATEGIES else f"--strategy {cfg.strategy}"
-        raise ConfigError("this run was trained with --engine fsdp2, whose checkpoints load only into --engine fsdp2 "
-                          f"(--strategy zero2 or zero3, any --nproc); leave out {drop}")
-    raise ConfigError("--engine fsdp2 cannot resume a run trained on memfit's engine (its checkpoint is memfit's "
-                      "layout); resume without --engine fsdp2")
-
-
 def _cuda(device: str | None) -> bool:
     import torch
 

@@ -1,11 +1,12 @@
-"""Resuming a run in another layout: zero1/2/3 <-> ddp/ps <-> one process <-> pipeline/tensor.
+"""Resuming a run in another layout: zero1/2/3 (either engine) <-> ddp/ps <-> one process <-> pipeline/tensor.
 
 Within a family the layout's own loader reshards (ZeRO onto any world size; pipeline and tensor
 onto any stages x TP degree x replicas; one process, ddp and ps share checkpoint.pt's format).
 Across families the checkpoint is read whole (memfit.train.portable) and put into the new layout:
 one process, ddp and ps load it directly (each rank holds the whole state anyway); for zero and
 mp, rank 0 writes it once in the target's layout (reshard-<step>/ in the run folder, removed
-after) and every rank reads its own slices from there.
+after) and every rank reads its own slices from there; onto FSDP2 every rank reads it whole and
+torch's set_state_dict keeps its shards.
 """
 from __future__ import annotations
 
@@ -35,10 +36,6 @@ def restorer(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, ctx: A
     return lambda: restore_states(opt, model, checkpoint, run_dir, ctx)
 
 
-def _engine_of(layout: str) -> str:
-    return "--engine fsdp2" if layout == "fsdp2" else "memfit's engine"
-
-
 def restore_states(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, ctx: Any) -> None:
     """Load the model and optimizer state of `checkpoint` (written by any layout) into this run's."""
     source = kind_of(checkpoint["config"])
@@ -50,10 +47,12 @@ def restore_states(opt: Any, model: nn.Module, checkpoint: dict, run_dir: Path, 
             model.load_state_dict(checkpoint["model"])
             opt.load_state_dict(checkpoint["optimizer"])
         return
-    if "fsdp2" in (source, target):
-        raise ConfigError(f"this checkpoint was written by {_engine_of(source)} and this run uses "
-                          f"{_engine_of(target)}: a checkpoint of --engine fsdp2 resumes with --engine fsdp2 (zero2 or "
-                          "zero3, any process count) and the others without it; resume with the engine it was written with")
+    if target == "fsdp2":  # every rank reads the whole state and keeps its shards (torch's set_state_dict)
+        from memfit.distributed.fsdp2_checkpoint import load_full
+
+        p = read_portable(checkpoint, source_folder(checkpoint, run_dir))
+        load_full(opt.model, opt.inner, p.model, p.optim, p.step)
+        return
     if target == "pt":
         load_into_pt(read_portable(checkpoint, source_folder(checkpoint, run_dir)), model,
                      getattr(opt, "inner", opt) if ctx is not None else opt)

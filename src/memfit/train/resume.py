@@ -73,9 +73,6 @@ def resume_config(run_dir: str | Path, overrides: dict[str, Any],
         defaults = TrainConfig()
         cfg = dataclasses.replace(cfg, **{k: getattr(defaults, k) for k in LAYOUT})
     cfg = dataclasses.replace(cfg, **{"out": str(folder), **overrides})
-    from memfit.train.fsdp2_run import check_resume_engine
-
-    check_resume_engine(saved, cfg)  # FSDP2's folders and memfit's layouts do not convert yet: before any launch
     keep_global_batch(cfg, ckpt, world)
     check_steps(cfg, ckpt)
     return cfg, ckpt
