@@ -73,6 +73,20 @@ def _grad_norms(rank, world, cfg: dict) -> list[float]:
     return loop.train(loop.TrainConfig(**{"device": "cpu", **cfg}), progress=False).metrics["steps"]["grad_norm"]
 
 
+@pytest.mark.multiproc
+def test_fsdp2_smoke_two_ranks_one_process_losses_and_a_dcp_folder(tmp_path):
+    """The default tier's one 2-rank run (about 3 CPU-s: 1.5 in the ranks, forked from a forkserver
+    that imported torch): two steps equal one process's within fp32 reassociation (see below)."""
+    from memfit.distributed.spawn import run_world
+
+    out = tmp_path / "r"
+    cfg = {**BASE, "batch": 2, "steps": 2, "eval_batches": 1, "strategy": "zero3", "engine": "fsdp2", "out": str(out)}
+    two = run_world(train_rank, 2, args=(cfg, None, None), timeout_s=300)
+    assert two[0] == pytest.approx(_single(2), rel=1e-5)
+    assert [p.name for p in out.glob("*sharded-*")] == ["sharded-2"]  # renamed into place, no .partial left
+    assert (out / "sharded-2" / ".metadata").is_file()
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("strategy", ["zero3", "zero2"])
