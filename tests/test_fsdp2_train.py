@@ -1,6 +1,7 @@
 """`memfit train --strategy zero2|zero3 --engine fsdp2`: torch's FSDP2 trains the run, its checkpoints go
-through torch.distributed.checkpoint (atomic folder rename) and a resume continues the run bitwise;
-what FSDP2 cannot run yet is refused with one line and exit 2 before any process starts."""
+through torch.distributed.checkpoint (atomic folder rename), a resume continues the run bitwise (and
+moves between FSDP2 and memfit's layouts); what FSDP2 cannot run yet is refused with one line and exit 2
+before any process starts."""
 from __future__ import annotations
 
 import pytest
