@@ -106,7 +106,7 @@ def _one(case: Case, rank: int, world: int) -> dict:
         with tracker:
             with opt.micro_batch(True), opt.autocast():
                 loss = loss_of(opt.model, x)
-            opt.backward(loss / world if case.engine == "memfit" else loss, final=True)  # memfit's sum over ranks
+            opt.backward(loss / world, final=True)  # both engines sum the ranks' gradients, as memfit's strategies do
             opt.step()
         losses.append(loss.item())
     if case.engine == "fsdp2":

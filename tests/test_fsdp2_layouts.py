@@ -111,7 +111,7 @@ def _one_process_losses(case: grid.Case, world: int) -> list[float]:
 def test_fsdp2_engine_trains_as_one_process_with_the_global_batch(tmp_path):
     """memfit.distributed.fsdp2 under zero3 and zero2 (reshard after forward or not): each step's loss,
     the mean of the two ranks' (equal token counts), is one process's on the whole batch. 1e-5
-    relative: float32 gradients averaged by a reduce-scatter instead of summed in one backward differ
+    relative: float32 gradients summed by a reduce-scatter instead of in one backward differ
     in the last bits, and three AdamW steps carry that into the weights (seen: 1.1e-7)."""
     llama = _llama(tmp_path)
     gpt = "gpt:layers=2,hidden=32,heads=4,vocab=128,seq=32"

@@ -83,9 +83,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--no-track", dest="track", action="store_false",
                    help="skip measuring one step's memory breakdown with the tracker")
     g.add_argument("--quiet", action="store_true", help="no progress output, only the final summary")
-    g = p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)")
+    _add_processes(p.add_argument_group("several processes (torch.distributed; see docs/distributed.md)"))
+    return p
+
+
+def _add_processes(g) -> None:
+    """The options of a run over several processes."""
     g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy; --batch stays per process (default none; ddp with --nproc N)")
+    g.add_argument("--engine", choices=("memfit", "fsdp2"),
+                   help="who carries out --strategy zero2/zero3: memfit's flat engine, or torch's FSDP2 (fully_shard "
+                   "per block, checkpoints through torch.distributed.checkpoint; default memfit)")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
                    "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; "
@@ -100,7 +108,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")
     g.add_argument("--max-restarts", metavar="K", type=integer(0), help="with --nproc: restart all ranks up to K times "
                    "when one fails; they resume from the last checkpoint (default 0; see docs/distributed.md)")
-    return p
 
 
 def config_of(given: dict) -> tuple[TrainConfig, dict | None]:

@@ -17,6 +17,7 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "schedule": ("pipeline",),
     "dp": ("pipeline",),
     "tp": ("tensor",),
+    "engine": ("zero2", "zero3"),
 }
 """option (TrainConfig field) -> the strategies it changes. (--compress: TrainConfig.validate says why
 each other strategy cannot carry it.)"""
@@ -33,7 +34,7 @@ def check_strategy_options(given: dict[str, Any], strategy: str) -> None:
     for name, strategies in APPLIES_TO.items():
         if name not in given or strategy in strategies:
             continue
-        if name == "dp" and given[name] == 1:
+        if (name, given[name]) in (("dp", 1), ("engine", "memfit")):
             continue  # the default value, harmless anywhere
         where = " or ".join(f"--strategy {s}" for s in strategies)
         raise ConfigError(f"{_flag(name)} applies to {where}, not --strategy {strategy}; leave it out or "

@@ -9,7 +9,8 @@ Any module whose repeated blocks memfit finds (memfit.apply.checkpoint.find_bloc
 Hugging Face causal LMs, the largest nn.ModuleList otherwise) is sharded block by block, as
 torchtitan and accelerate do; apply a checkpoint policy (memfit's, or torch's checkpoint_wrapper)
 before. The interface is memfit's strategies' (model, micro_batch, autocast, backward, step,
-tracked_module), so a loop written for `distribute` runs on it unchanged.
+tracked_module), so a loop written for `distribute` runs on it unchanged, gradients summed over the
+ranks as the strategies sum them (FSDP2's default averages).
 
 Precision: 32-true shards float32 weights; bf16-mixed and bf16-master shard float32 weights (they
 are the master) and gather them as bf16 for compute (MixedPrecisionPolicy, gradients reduced in
@@ -105,10 +106,14 @@ class FSDP2Optimizer:
         policies = _policies(self.precision, offload, device)
         if self.precision == "bf16-true":
             model.to(torch.bfloat16)
-        mesh = self._mesh(model, group or dist.group.WORLD, device, tp)
-        for block in blocks if blocks is not None else find_blocks(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
+        group = self.group = group or dist.group.WORLD
+        mesh = self._mesh(model, group, device, tp)
+        sharded = [fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
+                   for block in (blocks if blocks is not None else find_blocks(model))]
+        sharded.append(fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies))
+        for module in sharded:  # memfit's strategies sum gradients over the ranks (FSDP2 averages by default)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM on every backend (gloo has no PREMUL_SUM)
         self.model = self.tracked_module = model
         self.device_type = device.type
         self.inner = make_torch_optimizer(optimizer, model.parameters(), lr=lr, weight_decay=weight_decay,
@@ -183,10 +188,26 @@ class FSDP2Optimizer:
                 for s in self.inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
     def state_dict(self) -> dict:
-        return {"precision": self.precision, "engine": "fsdp2", "inner": self.inner.state_dict()}
+        """What checkpoint.pt records; the state itself is in the save_sharded folder."""
+        return {"precision": self.precision, "engine": "fsdp2"}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state["inner"])
+    def save_sharded(self, folder) -> None:
+        """Every rank writes its shards of the weights and optimizer state (torch.distributed.checkpoint)."""
+        from memfit.distributed.fsdp2_checkpoint import save_fsdp2
+
+        save_fsdp2(self.model, self.inner, folder, self.group)
+
+    def load_sharded(self, folder) -> None:
+        """Read a save_sharded folder written on any number of ranks."""
+        from memfit.distributed.fsdp2_checkpoint import load_fsdp2
+
+        load_fsdp2(self.model, self.inner, folder, self.group)
+
+    def full_model_state(self) -> dict:
+        """The whole model's weights on rank 0 (empty on the others)."""
+        from memfit.distributed.fsdp2_checkpoint import full_state
+
+        return full_state(self.model)
 
     def close(self) -> None:
         pass

@@ -7,8 +7,14 @@ KINDS = {"none": "pt", None: "pt", "ddp": "pt", "ps": "pt", "zero1": "zero", "ze
          "pipeline": "mp", "tensor": "mp"}
 
 
-def kind(strategy: str | None) -> str:
-    return KINDS[strategy]
+def kind(strategy: str | None, engine: str | None = None) -> str:
+    """pt (checkpoint.pt alone), zero (memfit's flat shards), mp (pipeline/tensor) or fsdp2 (FSDP2's DCP folder)."""
+    return "fsdp2" if engine == "fsdp2" else KINDS[strategy]
+
+
+def kind_of(config: dict) -> str:
+    """The layout a checkpoint's saved config wrote."""
+    return kind(config.get("strategy"), config.get("engine"))
 
 
 def check_checkpointable(strategy: str | None, optimizer: str) -> None:

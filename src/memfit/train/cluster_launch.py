@@ -1,7 +1,8 @@
 """`memfit train --plan FILE` with a cluster plan: the plan's process count and strategy become the run's.
 
 A file written by `memfit plan ... --gpus N --json` holds a `cluster` field beside the per-block
-`plan`. Its strategy flags (--nproc, --strategy, --tp, --dp, --microbatches, --schedule) fill in
+`plan`. Its strategy flags (--nproc, --strategy, --tp, --dp, --microbatches, --schedule, and --engine
+when the field names one) fill in
 what the command line did not give, and so does its --seq (the length every rank's figure was made
 at); under torchrun (WORLD_SIZE set) the processes exist already, so --nproc is left out. The
 torchrun line for users who start their own processes is printed once.
@@ -40,6 +41,12 @@ def cluster_options(path: str) -> dict | None:
     for flag, value in zip(flags[::2], flags[1::2]):
         key = _FLAGS[flag]
         out[key] = value if key in ("strategy", "schedule") else int(value)
+    if "engine" in cluster:  # who carries out zero2/zero3 (memfit train --engine); absent: memfit's engine
+        from memfit.distributed.strategy import ENGINES
+
+        if cluster["engine"] not in ENGINES:
+            raise ConfigError(f"plan file {path}: cluster engine {cluster['engine']!r}; accepted: {', '.join(ENGINES)}")
+        out["engine"] = cluster["engine"]
     if isinstance(cluster.get("seq"), int):  # every rank's figure was made at this length (older files' plans lack it)
         out["seq"] = cluster["seq"]
     out["_torchrun"] = cluster.get("torchrun", "")

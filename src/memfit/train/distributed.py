@@ -28,6 +28,8 @@ class DistContext:
     strategy: str
     rank: int
     world: int
+    engine: str = "memfit"
+    """Who carries out zero2/zero3 (memfit.distributed.strategy.ENGINES)."""
 
     @property
     def main(self) -> bool:
@@ -101,7 +103,7 @@ def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext
         box = [str(new_run_dir()) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         cfg.out = box[0]
-    return DistContext(cfg.strategy, rank, world)
+    return DistContext(cfg.strategy, rank, world, getattr(cfg, "engine", "memfit"))
 
 
 STOP_REASONS = ("interrupted", "terminated", "steps", "stop_at", "time_limit")
@@ -148,9 +150,12 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
 
     from memfit.train import compression
 
+    offload = None if cfg.offload_optimizer == "none" else cfg.offload_optimizer
+    if ctx.engine == "fsdp2":  # torch's FSDP2: fully_shard per block (memfit.distributed.fsdp2)
+        return distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="fsdp2", weight_decay=cfg.weight_decay,
+                          precision=precision, clip=cfg.clip, offload=offload, **optimizer_extra(cfg))
     opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                     precision=precision, clip=cfg.clip,
-                     offload=None if cfg.offload_optimizer == "none" else cfg.offload_optimizer,
+                     precision=precision, clip=cfg.clip, offload=offload,
                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg), **strategy_options(cfg))
     opt.compression = compression.attach(opt, getattr(cfg, "compress", "none"), cfg)  # --compress
     return opt
@@ -319,6 +324,7 @@ def remove_torn(run_dir: Path, checkpoint: dict, ctx: DistContext | None) -> lis
         older = head.isdigit() and int(head) < step and (f / ".metadata").exists()
         if f != keep and not older:
             gone.append(f.name)
+    gone += [f.name for f in run_dir.glob(f".{SHARDED}-*.partial")]  # --engine fsdp2: a save cut before its rename
     for name in sorted(gone):
         shutil.rmtree(run_dir / name, ignore_errors=True)
     return sorted(gone)

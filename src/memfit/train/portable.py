@@ -1,9 +1,10 @@
 """A run's checkpoint without its layout: full weights and, per parameter, full optimizer state.
 
-Three layouts write checkpoints, each read here into one `Portable`:
+Four layouts write checkpoints, each read here into one `Portable`:
 
     pt     one process, ddp, ps     checkpoint.pt: the model and the (whole) TrainingOptimizer state
     zero   zero1, zero2, zero3      sharded-<step>/: per bucket a flat run of its parameters (DCP)
+    fsdp2  zero2, zero3 on FSDP2    sharded-<step>/: torch's get_state_dict, model.* and optim.state.* (DCP)
     mp     pipeline, tensor         sharded-<step>/: per parameter name, fused matrices in parts (DCP)
 
 A DCP folder is read as one process would hold it: torch.distributed.checkpoint reshards the
@@ -26,7 +27,7 @@ import torch.nn as nn
 
 from memfit.core.errors import ConfigError
 
-from memfit.train.checkpoint_kind import check_checkpointable, kind  # noqa: F401 (re-exported)
+from memfit.train.checkpoint_kind import check_checkpointable, kind, kind_of  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass
@@ -64,7 +65,7 @@ def _scaler(state: dict | None) -> dict[str, float] | None:
 
 def read_portable(checkpoint: dict[str, Any], folder: Path | None) -> Portable:
     """The Portable of a checkpoint.pt dict (and its sharded-<step> `folder` for zero and mp)."""
-    source = kind(checkpoint["config"].get("strategy"))
+    source = kind_of(checkpoint["config"])
     model = plain_model(checkpoint["config"])
     if source == "pt":
         optim, step, scaler = _from_pt(checkpoint["optimizer"], _names(model))
@@ -76,7 +77,7 @@ def read_portable(checkpoint: dict[str, Any], folder: Path | None) -> Portable:
 
         check_shards(folder, checkpoint, alone=True)  # this process reads the whole folder
         full = _read_folder(folder)
-        optim, step, scaler = (_from_zero if source == "zero" else _from_mp)(full, model)
+        optim, step, scaler = {"zero": _from_zero, "mp": _from_mp, "fsdp2": _from_fsdp2}[source](full, model)
     return Portable(dict(checkpoint["model"]), optim, step, _scaler(scaler))
 
 
@@ -132,6 +133,21 @@ def _from_zero(full: dict, model: nn.Module) -> tuple[dict, torch.Tensor, dict |
                                    for k in keys if k != "weights"}
     scaler = {"scale": float(full["loss_scale"])} if "loss_scale" in full else None
     return optim, full["step"].float(), scaler
+
+
+def _from_fsdp2(full: dict, model: nn.Module) -> tuple[dict, torch.Tensor, dict | None]:
+    """torch's optimizer state dict, flattened by DCP: optim.state.<fqn>.<state> (FSDP2 keeps no masters)."""
+    optim: dict[str, dict[str, torch.Tensor]] = {n: {} for n in _names(model)}
+    step = torch.tensor(0.0)
+    for k, v in full.items():
+        if not k.startswith("optim.state."):
+            continue
+        name, _, state = k[len("optim.state."):].rpartition(".")
+        if state == "step":
+            step = v.detach().clone().float()
+        elif name in optim and v.dim() > 0:
+            optim[name][state] = v
+    return optim, step, None
 
 
 def _from_mp(full: dict, model: nn.Module) -> tuple[dict, torch.Tensor, dict | None]:

@@ -89,12 +89,22 @@ def enter_tracker(model: nn.Module, opt, device: torch.device, log: Callable[[st
         return None
     optimizer = opt if hasattr(opt, "state_tensors") else getattr(opt, "optimizer", opt)
     try:
-        tracker = track(model, optimizer, device=device)
+        tracker = _fsdp2_tracker(opt, device) or track(model, optimizer, device=device)
         tracker.__enter__()
     except Exception as exc:  # a measurement failing to start must not cost the user the run
         log(f"memfit train: memory breakdown unavailable ({type(exc).__name__}: {exc})")
         return None
     return tracker
+
+
+def _fsdp2_tracker(opt, device: torch.device):
+    """torch's MemTracker for an FSDP2 rank (memfit.train.fsdp2_run.TorchTracker says why), else None."""
+    fsdp2 = sys.modules.get("memfit.distributed.fsdp2")  # loaded when the run is on FSDP2
+    if fsdp2 is None or not isinstance(opt, fsdp2.FSDP2Optimizer):
+        return None
+    from memfit.train.fsdp2_run import TorchTracker
+
+    return TorchTracker(opt.model, opt.inner, device)
 
 
 @dataclass
