@@ -12,8 +12,9 @@ from memfit.plan import disk_plan
 from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
 from memfit.plan.disk_profile import DiskProfile, disk_bases
 from memfit.plan.accumulate import accumulating
-from memfit.plan.host_memory import host_need
-from memfit.plan.loop_step import input_bytes, traced
+from memfit.plan.host_memory import host_need, offload_masters
+from memfit.plan.loop_step import input_bytes
+from memfit.plan.trace_check import verify as verify_plan
 from memfit.apply.policy import BlockAction, to_string
 
 
@@ -198,7 +199,8 @@ def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_ba
         cost, t_fwd, _, costs = _problem_cost(problem, getattr(base, "per_micro", base), cand.micro_batch)
         bw = getattr(costs, "bandwidth", None)
         dcost = disk_cost(prof, cost, t_fwd, bw) if isinstance(prof, DiskProfile) else None
-        _verify(problem, plan, prof, all_bases, cost, dcost, relief)
+        masters = offload_masters(base, n, cand.precision) if cand.offload_optimizer else 0
+        verify_plan(problem, plan, prof, all_bases, cost, dcost, relief, relief + masters)
     return plan
 
 
@@ -227,6 +229,7 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     relief = _opt_bytes(prof, n) if off else 0
     accum = problem.batch // micro
     device = getattr(problem, "device", "cpu")
+    opt_host = relief + (offload_masters(prof, n, prec) if off else 0)
     adjust = later_micro_batch(problem, micro, accum)
 
     host_limit = getattr(problem, "host_limit", 1 << 62)
@@ -238,7 +241,7 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
                                  bw, prec, optimizer, n, adjust)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks, step_in_backward=sib), None, p, n
-        host = host_need(p, choice.actions, choice.peak, relief, device)
+        host = host_need(p, choice.actions, choice.peak, opt_host, device)
         if host > host_limit:  # without cpu-offloaded activations, or not at all
             if any(b.offload == "cpu" for b in allowed_bases):
                 return row(chunks, p, [b for b in allowed_bases if b.offload != "cpu"])
@@ -288,43 +291,6 @@ def later_micro_batch(problem, micro: int, accum: int):
         return lambda p: p
     ahead = (accum - 1) * input_bytes(problem, micro) if problem.spec is not None else 0
     return lambda p: accumulating(p, ahead)
-
-
-def _trace_peak(problem, plan: Plan) -> int:
-    """The chosen step's peak from a full trace on the device it will run on, as the loop runs it
-    (memfit.plan.loop_step: two micro-batches when it accumulates, the output kept or dropped). The
-    same trace's host bytes (plus the peak on a CPU device, one RAM) must fit the host memory."""
-    peak, host = traced(problem, plan)
-    need = host + (peak if plan.device == "cpu" else 0)
-    plan.host_need = need
-    limit = getattr(problem, "host_limit", 1 << 62)
-    if need > limit:
-        raise PlanError(f"the full trace needs {format_bytes(need)} of host memory, more than the "
-                        f"{format_bytes(limit)} there is ({problem.host_source})")
-    return peak
-
-
-def _verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0) -> None:
-    """A full trace of the chosen step; if it exceeds the budget, solve again with the bound lowered.
-    relief: the optimizer state an optimizer-offload plan keeps on the host (its profile holds it)."""
-    bound = plan.budget + relief
-    for _ in range(3):
-        traced = _trace_peak(problem, plan)
-        plan.measured_peak = traced
-        if traced <= plan.budget:
-            return
-        over = traced - plan.budget
-        # The composed figure missed by traced - predicted (more than `over` when it was under the budget):
-        # the next solve's figure must leave that much room, or it picks the same actions again.
-        bound = min(bound - over, plan.budget + relief - (traced - plan.predicted_peak))
-        plan.notes.append(f"the full trace found {format_bytes(traced)}, {format_bytes(over)} over the composed "
-                          "figure's budget: solved again with the bound lowered by that much")
-        choice = solve_any(prof, bound, bases, cost, n_blocks=plan.n_blocks, max_segment=min(plan.n_blocks, 16),
-                           dcost=dcost)
-        if choice is None:
-            raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
-        plan.actions, plan.predicted_peak = list(choice.actions), choice.peak - relief
-    raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
 
 
 def _impossible(rows, limit: int, bases, allowed) -> str:
