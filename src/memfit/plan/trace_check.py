@@ -19,7 +19,7 @@ from memfit.plan.host_memory import host_need
 from memfit.plan.loop_step import traced
 from memfit.plan.plan import Plan
 
-ROUNDS = 4
+ROUNDS = 3
 """Traces of one candidate before it is refused (each re-solve tightens a constraint by a traced miss)."""
 
 
@@ -55,6 +55,7 @@ def verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0, 
     bound = plan.budget + relief
     limit = getattr(problem, "host_limit", 1 << 62)
     room = limit  # what the composed host need may take
+    host_missed = False
     for _ in range(ROUNDS):
         composed = plan.host_need
         peak = _trace_peak(problem, plan)
@@ -72,6 +73,7 @@ def verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0, 
             plan.notes.append(f"the full trace found {format_bytes(peak)}, {format_bytes(over)} over the composed "
                               "figure's budget: solved again with the bound lowered by that much")
         if host_over > 0:
+            host_missed = True
             room = min(room - host_over, limit - max(0, plan.host_need - composed))
             plan.notes.append(f"the full trace needs {format_bytes(plan.host_need)} of host memory, "
                               f"{format_bytes(host_over)} over the {format_bytes(limit)} there is: solved again with "
@@ -84,5 +86,5 @@ def verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0, 
         if choice is None:
             raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
         plan.actions, plan.predicted_peak, plan.host_need = list(choice.actions), choice.peak - relief, host
-    raise PlanError(f"no plan fits {format_bytes(plan.budget)} and {format_bytes(limit)} of host memory once checked "
-                    "by a full trace")
+    within = f" and {format_bytes(limit)} of host memory" if host_missed else ""
+    raise PlanError(f"no plan fits {format_bytes(plan.budget)}{within} once checked by a full trace")
