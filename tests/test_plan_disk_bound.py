@@ -17,6 +17,7 @@ def _plan(monkeypatch, on: bool, spec: str, **kw):
     return ([str(a) for a in p.actions], p.predicted_peak, p.head_chunks, p.micro_batch, p.accumulation), len(calls)
 
 
+@pytest.mark.slow  # (about 10 CPU-s: two plans, one of them tracing the disk kinds)
 def test_the_bound_skips_disk_traces_and_keeps_the_plan(monkeypatch):
     # Attention scores (seq 128, hidden 32) make recomputing a block cheap beside moving its bytes to disk:
     # the no-disk solver at larger budgets shows no disk plan can be faster, so none is traced.
