@@ -124,6 +124,8 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
             # rows set aside as slower than the refused one may be the next fastest: solved with disk now
             rows = [r[0].later_disk() if getattr(r[0], "later_disk", None) else r for r in rows]
             continue
+        for r in rows:  # (a set-aside row's closure holds its profile: not kept with the plan)
+            r[0].__dict__.pop("later_disk", None)
         plan.notes[:0] = [f"refused by the full trace, next fastest tried: {r}" for r in refused]
         plan.ranked += [Candidate(m, problem.batch // m, o, p, 0, 0.0, "", False, step_in_backward=s)
                         for p, m, o, s in below]
