@@ -78,3 +78,31 @@ def test_disk_profile_round_trips_through_its_json():
     dp = trace_disk(src, base, disk_bases(allow), "32-true", "adamw")
     back = _from_json(_to_json(dp), base)
     assert back == replace(dp, seconds=0.0)  # every traced stretch, key and byte count, through the file and back
+
+
+def test_a_full_trace_over_the_host_memory_is_solved_again_within_it(monkeypatch):
+    """The composed host need can miss what the trace holds (docs/planner.md, host memory): a trace over
+    the host memory tightens the composed figure by the miss and solves again (here away from the
+    offloaded activations), as a trace over the device budget lowers the device bound; a need no plan
+    can lower ends in one line that names it."""
+    from memfit.plan import trace_check
+
+    tiny, kw = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16", dict(batch=2, seq=16, device="cpu")
+    allow = "recompute,offload-cpu"  # on a CPU device host offload is only planned when named
+    plan = memfit.fit(tiny, budget="505KiB", allow=allow, **kw)
+    assert any(a.offload == "cpu" for a in plan.actions)  # the control: without a host limit it offloads
+    real, extra = trace_check.traced, 64 * 1024
+
+    def holds_more(problem, p):  # each offloaded block holds 64 KiB more host memory than composed
+        peak, host = real(problem, p)
+        return peak, host + extra * sum(a.offload == "cpu" for a in p.actions)
+
+    monkeypatch.setattr(trace_check, "traced", holds_more)
+    limit = plan.host_need + extra // 2  # the composed need fits; the trace's does not
+    again = memfit.fit(tiny, budget="505KiB", allow=allow, host_memory=f"{limit}B", **kw)
+    assert not any(a.offload == "cpu" for a in again.actions) and again.measured_peak <= again.budget
+    assert again.host_need <= limit and any("of host memory" in n and "solved again" in n for n in again.notes)
+    monkeypatch.setattr(trace_check, "traced", lambda problem, p: (real(problem, p)[0], 1 << 40))
+    with pytest.raises(PlanError, match="1.00 TiB of host memory") as err:
+        memfit.fit(tiny, budget="505KiB", allow=allow, host_memory=f"{limit}B", **kw)
+    assert "\n" not in str(err.value)

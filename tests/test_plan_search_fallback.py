@@ -2,7 +2,7 @@
 import pytest
 
 import memfit
-from memfit.plan import search as search_mod
+from memfit.plan import trace_check as check_mod
 from memfit.plan.costs import PlanError
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=64"
@@ -17,12 +17,12 @@ def test_a_refused_candidate_gives_way_to_the_next_fastest(monkeypatch):
     micro-batch that it had not solved before, and say so."""
     first = _fit(allow="accumulate")
     assert first.micro_batch == 8
-    real = search_mod._trace_peak
+    real = check_mod._trace_peak
 
     def strict(problem, plan):
         return plan.budget + 1 if plan.micro_batch == 8 else real(problem, plan)
 
-    monkeypatch.setattr(search_mod, "_trace_peak", strict)
+    monkeypatch.setattr(check_mod, "_trace_peak", strict)
     plan = _fit(allow="accumulate")
     assert plan.micro_batch < 8 and plan.micro_batch * plan.accumulation == 8
     assert plan.measured_peak is not None and plan.measured_peak <= plan.budget
@@ -31,6 +31,6 @@ def test_a_refused_candidate_gives_way_to_the_next_fastest(monkeypatch):
 
 
 def test_every_candidate_refused_is_one_clear_error(monkeypatch):
-    monkeypatch.setattr(search_mod, "_trace_peak", lambda problem, plan: plan.budget + 1)
+    monkeypatch.setattr(check_mod, "_trace_peak", lambda problem, plan: plan.budget + 1)
     with pytest.raises(PlanError, match="once checked by a full trace; refused: 32-true micro-batch 8"):
         _fit(allow="accumulate")

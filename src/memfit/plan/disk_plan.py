@@ -42,6 +42,34 @@ def disk_cost(dp: DiskProfile, cost: Cost, t_fwd: float, bandwidth: dict[str, fl
     return f
 
 
+BOUND_DISK = True
+"""Skip the disk kinds' traces where `cannot_beat` shows they cannot give a faster plan (False: always
+traced where the plan without them costs time; the plan is the same either way)."""
+DISK_BOUND_STEPS = 8
+"""Budgets the no-disk solver is asked at to bound what disk kinds could gain (`cannot_beat`)."""
+
+
+def cannot_beat(prof: Any, limit: int, bases: Sequence[BlockAction], cost: Cost, n: int, tau: float,
+                bandwidth: dict[str, float] | None = None) -> bool:
+    """Whether every plan with disk kinds under `limit` takes more than `tau` extra seconds, by the solver
+    alone (no disk trace). Take such a plan P and P' = P with each disk block its plain mode. A disk
+    block costs its mode's time plus HOOK_S plus its restore bytes R over the disk rate at least
+    (`disk_cost`), and moving R bytes to disk lowers no point of the step by more than R, so P' fits
+    limit + sum(R) and t(P) >= t(P') + sum(R) / rate + HOOK_S. With x = sum(R) in [x_j-1, x_j] that is at
+    least T(limit + x_j) + x_j-1 / rate + HOOK_S, T(b) the no-disk optimum under b (the exact solver,
+    which is no faster under less); beyond x = tau * rate the disk traffic alone exceeds tau."""
+    if tau < HOOK_S:
+        return True
+    rate = (bandwidth or {}).get("disk", DISK_BW)
+    plain = [b for b in bases if not is_disk(b)]
+    step = tau * rate / DISK_BOUND_STEPS
+    for j in range(1, DISK_BOUND_STEPS + 1):
+        got = solve(prof, limit + int(j * step) + 1, plain, cost, n_blocks=n, max_segment=min(n, 16))
+        if got is not None and got.time + (j - 1) * step / rate + HOOK_S <= tau * (1 + 1e-9):
+            return False
+    return True
+
+
 def solve_any(prof: Any, budget: int, bases: Sequence[BlockAction], cost: Cost, n_blocks: int | None = None,
               max_segment: int = 16, rounds: int = 4, dcost: Any = None) -> Choice | None:
     """memfit.plan.solve.solve, or the disk solver when `prof` is a DiskProfile."""
@@ -60,6 +88,8 @@ def with_disk(src, prof, choice: Choice | None, limit: int, bases: Sequence[Bloc
     `choice` was solved on adjust(prof), and the profile returned is adjusted."""
     if not disk or (choice is not None and (choice.time == 0 or (CPU_BEFORE_DISK and _has_cpu(bases)))):
         return choice, adjust(prof), None
+    if BOUND_DISK and choice is not None and cannot_beat(adjust(prof), limit, bases, cost, n, choice.time, bandwidth):
+        return choice, adjust(prof), None  # no disk plan can be faster: the disk kinds are not traced
     dp = adjust(disk_profile(src, prof, disk, precision, optimizer))
     dcost = disk_cost(dp, cost, t_fwd, bandwidth)
     got = solve_with_disk(dp, limit, [*bases, *disk], cost, dcost, n, min(n, 16))

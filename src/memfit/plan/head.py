@@ -5,7 +5,7 @@ profile (forward and backward; memfit.measure.compose). So the profile for k chu
 profile with those two stretches (and the bytes relabelled at backward start) moved by what the
 chunked head changes in a short all-keep chain: two short traces per chunk count, plus two of the
 plain model shared by all counts, instead of tracing every action again. The chosen plan is checked
-with a full trace of the step with its head installed (memfit.plan.search._verify).
+with a full trace of the step with its head installed (memfit.plan.trace_check.verify).
 
 Time (head_seconds): in fp32 without a bias, the chunked head sums the weight gradient in its forward
 (memfit.apply.chunked_head.early_weight_grad_block) and runs the plain head's three GEMMs; otherwise

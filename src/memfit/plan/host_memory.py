@@ -82,9 +82,24 @@ def offloaded_bytes(prof: Any, actions: Any) -> int:
     return total
 
 
+def offload_masters(prof: Any, n: int, precision: str) -> int:
+    """Host bytes optimizer offload keeps beside the state the device-resident profile counts: without
+    master weights (32-true, bf16-true, ...) the streamed optimizer updates a host copy of each trainable
+    parameter in its own dtype, which is the gradients' size (a mode with master weights counts them in
+    its optimizer state already). On a CPU device that copy is the parameter itself (not counted there)."""
+    from memfit.apply.policy import BlockAction
+    from memfit.apply.precision import precision_mode
+
+    if precision_mode(precision).master_dtype is not None:
+        return 0
+    base = getattr(prof, "base", prof)
+    return int(base.at_optimizer([BlockAction("keep")] * n)[1])
+
+
 def host_need(prof: Any, actions: Any, peak: int, optimizer_state: int, device: str) -> int:
-    """Host bytes of a single-device plan: the offloaded optimizer state, the cpu-offloaded activations,
-    and on a CPU device (one RAM) the device peak too. `peak` is the composed peak with the optimizer
-    state counted on the device, as the planner's profiles hold it."""
+    """Host bytes of a single-device plan: the offloaded optimizer's host bytes (`optimizer_state`: its
+    state, and its master copies: `offload_masters`), the cpu-offloaded activations, and on a CPU device
+    (one RAM) the device peak too. `peak` is the composed peak with the optimizer state counted on the
+    device, as the planner's profiles hold it."""
     moved = offloaded_bytes(prof, actions)
     return moved + (peak if device == "cpu" else optimizer_state)

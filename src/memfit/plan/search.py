@@ -9,11 +9,12 @@ from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost,
 from memfit.plan.head import head_counts, head_profile, head_seconds, sums_weight_grad
 from memfit.plan.plan import Candidate, Plan
 from memfit.plan import disk_plan
-from memfit.plan.disk_plan import disk_cost, solve_any, with_disk
+from memfit.plan.disk_plan import cannot_beat, disk_cost, solve_any, with_disk
 from memfit.plan.disk_profile import DiskProfile, disk_bases
 from memfit.plan.accumulate import accumulating
-from memfit.plan.host_memory import host_need
-from memfit.plan.loop_step import input_bytes, traced
+from memfit.plan.host_memory import host_need, offload_masters
+from memfit.plan.loop_step import input_bytes
+from memfit.plan.trace_check import verify as verify_plan
 from memfit.apply.policy import BlockAction, to_string
 
 
@@ -120,7 +121,11 @@ def search(problem, limit: int, allowed: tuple[str, ...], optimizer: str, precis
                 raise
             row[0].refused = True
             refused.append(_label(row[0]) + (f" ({exc})" if "host memory" in str(exc) else ""))
+            # rows set aside as slower than the refused one may be the next fastest: solved with disk now
+            rows = [r[0].later_disk() if getattr(r[0], "later_disk", None) else r for r in rows]
             continue
+        for r in rows:  # (a set-aside row's closure holds its profile: not kept with the plan)
+            r[0].__dict__.pop("later_disk", None)
         plan.notes[:0] = [f"refused by the full trace, next fastest tried: {r}" for r in refused]
         plan.ranked += [Candidate(m, problem.batch // m, o, p, 0, 0.0, "", False, step_in_backward=s)
                         for p, m, o, s in below]
@@ -198,7 +203,8 @@ def _chosen(problem, limit: int, row, rows, optimizer: str, verify: bool, all_ba
         cost, t_fwd, _, costs = _problem_cost(problem, getattr(base, "per_micro", base), cand.micro_batch)
         bw = getattr(costs, "bandwidth", None)
         dcost = disk_cost(prof, cost, t_fwd, bw) if isinstance(prof, DiskProfile) else None
-        _verify(problem, plan, prof, all_bases, cost, dcost, relief)
+        masters = offload_masters(base, n, cand.precision) if cand.offload_optimizer else 0
+        verify_plan(problem, plan, prof, all_bases, cost, dcost, relief, relief + masters)
     return plan
 
 
@@ -227,18 +233,23 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     relief = _opt_bytes(prof, n) if off else 0
     accum = problem.batch // micro
     device = getattr(problem, "device", "cpu")
+    opt_host = relief + (offload_masters(prof, n, prec) if off else 0)
     adjust = later_micro_batch(problem, micro, accum)
 
     host_limit = getattr(problem, "host_limit", 1 << 62)
 
-    def row(chunks: int | None, p, allowed_bases=bases) -> tuple:
+    def row(chunks: int | None, p, allowed_bases=bases, defer: bool = False) -> tuple:
         cost = _problem_cost(problem, p, micro)[0]
         choice = solve_any(adjust(p), limit + relief, allowed_bases, cost, n_blocks=n, max_segment=min(n, 16))
+        if defer and choice is None and disk and not defer_disk:  # set aside: see DEFER_PLAIN_DISK
+            cand = Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks, step_in_backward=sib)
+            cand.later_disk = lambda: row(chunks, p, allowed_bases)  # (not a field: plans do not carry it)
+            return cand, None, adjust(p), n
         choice, p, _ = with_disk(src, p, choice, limit + relief, allowed_bases, [] if defer_disk else disk, cost, t_fwd,
                                  bw, prec, optimizer, n, adjust)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks, step_in_backward=sib), None, p, n
-        host = host_need(p, choice.actions, choice.peak, relief, device)
+        host = host_need(p, choice.actions, choice.peak, opt_host, device)
         if host > host_limit:  # without cpu-offloaded activations, or not at all
             if any(b.offload == "cpu" for b in allowed_bases):
                 return row(chunks, p, [b for b in allowed_bases if b.offload != "cpu"])
@@ -250,8 +261,9 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
         return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
                          chunks, host=host, step_in_backward=sib), choice, p, n
 
-    out = [row(None, prof)]
     counts = _measured_counts(head_counts(src), costs) if "chunked-head" in allowed else []
+    out = [row(None, prof, defer=bool(counts) and DEFER_PLAIN_DISK)]
+    later = getattr(out[0][0], "later_disk", None)
     if not counts or (out[0][1] is not None and out[0][1].time == 0):
         return out  # (a plan that keeps everything cannot get faster with the head in chunks)
     best = out[0][0].time if out[0][0].feasible else float("inf")
@@ -259,14 +271,38 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
         r = row(k, head_profile(src, prof, k, prec, optimizer, sib))
         out.append(r)
         if r[0].feasible:
+            if later is not None:
+                # the plain head's disk plan, set aside, must be slower than this row (else it is traced now)
+                tau = (r[0].time - 2 * relief / HOST_BW) / accum - 3 * n * t_fwd  # its actions' and head's
+                cost = _problem_cost(problem, prof, micro)[0]
+                if not cannot_beat(adjust(prof), limit + relief, bases, cost, n, tau, bw):
+                    out[0], later = later(), None  # as without deferral from here on
+                    best = out[0][0].time if out[0][0].feasible else float("inf")
             if r[0].time >= best:
-                return out
+                return _settled(out, later)
             best = r[0].time
         elif i == 0 and len(counts) > 1:  # if the most chunks do not fit, fewer will not: trace no others
             # (probed only once the fewest do not fit: where they do, as usually, the probe is a trace spent)
             most = row(counts[-1], head_profile(src, prof, counts[-1], prec, optimizer, sib))
             if not most[0].feasible:
-                return out + [most]
+                return _settled(out + [most], later)
+    return _settled(out, later)
+
+
+DEFER_PLAIN_DISK = True
+"""The plain head's row, when nothing fits it without disk kinds, is solved with them only once a row
+with the head in chunks might be slower than its disk plan (`cannot_beat`); False: at once (the same plan,
+the disk kinds traced)."""
+
+
+def _settled(out: list, later) -> list:
+    """The rows, the plain head's traced with disk kinds when no other row fits (as without deferral); a
+    row still set aside keeps how to trace it (`later_disk`: the search calls it if the chosen plan is
+    refused, so that the next fastest is the same as without deferral)."""
+    if later is None:
+        return out
+    if not any(r[0].feasible for r in out[1:]):
+        return [later(), *out[1:]]
     return out
 
 
@@ -288,43 +324,6 @@ def later_micro_batch(problem, micro: int, accum: int):
         return lambda p: p
     ahead = (accum - 1) * input_bytes(problem, micro) if problem.spec is not None else 0
     return lambda p: accumulating(p, ahead)
-
-
-def _trace_peak(problem, plan: Plan) -> int:
-    """The chosen step's peak from a full trace on the device it will run on, as the loop runs it
-    (memfit.plan.loop_step: two micro-batches when it accumulates, the output kept or dropped). The
-    same trace's host bytes (plus the peak on a CPU device, one RAM) must fit the host memory."""
-    peak, host = traced(problem, plan)
-    need = host + (peak if plan.device == "cpu" else 0)
-    plan.host_need = need
-    limit = getattr(problem, "host_limit", 1 << 62)
-    if need > limit:
-        raise PlanError(f"the full trace needs {format_bytes(need)} of host memory, more than the "
-                        f"{format_bytes(limit)} there is ({problem.host_source})")
-    return peak
-
-
-def _verify(problem, plan: Plan, prof, bases, cost, dcost=None, relief: int = 0) -> None:
-    """A full trace of the chosen step; if it exceeds the budget, solve again with the bound lowered.
-    relief: the optimizer state an optimizer-offload plan keeps on the host (its profile holds it)."""
-    bound = plan.budget + relief
-    for _ in range(3):
-        traced = _trace_peak(problem, plan)
-        plan.measured_peak = traced
-        if traced <= plan.budget:
-            return
-        over = traced - plan.budget
-        # The composed figure missed by traced - predicted (more than `over` when it was under the budget):
-        # the next solve's figure must leave that much room, or it picks the same actions again.
-        bound = min(bound - over, plan.budget + relief - (traced - plan.predicted_peak))
-        plan.notes.append(f"the full trace found {format_bytes(traced)}, {format_bytes(over)} over the composed "
-                          "figure's budget: solved again with the bound lowered by that much")
-        choice = solve_any(prof, bound, bases, cost, n_blocks=plan.n_blocks, max_segment=min(plan.n_blocks, 16),
-                           dcost=dcost)
-        if choice is None:
-            raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
-        plan.actions, plan.predicted_peak = list(choice.actions), choice.peak - relief
-    raise PlanError(f"no plan fits {format_bytes(plan.budget)} once checked by a full trace")
 
 
 def _impossible(rows, limit: int, bases, allowed) -> str:
