@@ -47,7 +47,6 @@ BUDGETS_S = {
     # the default tier's one family through fit and two measured steps (Gemma-2's per-layer attention)
     "tests/test_hf_family_grid.py::test_fit_plans_within_budget_and_the_measured_step_holds_it[gemma2]": 16,
     # `memfit train --nproc 2` in a new interpreter: the launcher and two ranks each import torch
-    "tests/test_distributed_train.py::test_nproc_matches_one_process_with_the_global_batch": 14,
     "tests/test_launch_signals.py::test_a_killed_rank_is_one_line_and_leaves_no_temporary_files": 14,
     "tests/test_launch_options.py::test_nproc_alone_trains_ddp_with_a_note_and_leaves_nothing_behind": 14,
 }
