@@ -41,7 +41,6 @@ BUDGETS_S = {
     "tests/test_measure_compose.py::test_composed_equals_full_trace[gpt-32-true]": 18,
     "tests/test_measure_compose.py::test_hf_llama_ends_and_first_checkpointed_block_are_exact": 18,
     "tests/test_distributed_rank_grid.py::test_covering_subset_each_rank_within_its_strategy_tolerance": 18,
-    "tests/test_plan_cluster_file_train.py::test_cluster_plan_file_trains_every_rank_at_its_predicted_peak": 15,
     "tests/test_plan_disk_solve.py::test_disk_solver_matches_brute_force": 15,
     "tests/test_plan_floor.py::test_the_floor_does_not_depend_on_actions_micro_batch_or_head_chunks": 15,
     # the default tier's one family through fit and two measured steps (Gemma-2's per-layer attention)
