@@ -61,22 +61,22 @@ def test_adam_off_round_trips_and_is_refused_where_there_is_no_adam_mode():
         parse_compression("int8:adam=off")
 
 
+def _topk_rank(rank: int, world: int, out: str) -> tuple[dict, str]:
+    from memfit.train import loop
+    from memfit.train.report import format_summary
+
+    cfg = loop.TrainConfig(model="gpt:layers=2,hidden=32,heads=2,vocab=256", seq=32, batch=2, steps=3, warmup=1,
+                           eval_batches=1, strategy="ddp", compress="topk:0.01", out=out, device="cpu", track=False)
+    result = loop.train(cfg, progress=False, log=lambda line: None)
+    return result.metrics["run"]["compression"], format_summary(result.metrics, result.run_dir, result.stopped)
+
+
 @pytest.mark.multiproc
 def test_memfit_train_runs_plain_topk_in_adam_mode_and_says_so(tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    # The loop the ranks of `memfit train --nproc 2 --compress topk:0.01` run, on two ranks forked from
+    # the preloaded forkserver rather than a new interpreter's launcher and ranks.
+    from memfit.distributed.spawn import run_world
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "memfit", "train", "--model", "gpt:layers=2,hidden=32,heads=2,vocab=256",
-                           "--seq", "32", "--batch", "2", "--steps", "3", "--warmup", "1", "--eval-batches", "1",
-                           "--quiet", "--no-track", "--device", "cpu", "--strategy", "ddp", "--nproc", "2",
-                           "--compress", "topk:0.01", "--out", str(out)],
-                          env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    comp = json.loads((out / "metrics.json").read_text())["run"]["compression"]
+    comp, summary = run_world(_topk_rank, 2, args=(str(tmp_path / "run"),), timeout_s=200)[0]
     assert comp["compression"] == f"topk:0.01,adam={ADAM_WARMUP}"
-    assert f"compress topk:0.01,adam={ADAM_WARMUP}:" in proc.stdout
+    assert f"compress topk:0.01,adam={ADAM_WARMUP}:" in summary

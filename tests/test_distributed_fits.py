@@ -4,20 +4,17 @@ estimate fits, and each rank's tracked peak stays under the budget (docs/distrib
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from memfit.cli import main
+from memfit.distributed.spawn import run_world
 
 MODEL = "gpt:layers=4,hidden=256,heads=4,vocab=256,seq=64"
 BUDGET, BUDGET_BYTES = "44MiB", 44 * 2**20
 # Everything the planner may use in one process except what changes the model states' bytes
 # (optimizer offload, a 16-bit master precision): those would make it fit without a second process.
 ALLOW = "recompute,selective,offload-cpu,offload-disk,accumulate,chunked-head"
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 @pytest.mark.multiproc
@@ -36,7 +33,18 @@ def test_a_small_model_too_big_for_one_process_trains_with_zero3_on_two(tmp_path
                                    12 * 2**20, steps=2, planner=False)
 
 
+def _train_rank(rank: int, world: int, model: str, steps: int, out: str) -> None:
+    from memfit.train import loop
+
+    cfg = loop.TrainConfig(model=model, seq=64, batch=2, steps=steps, eval_batches=1, strategy="zero3", out=out,
+                           device="cpu")
+    loop.train(cfg, progress=False, log=lambda line: None)
+
+
 def _too_big_for_one_trains_on_two(tmp_path, capsys, model, budget, budget_bytes, steps, planner=True):
+    """The two ranks run the loop `memfit train --nproc 2` runs, forked from the preloaded forkserver: a new
+    interpreter's launcher and ranks importing torch were half the default test's time, and the launch
+    itself is tested in tests/test_launch_options.py."""
     common = ["--model", model, "--seq", "64", "--batch", "2", "--steps", str(steps), "--eval-batches", "1", "--quiet",
               "--device", "cpu"]
     if planner:
@@ -55,11 +63,8 @@ def _too_big_for_one_trains_on_two(tmp_path, capsys, model, budget, budget_bytes
     ranks = [dict(row, rank=i) for row in est["ranks"] for i in row["rank_ids"]]
     ranks.sort(key=lambda r: r["rank"])
 
-    env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "two"
-    proc = subprocess.run([sys.executable, "-m", "memfit", "train", *common, "--strategy", "zero3", "--nproc", "2",
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_world(_train_rank, 2, args=(model, steps, str(out)), timeout_s=400)
     tracked = json.loads((out / "metrics.json").read_text())["memory"]["step_breakdown"]["ranks"]
     assert [r["rank"] for r in tracked] == [0, 1]
     for r, est in zip(tracked, ranks):

@@ -24,10 +24,13 @@ from memfit.distributed.spawn import run_world
 # one-device trace's (strategy none: 0.25% at worst) plus what a strategy's own buffers add (ddp's
 # gradient buckets under bf16-master and full checkpointing: 1.23%; tensor parallel: 1.14%). A bug
 # worth one block's weights (1.1% to 2.3% of a rank at hidden 32, e.g. ZeRO-3 gathering one block
-# ahead instead of two) fails it; the old flat 3% passed that. Tensor parallel is the exception: its
-# rank 1 is not the same on every run (a collective's receive buffer is sometimes still held when
-# the peak is taken: -2.1%, -3.0%, -3.2% and, on four ranks under load, -4.7% seen; never over), so
-# it keeps 5%.
+# ahead instead of two) fails it; the old flat 3% passed that. memfit's own collectives return once
+# gloo's worker thread has dropped their tensors (distributed/comm.py `_released`): before that, a
+# ZeRO bucket's buffer was sometimes freed on that thread in the middle of the optimizer step (one
+# rank -7.0% under load; on 2 ranks, 9 such late frees in 3 runs of the 1- and 2-block grid, none
+# since). Tensor parallel is the exception: its collectives are DTensor's, whose buffers gloo's
+# thread still frees late (its rank 1 is not the same on every run: -2.1%, -3.0%, -3.2% and, on
+# four ranks under load, -4.7% seen; never over), so it keeps 5%.
 TOLERANCE = {"none": 0.005, "ps": 0.005, "zero1": 0.005, "zero2": 0.01, "zero3": 0.005, "pipeline": 0.005,
              "ddp": 0.015, "tensor": 0.05}
 
@@ -101,7 +104,10 @@ def test_grid_gpt_each_rank_within_its_strategy_tolerance(depth):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_grid_four_ranks():
-    _check(grid.gpt_cases([2, 12, 13], 4, precisions=("32-true",)), 4)
+    # 2 blocks (no pipeline: fewer blocks than stages) and 13 (the composed path, four uneven stages);
+    # 12, the composed path's threshold, runs on two ranks (test_grid_gpt_...[12]), and at four ranks
+    # it took a third of this test's 91 CPU-s while proving nothing 13 does not.
+    _check(grid.gpt_cases([2, 13], 4, precisions=("32-true",)), 4)
 
 
 @pytest.mark.multiproc

@@ -20,6 +20,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # the default tier launches the command in tests/test_launch_options.py (ddp, one-process trajectory)
 def test_nproc_matches_one_process_with_the_global_batch(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["train", *FAST, "--batch", "4", "--out", str(one)]) == 0

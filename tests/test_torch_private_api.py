@@ -234,3 +234,17 @@ def test_storage_cdata_weakref_base_and_foreach():
     grads = [torch.ones(2), torch.full((3,), 2.0)]
     torch._foreach_mul_(grads, 0.5)
     assert grads[0].tolist() == [0.5, 0.5] and grads[1].tolist() == [1.0, 1.0, 1.0]
+
+
+# ------------------------------------------------------------------ distributed/comm.py
+def test_storage_use_count_counts_each_alias():
+    """comm._released waits for gloo's worker to drop its alias of a collective's tensor: the storage's
+    use count rises by one per live alias and falls back when the alias goes (the worker holds the
+    alias's TensorImpl, whose Storage reference this count shows)."""
+    t = torch.zeros(16)
+    st = t.untyped_storage()
+    held = torch._C._storage_Use_Count(st._cdata)
+    alias = t.view(t.shape)
+    assert torch._C._storage_Use_Count(st._cdata) == held + 1
+    del alias
+    assert torch._C._storage_Use_Count(st._cdata) == held
