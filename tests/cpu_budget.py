@@ -35,7 +35,7 @@ ENFORCE_FACTOR = 2.0
 # grid. Listed here rather than marked in their files, so that docs/testing.md can show them in one place;
 # a `cpu_budget(seconds)` mark on a test does the same.
 BUDGETS_S = {
-    "tests/test_chaos.py::test_kill_9_of_a_rank_during_a_save_with_disk_offload_resumes_bitwise": 40,
+    "tests/test_chaos.py::test_kill_9_of_a_rank_during_a_step_with_disk_offload_resumes_bitwise": 40,
     "tests/test_plan_keep_output.py::test_memfit_gpt_loop_holding_its_logits_measures_within_the_budget": 25,
     "tests/test_plan_chunked_head.py::test_a_loop_that_keeps_its_output_is_priced_exactly_with_a_chunked_head": 20,
     "tests/test_measure_compose.py::test_composed_equals_full_trace[gpt-32-true]": 18,

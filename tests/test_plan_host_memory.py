@@ -83,6 +83,7 @@ def test_disk_profile_round_trips_through_its_json():
     assert back == replace(dp, seconds=0.0)  # every traced stretch, key and byte count, through the file and back
 
 
+@pytest.mark.slow  # 6-9 CPU-s; the default tier's host-memory tests above cover the limit and the report
 def test_a_full_trace_over_the_host_memory_is_solved_again_within_it(monkeypatch):
     """The composed host need can miss what the trace holds (docs/planner.md, host memory): a trace over
     the host memory tightens the composed figure by the miss and solves again (here away from the
