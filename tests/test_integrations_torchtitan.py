@@ -124,6 +124,7 @@ def test_context_parallel_runs_each_ranks_share_of_the_sequence(tmp_path):
 TP_JOB = DEBUG.replace("[parallelism]\n", "[parallelism]\ntensor_parallel_degree = 2\n")
 
 
+@pytest.mark.slow  # the default tier reads and estimates a torchtitan job in the tests above
 def test_tensor_parallel_jobs_shard_the_sequence_and_vocabulary(tmp_path):
     est = estimate_job(write(tmp_path, TP_JOB.replace("= -1", "= 1")), 2)
     (row,) = est.ranks

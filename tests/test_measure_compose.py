@@ -95,6 +95,7 @@ def test_hf_llama_ends_and_first_checkpointed_block_are_exact(tmp_path):
         assert got.peak == full.peak, (policy, got.peak - full.peak, got.where)
 
 
+@pytest.mark.slow  # the default tier proves the composition exact (test_composed_equals_full_trace[gpt-32-true])
 def test_estimate_uses_the_composed_figure_for_long_chains():
     spec = parse_model("gpt:layers=12,hidden=32,heads=2,vocab=64,seq=64")
     for policy in ("full", "sqrt"):

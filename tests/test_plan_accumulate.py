@@ -30,7 +30,7 @@ def _problem(keep_output=False):
     return p
 
 
-@pytest.mark.parametrize("keep_output, lists", [(False, LISTS[::2]),
+@pytest.mark.parametrize("keep_output, lists", [pytest.param(False, LISTS[::2], marks=pytest.mark.slow),
                                                  pytest.param(True, LISTS, marks=pytest.mark.slow),
                                                  pytest.param(False, LISTS[1::2], marks=pytest.mark.slow)])
 def test_a_later_micro_batch_bounds_a_trace_of_two(keep_output, lists):

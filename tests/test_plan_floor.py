@@ -16,6 +16,7 @@ SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
 ALLOW = "recompute,selective,offload-cpu,offload-disk,accumulate,chunked-head,optimizer-offload,precision"
 
 
+@pytest.mark.slow  # the floor's other tests stay in the default tier
 def test_the_floor_does_not_depend_on_actions_micro_batch_or_head_chunks():
     spec = parse_model(SPEC)
     lists = [[A("keep")] * 4, [A("recompute")] * 4,

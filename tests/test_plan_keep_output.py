@@ -63,6 +63,7 @@ def _check(build, example, loss_fn, loop, loop_input, n_blocks):
     assert _usual_peak(dropped, build, loop, loop_input) > budget  # the test can fail: the output is real
 
 
+@pytest.mark.slow  # the default tier: test_plan_chunked_head.py's loop that keeps its output
 def test_memfit_gpt_loop_holding_its_logits_measures_within_the_budget():
     x = torch.randint(0, CFG.vocab, (BATCH, CFG.seq))
     _check(gpt, (x, x), lambda out, ex: out[1] / out[2], gpt_loop, x, CFG.layers)

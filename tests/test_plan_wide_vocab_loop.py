@@ -51,6 +51,7 @@ def usual_loop_peak(plan, example) -> int:
     return start + w.peak_bytes - w.start_bytes
 
 
+@pytest.mark.slow  # the default tier holds a loop keeping its output in test_plan_chunked_head.py
 def test_usual_loop_with_a_wide_vocabulary_measures_within_the_budget():
     x = torch.randint(0, VOCAB, (BATCH, SEQ))
     example = {"input_ids": x, "labels": x}
