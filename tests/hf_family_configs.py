@@ -43,6 +43,14 @@ def config(family: str):
     return transformers.AutoConfig.for_model(family, **FAMILIES[family])
 
 
+def write_config(folder, family: str) -> str:
+    """The family's config.json written to folder/family/ (made if missing); its path."""
+    d = folder / family
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(config(family).to_json_string())
+    return str(d / "config.json")
+
+
 def model(family: str, seed: int = 0):
     import torch
     import transformers

@@ -24,10 +24,7 @@ PER_RANK = 0.03
 
 
 def _write(tmp_path, family: str) -> str:
-    d = tmp_path / family
-    d.mkdir(parents=True)
-    (d / "config.json").write_text(fam.config(family).to_json_string())
-    return str(d / "config.json")
+    return fam.write_config(tmp_path, family)
 
 
 def test_the_estimate_shards_one_tp_ranks_model_over_dp(tmp_path, capsys):

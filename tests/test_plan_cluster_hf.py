@@ -20,10 +20,7 @@ PER_RANK = 0.03
 
 
 def _write(tmp_path, family: str) -> str:
-    d = tmp_path / family
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(fam.config(family).to_json_string())
-    return str(d / "config.json")
+    return fam.write_config(tmp_path, family)
 
 
 def _problem(path: str, budget: str = "6MiB"):

@@ -143,11 +143,9 @@ class FSDP2Optimizer:
 
     def data_rows(self, batch: int) -> slice:
         """This replica's rows of a global batch (the tp ranks of a replica take the same ones)."""
-        if batch % self.dp:
-            raise ConfigError(f"a global batch of {batch} sequences does not split over {self.dp} data-parallel "
-                              f"replicas; use a batch divisible by {self.dp}")
-        per = batch // self.dp
-        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        from memfit.distributed.tensor_parallel import replica_rows
+
+        return replica_rows(batch, self.dp, self.dp_rank)
 
     @property
     def param_groups(self) -> list[dict]:

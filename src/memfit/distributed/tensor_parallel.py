@@ -130,11 +130,7 @@ class TensorParallelOptimizer(ModelParallelOptimizer):
 
     def data_rows(self, batch: int) -> slice:
         """This replica's rows of a global batch (all TP ranks of a replica take the same)."""
-        if batch % self.dp:
-            raise ConfigError(f"a global batch of {batch} sequences does not split over {self.dp} data-parallel "
-                              f"replicas; use a batch divisible by {self.dp}")
-        per = batch // self.dp
-        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        return replica_rows(batch, self.dp, self.dp_rank)
 
     def _dp_sum(self, values: list[float]) -> list[float]:
         return comm.control_sum(values, group=self.dp_group) if self.dp > 1 else values
@@ -216,3 +212,13 @@ class TensorParallelOptimizer(ModelParallelOptimizer):
             if owner in fused:
                 t = deinterleave(t, fused[owner], self.tp)
         return t.detach().cpu().clone()
+
+
+def replica_rows(batch: int, dp: int, dp_rank: int) -> slice:
+    """Data-parallel place `dp_rank`'s rows of a global batch of `batch` sequences over `dp` replicas
+    (every tensor-parallel rank of a replica takes the same ones)."""
+    if batch % dp:
+        raise ConfigError(f"a global batch of {batch} sequences does not split over {dp} data-parallel "
+                          f"replicas; use a batch divisible by {dp}")
+    per = batch // dp
+    return slice(dp_rank * per, (dp_rank + 1) * per)
