@@ -62,10 +62,13 @@ def test_a_cluster_plan_names_the_engine(tmp_path):
 
 
 def _single(steps: int, batch: int = 4, column: str = "loss") -> list[float]:
+    import tempfile
+
     from memfit.train import loop
 
-    cfg = loop.TrainConfig(**BASE, batch=batch, steps=steps, device="cpu", save_every=0)
-    return loop.train(cfg, progress=False, log=lambda m: None).metrics["steps"][column]
+    with tempfile.TemporaryDirectory() as out:  # not the working directory's runs/
+        cfg = loop.TrainConfig(**BASE, batch=batch, steps=steps, device="cpu", save_every=0, out=out)
+        return loop.train(cfg, progress=False, log=lambda m: None).metrics["steps"][column]
 
 
 def _grad_norms(rank, world, cfg: dict) -> list[float]:
