@@ -21,7 +21,7 @@ the one-device trace of the rank's micro-batch) with what FSDP2 does differently
   block's is there). What a block keeps is counted at every moment until its backward (rank_memory's
   post_forward);
 - bf16 (MixedPrecisionPolicy): the fp32 shard is the only copy kept (cast into the all-gather per
-  use), where memfit's bf16-master keeps a bf16 shard beside an fp32 master (_fsdp2_states).
+  use), where memfit's bf16-master keeps a bf16 shard beside an fp32 master (fsdp2_states).
 
 Checked per rank against torch's MemTracker on gloo ranks (bench/fsdp2_layouts.py).
 """
@@ -95,7 +95,7 @@ def fsdp2_estimate(estimate: Callable[..., Any], spec: Any, batch: int, seq: int
     one = estimate(spec, batch=batch, seq=seq, precision=mode, optimizer=optimizer, checkpoint=checkpoint, **kw)
     if not one.traced:
         raise ConfigError("an FSDP2 estimate traces the model; give a model, not a parameter count alone")
-    kept = post_forward_bytes(spec.on_meta(one.seq), reshard, 2 if mode == "bf16-master" else 4)
+    kept = post_forward_bytes(spec.on_meta(one.seq), reshard, 4 if mode == "32-true" else 2)  # the gathered dtype
     est = with_ranks(one, spec, "zero3", world, engine="fsdp2", post_forward=kept, kept_whole=reshard is False)
     if mode == "bf16-master":
         fsdp2_states(est)
