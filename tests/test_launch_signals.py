@@ -210,3 +210,44 @@ def test_a_rank_that_raises_is_named_with_its_error_and_its_traceback_is_kept(tm
     killed = ProcessFailure(local_rank=1, pid=2, exitcode=-9, error_file=str(tmp_path / "none.json"))
     assert _failed(ChildFailedError("memfit", {1: killed}), 0, None) == \
         "rank 1 was killed by SIGKILL and --max-restarts is 0"
+
+
+def _blocked_rank(ready) -> None:
+    """A rank stuck where no Python handler runs for it (as in a collective with a dead peer)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    time.sleep(60)
+
+
+def _crashing_rank(code: int) -> None:
+    time.sleep(0.2)
+    os._exit(code) if code >= 0 else os.kill(os.getpid(), -code)
+
+
+@pytest.mark.parametrize("crash,forwarded", [(-signal.SIGKILL, None), (1, None), (-signal.SIGKILL, signal.SIGTERM)])
+def test_a_dead_rank_takes_the_blocked_ones_with_it_unless_a_signal_was_forwarded(crash, forwarded):
+    """torch-elastic would wait out torch.multiprocessing's 30 s before killing the blocked rank."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from memfit.cli.launch_signals import Reaper
+
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    blocked, crashing = ctx.Process(target=_blocked_rank, args=(ready,)), ctx.Process(target=_crashing_rank, args=(crash,))
+    blocked.start()
+    ready.wait(10)
+    crashing.start()
+    try:
+        t0 = time.monotonic()
+        with Reaper(SimpleNamespace(received=forwarded), grace=0.5, poll=0.05) as reaper:
+            blocked.join(5 if forwarded is None else 1.5)
+        if forwarded is None:  # killed soon after the crash's grace, never before it
+            assert blocked.exitcode == -signal.SIGKILL and reaper.killed == [blocked.pid]
+            assert 0.6 <= time.monotonic() - t0 < 4
+        else:  # the ranks are saving on purpose: nobody is killed
+            assert blocked.exitcode is None and reaper.killed == []
+    finally:
+        for p in (blocked, crashing):
+            p.kill()
+            p.join()

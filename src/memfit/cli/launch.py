@@ -5,7 +5,8 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), rendezvous on 127.0.0.1 at a f
 speaks; another rank's output is shown only when it ended differently from rank 0. The exit code
 is the worst rank's. As under torchrun, each rank runs one thread unless OMP_NUM_THREADS is set;
 torch-elastic's temporary files go into a folder removed at the end (launch_env.py); Ctrl-C and
-SIGTERM are forwarded to the ranks, which stop after their step and save (launch_signals.py).
+SIGTERM are forwarded to the ranks, which stop after their step and save, and a rank that dies takes the
+others with it within seconds (launch_signals.py).
 """
 from __future__ import annotations
 
@@ -68,11 +69,12 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None =
     """Run `memfit <argv>` on `nproc` ranks; a rank that dies restarts them all up to `max_restarts`
     times (each attempt resumes from the run folder `out`, memfit.train.elastic)."""
     from memfit.cli.launch_env import rank_environment
-    from memfit.cli.launch_signals import forwarding
+    from memfit.cli.launch_signals import Reaper, forwarding
 
     from memfit.distributed.lifeline import launcher_environment
 
-    with rank_environment() as folder, forwarding(os.path.join(folder, "ready")) as signals, launcher_environment():
+    with rank_environment() as folder, forwarding(os.path.join(folder, "ready")) as signals, Reaper(signals), \
+            launcher_environment():
         results = _elastic(nproc, argv, max_restarts, out)
     if signals.received is not None and not results:
         return 128 + signals.received

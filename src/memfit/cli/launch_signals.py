@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from typing import Iterator
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
@@ -30,6 +31,10 @@ READY_ENV = "MEMFIT_LAUNCH_READY"
 """The folder where each rank leaves a file named for its pid once its signal handlers are in place."""
 ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
 """What torch-elastic may still handle itself (its default also names SIGTERM and SIGINT)."""
+REAP_GRACE_S = 3.0
+"""How long the ranks that outlive a crashed rank get to end by themselves before the launcher kills them."""
+REAP_ENV = "MEMFIT_REAP_GRACE_S"
+"""Overrides REAP_GRACE_S (seconds; "inf": leave them to torch-elastic's 30 s, as bench/rank_death.py compares)."""
 
 
 def _ranks() -> list[int]:
@@ -129,3 +134,62 @@ def detach() -> None:
 def forwarding(folder: str | None = None) -> Iterator[Forwarder]:
     with Forwarder(folder) as f:
         yield f
+
+
+class Reaper:
+    """A rank that died (kill -9, the OOM killer, a segfault, an uncaught exception) takes the ranks it
+    leaves with it, REAP_GRACE_S later.
+
+    Why: torch-elastic stops the other ranks with SIGTERM and SIGKILLs them only after
+    torch.multiprocessing's fixed 30 s grace, which the launch API does not expose. A rank blocked in a
+    collective or a save with a dead peer runs no Python handler, so it waited out all 30 s. Killing it is
+    safe: every checkpoint is written aside and renamed into place (memfit.train.saver,
+    memfit.distributed.fsdp2_checkpoint), so a torn save is never read and the restart resumes from the
+    last whole one. Not after a forwarded Ctrl-C/SIGTERM: then the ranks are saving on purpose (they end
+    with exit code 0 and their own code in the result), and no rank is killed."""
+
+    def __init__(self, signals: Forwarder, grace: float | None = None, poll: float = 0.1) -> None:
+        if grace is None:
+            grace = float(os.environ.get(REAP_ENV) or REAP_GRACE_S)
+        self.signals, self.grace, self.poll = signals, grace, poll
+        self.killed: list[int] = []
+        self._seen: dict[int, multiprocessing.process.BaseProcess] = {}
+        self._doomed: list[tuple[float, multiprocessing.process.BaseProcess]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="memfit-reaper", daemon=True)
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.poll):
+            # active_children() forgets a child once it has ended: the references kept here still hold
+            # its exit code (torch-elastic's monitor polls the same Process objects).
+            for p in multiprocessing.active_children():
+                self._seen.setdefault(p.pid, p)
+            for pid, p in list(self._seen.items()):
+                if p.exitcode is None:
+                    continue
+                del self._seen[pid]
+                if p.exitcode != 0 and self.signals.received is None:
+                    at = time.monotonic() + self.grace
+                    self._doomed += [(at, q) for q in self._seen.values() if q.exitcode is None]
+            self._reap()
+
+    def _reap(self) -> None:
+        now, left = time.monotonic(), []
+        for at, p in self._doomed:
+            if p.exitcode is not None or self.signals.received is not None:
+                continue
+            if at > now:
+                left.append((at, p))
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+                self.killed.append(p.pid)
+        self._doomed = left
+
+    def __enter__(self) -> "Reaper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(1.0)
