@@ -2,7 +2,7 @@
 
     est = memfit.estimate("config.json", batch=2, seq=64, strategy="pipeline", world=8, pp=2, tp=2,
                           engine="fsdp2", microbatches=2, schedule="1f1b")
-    est.ranks   # one row per stage: every (dp, tp) place of a stage holds the same
+    est.ranks   # one row per stage, its rank_ids every (dp, tp) place of it
 
 The run this estimates is memfit.distributed.mesh3d (`distribute(model, "zero3", engine="fsdp2", pp=, tp=)`);
 on the command line `memfit estimate CONFIG --strategy pipeline --pp P --tp T --world N --engine fsdp2`.
@@ -26,7 +26,7 @@ Composed from the estimates memfit already has:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 from memfit.core.errors import ConfigError
 
@@ -82,29 +82,27 @@ def stage_row(spec, rank: int, pp: int, dp: int, tp: int, rows: int, seq: int, m
     return row
 
 
-def mesh3d_estimate(estimate: Callable[..., Any], model: Any, batch: int, seq: int | None, world: int, pp: int,
-                    tp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", precision: str = "32-true",
-                    optimizer: str = "adamw", checkpoint: str = "none") -> Any:
-    """The Estimate of a 3-D step (see the module docstring): per_device the largest rank's, `ranks` one row
-    per stage with the ranks (rank_ids) that hold it. `estimate`: memfit.measure.estimate.estimate."""
+def mesh3d_ranks(spec, batch: int, seq: int | None, world: int, pp: int | None = None, tp: int | None = None,
+                 microbatches: int | None = None, schedule: str = "1f1b", precision: str = "32-true",
+                 optimizer: str = "adamw", checkpoint: str = "none", accum: int = 1) -> list[dict]:
+    """Every rank's row of a 3-D step (see the module docstring), `rank` its global rank; `pp` defaults to
+    world / tp (no dp), `tp` to 1 (FSDP2 x pipeline)."""
     from memfit.distributed.mesh3d import check_mesh3d
     from memfit.distributed.pipeline import check_pipeline
     from memfit.measure.fsdp_tp_estimate import tp_rank_spec
     from memfit.measure.parallel_estimate import blocks_of, check_tensor_spec
-    from memfit.measure.rank_estimate import per_device
-    from memfit.models.spec import parse_model
 
-    spec = parse_model(model, families=True) if isinstance(model, str) else model
+    tp = tp or 1
+    pp = pp or world // tp
     if spec.config is not None or spec.task not in (None, "causal-lm"):
         raise ConfigError("FSDP2 x pipeline (x tensor parallel) is estimated for a Hugging Face causal LM (a "
                           "llama/qwen2/qwen3/mistral config.json); for memfit's GPT leave out --engine fsdp2")
-    if precision != "32-true":
-        raise ConfigError(f"the FSDP2 x pipeline estimate is for --precision 32-true, not {precision}; leave out "
-                          "--precision (or --engine fsdp2 for memfit's pipeline)")
+    if precision != "32-true" or accum != 1:
+        raise ConfigError(f"the FSDP2 x pipeline estimate is for --precision 32-true and --accum 1 (not {precision}, "
+                          f"{accum}); change them, or leave out --engine fsdp2 for memfit's pipeline")
     dp = check_mesh3d(world, pp, tp)
     if tp > 1:
         check_tensor_spec(spec, tp, tp)
-    seq = seq or 128
     m = microbatches or pp
     layers, _ = blocks_of(spec)
     global_batch = batch * world
@@ -113,14 +111,7 @@ def mesh3d_estimate(estimate: Callable[..., Any], model: Any, batch: int, seq: i
                           f"{dp} replicas and {m} micro-batches; change --batch or --microbatches")
     check_pipeline(layers, pp, global_batch // dp, m, schedule)
     local = tp_rank_spec(spec, tp) if tp > 1 else spec
-    rows = [stage_row(local, r, pp, dp, tp, global_batch // dp // m, seq, m, schedule, optimizer, checkpoint)
-            for r in range(pp)]
-    for row in rows:  # rank = (stage x dp + replica) x tp + tp place
-        row["rank_ids"] = [(row["stage"] * dp + d) * tp + t for d in range(dp) for t in range(tp)]
-        row.update(world=world, rows=global_batch // dp)
-    est = estimate(spec, batch=global_batch // dp, seq=seq, precision=precision, optimizer=optimizer,
-                   checkpoint=checkpoint)
-    est.model, est.world, est.strategy, est.batch = spec.name, world, "pipeline", batch
-    est.ranks = sorted(rows, key=lambda r: (-r["total"], r["stage"]))
-    est.per_device = per_device(est.ranks[0])
-    return est
+    stages = [stage_row(local, r, pp, dp, tp, global_batch // dp // m, seq or 128, m, schedule, optimizer,
+                        checkpoint) for r in range(pp)]
+    # rank = (stage x dp + replica) x tp + tp place: every (dp, tp) place of a stage holds the same
+    return [dict(stages[r // (dp * tp)], rank=r, world=world, rows=global_batch // dp) for r in range(world)]
