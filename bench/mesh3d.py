@@ -5,7 +5,7 @@ gloo ranks (pp2 x dp2, pp2 x tp2) and 2 x 2 x 2 on 8.
     PYTHONPATH=src python bench/mesh3d.py        # writes bench/results/mesh3d.json
 
 Tiny Llama and Qwen3 configs (tests/hf_family_configs.py: two decoder layers, one per stage; 4 heads, 2
-key/value heads: one per TP rank) run tests/mesh3d_worker.py's three clipped AdamW steps (8 rows x 16 tokens
+key/value heads: one per TP rank) and memfit's GPT of that size (tp 1) run tests/mesh3d_worker.py's three clipped AdamW steps (8 rows x 16 tokens
 per step, each replica's rows in 2 micro-batches), the third tracked by torch's MemTracker on every rank.
 Each row also records whether every rank's loss equals one process's on the whole batch (1e-5 relative).
 Memory figures are byte counts (the same on every run): one run. The rows render into docs/distributed.md's
@@ -42,7 +42,6 @@ def _estimate(path: str, layout, world: int) -> dict[int, int]:
 
 def _rows(world: int, layouts: list, folder: Path) -> list[dict]:
     """Each layout on `world` gloo ranks: every rank's tracked peak against its estimate."""
-    import hf_family_configs as fam
     import mesh3d_worker as w
 
     from memfit.distributed.spawn import run_world
@@ -50,19 +49,19 @@ def _rows(world: int, layouts: list, folder: Path) -> list[dict]:
     ranks = run_world(w.runs, world, args=(layouts,), timeout_s=900)
     rows = []
     for lay in layouts:
-        model = fam.model(lay.family)
-        if lay.checkpoint:
-            model.gradient_checkpointing_enable()
-        want = fam.one_process_losses(model, fam.token_batches(w.STEPS, w.ROWS, w.SEQ))
+        want = lay.one_process_losses()
         same = all(abs(a - b) <= RTOL * abs(b) for r in ranks for a, b in zip(r[lay]["losses"], want))
-        est = _estimate(fam.write_config(folder, lay.family), lay, world)
+        est = _estimate(lay.write(folder), lay, world)
         got = [r[lay]["total"] for r in ranks]
         want_est = [est[i] for i in range(world)]
         dp = world // (lay.pp * lay.tp)
-        rows.append({"model": f"HF {lay.family}", "world": world,
+        name = "memfit GPT (tied embeddings)" if lay.family == "gpt" else f"HF {lay.family}" + (
+            " (tied embeddings)" if lay.tied else "")
+        rows.append({"model": name, "world": world,
                      "layout": f"pipeline (pp {lay.pp}, {lay.schedule}) x FSDP2 (dp {dp})"
                                + (f" x tensor plan (tp {lay.tp})" if lay.tp > 1 else ""),
-                     "checkpoint": "HF gradient_checkpointing_enable" if lay.checkpoint else "none",
+                     "checkpoint": ("none" if not lay.checkpoint else "memfit full" if lay.family == "gpt"
+                                    else "HF gradient_checkpointing_enable"),
                      "estimated_as": f"--strategy pipeline --pp {lay.pp} --tp {lay.tp} --engine fsdp2"
                                      + (" --checkpoint full" if lay.checkpoint else ""),
                      "estimate": want_est, "measured": got, "error": [(e - m) / m for e, m in zip(want_est, got)],

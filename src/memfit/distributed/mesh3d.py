@@ -1,5 +1,5 @@
 """FSDP2 x tensor parallel x pipeline on one ("pp", "dp", "tp") DeviceMesh (torchtitan's 3-D layout),
-for a Hugging Face causal LM.
+for a Hugging Face causal LM (memfit's GPT: FSDP2 x pipeline, tp=1).
 
     opt = distribute(hf_model, "zero3", engine="fsdp2", tp=2, pp=2, microbatches=4, schedule="1f1b")
     loss, tokens, result = opt.accumulate_step([(x, x)])   # every rank passes the whole global batch
@@ -72,27 +72,30 @@ def clip_3d(params: list[nn.Parameter], limit: float, holders: int, skip: Any = 
 
 
 class Mesh3DOptimizer:
-    """See the module docstring. The interface is PipelineOptimizer's: data_rows, accumulate_step, step."""
+    """See the module docstring. The interface is PipelineOptimizer's: data_rows, accumulate_step, step.
+    `pp`: pipeline stages (default world / tp), `tp`: the tensor plan's degree; dp = world / (pp x tp)."""
 
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None, *,
-                 pp: int = 1, tp: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
+                 pp: int | None = None, tp: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
                  group=None, **optimizer_kwargs: Any) -> None:
         from torch.distributed.fsdp import fully_shard
 
         from memfit.distributed.fsdp2 import _policies
-        from memfit.distributed.pipeline import _blocks_of, check_pipeline, cut_stage
+        from memfit.distributed.pipeline import _blocks_of, check_pipeline
+        from memfit.distributed.stages import tied_weight
 
         if group is not None:
             raise ConfigError("the 3-D layout (pp, dp, tp) runs on the whole world; leave out group=")
         if clip is not None and not clip > 0:
             raise ConfigError(f"clip={clip} must be a positive gradient-norm limit (or None for no clipping)")
         hf, layers = _blocks_of(model)
-        if not hf:
-            raise ConfigError("the 3-D layout (FSDP2 x TP x PP) cuts a Hugging Face causal LM; for memfit's GPT use "
-                              "--strategy pipeline (engine memfit) or zero3")
+        if not hf and tp > 1:
+            raise ConfigError("tp > 1 shards a Hugging Face causal LM by its tensor plan; memfit's GPT runs FSDP2 x "
+                              "pipeline here (tp=1), or --strategy tensor on memfit's engine")
         self.mode = precision_mode(precision)
-        self.precision, self.clip, self.hf = self.mode.name, clip, True
+        self.precision, self.clip, self.hf = self.mode.name, clip, hf
+        pp = pp or max(dist.get_world_size() // tp, 1)  # the world in stages (no dp) unless given
         self.microbatches, self.schedule_name = microbatches or pp, schedule
         device = next(model.parameters()).device
         policies = _policies(self.precision, offload, device)
@@ -108,7 +111,7 @@ class Mesh3DOptimizer:
         if self.precision == "bf16-true":
             model.to(torch.bfloat16)
         self._groups(device)
-        self.stage_module = cut_stage(model, self.rank, pp, hf)
+        self.stage_module = self._cut(model, layers, hf)
         self.tp_summed: list[str] = []
         if tp > 1:
             from memfit.distributed.hf_tensor import shard_hf
@@ -122,12 +125,27 @@ class Mesh3DOptimizer:
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
         self.model, self.tracked_module = model, self.stage_module
-        self.tied = self.stage_module.tied_weight()
+        self.tied = self.stage_module.tied_weight() if hf else tied_weight(self.stage_module)
         self.params = list(self.stage_module.parameters())
         self.inner = make_torch_optimizer(optimizer, self.params, lr=lr, weight_decay=weight_decay,
                                           **optimizer_kwargs)
         self._schedule(device)
         self._total = 1.0
+
+    def _cut(self, model: nn.Module, layers: nn.ModuleList, hf: bool) -> nn.Module:
+        """This rank's stage; a memfit checkpoint policy on the whole model is taken off and put back on the
+        stage's own layers (its segments must not cross a stage boundary), as memfit's pipeline does."""
+        from memfit.apply.checkpoint import applied, checkpoint as apply_checkpoint, remove
+        from memfit.distributed.pipeline import cut_stage
+        from memfit.distributed.stages import stage_blocks
+
+        policy = applied(model, layers)
+        remove(model, layers)
+        stage = cut_stage(model, self.rank, self.pp, hf)
+        if policy is not None:
+            own = stage_blocks(len(layers), self.pp, self.rank)
+            apply_checkpoint(stage, [policy.actions[i] for i in own], blocks=stage.blocks)
+        return stage
 
     def _groups(self, device: torch.device) -> None:
         """The ("pp", "dp", "tp") mesh, this rank's place on it and the groups the step needs."""
@@ -164,14 +182,20 @@ class Mesh3DOptimizer:
         return replica_rows(batch, self.dp, self.dp_rank)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's summed cross-entropy over the global batch's target tokens: a Hugging Face model
+        shifts by one and skips -100, memfit's GPT takes its targets as they are and skips -1."""
         from memfit.distributed.hf_stages import hf_shifted
 
-        out, tgt = hf_shifted(logits, target)
-        return F.cross_entropy(out.float(), tgt, ignore_index=-100, reduction="sum") / self._total
+        out, tgt = hf_shifted(logits, target) if self.hf else (logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+        loss = F.cross_entropy(out.float(), tgt, ignore_index=-100 if self.hf else -1, reduction="sum")
+        return loss / self._total
 
-    def run_batch(self, x: torch.Tensor, total: float) -> float:
-        """Forward and backward of this replica's rows `x` through the pipeline; the last stage returns the
-        summed loss of its rows (the others 0)."""
+    def _targets(self, y: torch.Tensor) -> float:
+        return float((y[:, 1:] != -100).sum()) if self.hf else float((y != -1).sum())
+
+    def run_batch(self, x: torch.Tensor, y: torch.Tensor, total: float) -> float:
+        """Forward and backward of this replica's rows `x` (targets `y`) through the pipeline; the last stage
+        returns the summed loss of its rows (the others 0)."""
         from memfit.core.compat import initialize_pipeline_stage
         from memfit.distributed.pipeline import _no_global_module_hooks
 
@@ -181,7 +205,7 @@ class Mesh3DOptimizer:
         self._total = total
         losses: list[torch.Tensor] = []
         first, last = self.rank == 0, self.rank == self.pp - 1
-        target = x if last else None
+        target = y if last else None
         if not self.schedule._stage_backward_initialized:
             rows = x.shape[0] // self.microbatches
             with _no_global_module_hooks():  # a tracker's hooks must not see torch's shape inference
@@ -191,11 +215,13 @@ class Mesh3DOptimizer:
         return float(sum(float(t.detach()) for t in losses)) * total
 
     def accumulate_step(self, micro: Iterable[tuple[torch.Tensor, Any]], loss_sum: Any = None):
-        """(global mean loss, global target tokens, StepResult) for the global batches `micro` (every rank
-        passes the whole batch; labels are the inputs, shifted as Hugging Face shifts them)."""
-        xs = [x[self.data_rows(x.shape[0])] for x, _ in micro]
-        total = max(float(sum(x[:, 1:].numel() for x, _ in micro)), 1.0)
-        running = sum(self.run_batch(x, total) for x in xs)
+        """(global mean loss, global target tokens, StepResult) for the global batches `micro`, (inputs,
+        targets) pairs (every rank passes the whole batch; a Hugging Face model's targets are its labels:
+        the inputs, shifted as it shifts them)."""
+        micro = list(micro)
+        total = max(sum(self._targets(y) for _, y in micro), 1.0)
+        rows = [self.data_rows(x.shape[0]) for x, _ in micro]
+        running = sum(self.run_batch(x[r], y[r], total) for (x, y), r in zip(micro, rows))
         result = self.step()
         own = running if self.tp_rank == 0 else 0.0  # one tp rank of each replica's last stage speaks
         return comm.control_sum([own])[0] / total, int(total), result
@@ -236,7 +262,9 @@ class Mesh3DOptimizer:
                           "accumulate_step instead of model(x) + backward")
 
     def close(self) -> None:
-        pass
+        from memfit.apply.checkpoint import remove
+
+        remove(self.stage_module, self.stage_module.blocks)
 
     def __enter__(self) -> "Mesh3DOptimizer":
         return self

@@ -72,7 +72,7 @@ def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: fl
         from memfit.distributed.fsdp2 import FSDP2Optimizer
 
         kw.pop("prefetch", None)  # FSDP2 prefetches the next block itself
-        if strategy == "pipeline" or kw.get("pp", 1) > 1:  # 3-D: FSDP2 x TP x PP
+        if strategy == "pipeline" or (kw.get("pp") or 1) > 1:  # 3-D: FSDP2 x TP x PP
             from memfit.distributed.mesh3d import Mesh3DOptimizer
 
             return Mesh3DOptimizer(model, optimizer, lr, **kw)

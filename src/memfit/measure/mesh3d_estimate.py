@@ -1,4 +1,5 @@
-"""Each rank's step peak under FSDP2 x tensor parallel x pipeline on one ("pp", "dp", "tp") DeviceMesh.
+"""Each rank's step peak under FSDP2 x tensor parallel x pipeline on one ("pp", "dp", "tp") DeviceMesh
+(a Hugging Face causal LM; memfit's GPT with tp=1).
 
     est = memfit.estimate("config.json", batch=2, seq=64, strategy="pipeline", world=8, pp=2, tp=2,
                           engine="fsdp2", microbatches=2, schedule="1f1b")
@@ -94,9 +95,12 @@ def mesh3d_ranks(spec, batch: int, seq: int | None, world: int, pp: int | None =
 
     tp = tp or 1
     pp = pp or world // tp
-    if spec.config is not None or spec.task not in (None, "causal-lm"):
-        raise ConfigError("FSDP2 x pipeline (x tensor parallel) is estimated for a Hugging Face causal LM (a "
-                          "llama/qwen2/qwen3/mistral config.json); for memfit's GPT leave out --engine fsdp2")
+    if spec.task not in (None, "causal-lm"):
+        raise ConfigError(f"FSDP2 x pipeline cuts a causal LM; this config is a {spec.task} model: use a "
+                          "data-parallel strategy (ddp, zero1-3)")
+    if spec.config is not None and tp > 1:
+        raise ConfigError("--tp with --strategy pipeline --engine fsdp2 shards a Hugging Face config by its tensor "
+                          "plan; memfit's GPT is estimated here with --tp 1 (FSDP2 x pipeline)")
     if precision != "32-true" or accum != 1:
         raise ConfigError(f"the FSDP2 x pipeline estimate is for --precision 32-true and --accum 1 (not {precision}, "
                           f"{accum}); change them, or leave out --engine fsdp2 for memfit's pipeline")
