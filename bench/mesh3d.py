@@ -5,8 +5,9 @@ gloo ranks (pp2 x dp2, pp2 x tp2) and 2 x 2 x 2 on 8.
     PYTHONPATH=src python bench/mesh3d.py        # writes bench/results/mesh3d.json
 
 Tiny Llama and Qwen3 configs (tests/hf_family_configs.py: two decoder layers, one per stage; 4 heads, 2
-key/value heads: one per TP rank) and memfit's GPT of that size (tp 1) run tests/mesh3d_worker.py's three clipped AdamW steps (8 rows x 16 tokens
-per step, each replica's rows in 2 micro-batches), the third tracked by torch's MemTracker on every rank.
+key/value heads: one per TP rank) and memfit's GPT of that size (tp 1) run tests/mesh3d_worker.py's three
+clipped AdamW steps (8 rows x 16 tokens per step, each replica's rows in 2 micro-batches), the third tracked
+by torch's MemTracker on every rank.
 Each row also records whether every rank's loss equals one process's on the whole batch (1e-5 relative).
 Memory figures are byte counts (the same on every run): one run. The rows render into docs/distributed.md's
 layout table (bench/torch_engines.py's columns).
@@ -74,7 +75,8 @@ def main() -> None:
     from test_mesh3d import LAYOUTS
 
     with tempfile.TemporaryDirectory() as tmp:
-        rows = _rows(4, list(LAYOUTS), Path(tmp)) + _rows(WORLD, [w.Layout("qwen3", pp=2, tp=2)], Path(tmp))
+        fp32 = [lay for lay in LAYOUTS if lay.precision == "32-true"]  # (the estimate is fp32's)
+        rows = _rows(4, fp32, Path(tmp)) + _rows(WORLD, [w.Layout("qwen3", pp=2, tp=2)], Path(tmp))
     save("mesh3d", {"command": COMMAND, "rows": rows})
 
 

@@ -20,11 +20,12 @@ class Layout:
     schedule: str = "1f1b"
     checkpoint: bool = False
     tied: bool = False
+    precision: str = "32-true"
 
     @property
     def name(self) -> str:
         return (f"{self.family} pp{self.pp} tp{self.tp} {self.schedule}" + (" ckpt" if self.checkpoint else "")
-                + (" tied" if self.tied else ""))
+                + (" tied" if self.tied else "") + (f" {self.precision}" if self.precision != "32-true" else ""))
 
     def model(self):
         """The layout's model (seed 0), checkpointed where it asks for it (a Hugging Face model by its own
@@ -101,7 +102,7 @@ def run(layout: Layout, rank: int, world: int) -> dict:
     from memfit.distributed import distribute
 
     opt = distribute(layout.model(), "zero3", "adamw", lr=1e-2, clip=1.0, engine="fsdp2", pp=layout.pp, tp=layout.tp,
-                     microbatches=MICRO, schedule=layout.schedule)
+                     microbatches=MICRO, schedule=layout.schedule, precision=layout.precision)
     losses = []
     for step, x in enumerate(fam.token_batches(STEPS, ROWS, SEQ)):
         tracker = _tracker() if step == STEPS - 1 else contextlib.nullcontext()

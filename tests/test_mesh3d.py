@@ -17,15 +17,21 @@ from memfit.distributed.spawn import run_world
 # added over tp, the clipping norm summed over the world: reassociation only (seen: at most 1.2e-6 relative
 # after three clipped AdamW steps), so 1e-5.
 RTOL = 1e-5
+# bf16-mixed (FSDP2's MixedPrecisionPolicy: bf16 compute over fp32 shards, fp32 reduction) against the fp32
+# one-process run: bf16 rounding of every matmul (seen: 6e-5 relative over three steps), so 2e-3, the bound
+# tests/test_distributed_pipeline.py holds memfit's own bf16 pipeline to.
+RTOL_BF16 = 2e-3
 # Each rank's estimate against torch's MemTracker peak: the issue's bound. Seen: -0.15% to +0.69%
 # (bench/results/mesh3d.json).
 PER_RANK = 0.03
 LAYOUTS = (w.Layout("llama", pp=2, tp=1), w.Layout("qwen3", pp=2, tp=2),
            w.Layout("llama", pp=2, tp=1, schedule="gpipe", checkpoint=True, tied=True),
-           w.Layout("gpt", pp=2, tp=1, schedule="gpipe", checkpoint=True))
+           w.Layout("gpt", pp=2, tp=1, schedule="gpipe", checkpoint=True),
+           w.Layout("llama", pp=2, tp=1, precision="bf16-mixed"))
 """pp2 x dp2 (FSDP2 x PP) with 1F1B; pp2 x tp2 with Qwen3's per-head q/k norms summed over tp; pp2 x dp2 with
 GPipe under Hugging Face's own checkpointing, the embedding tied to the head (its gradient summed between the
-first and the last stage of each dp place); memfit's GPT (tied) on pp2 x dp2 under memfit's policy "full" (re-applied to each stage's blocks)."""
+first and the last stage of each dp place); memfit's GPT (tied) on pp2 x dp2 under memfit's policy "full"
+(re-applied to each stage's blocks); pp2 x dp2 under bf16-mixed (its loss only: the estimate is fp32's)."""
 
 
 def _args(path: str, layout: w.Layout, world: int) -> list[str]:
@@ -73,7 +79,9 @@ def test_3d_trains_as_one_process_within_3_percent_of_its_estimate(tmp_path, cap
         runs = [r[lay] for r in ranks]
         want = lay.one_process_losses()
         for r in runs:  # every rank reports the global mean loss
-            assert r["losses"] == pytest.approx(want, rel=RTOL), lay.name
+            assert r["losses"] == pytest.approx(want, rel=RTOL if lay.precision == "32-true" else RTOL_BF16), lay.name
+        if lay.precision != "32-true":
+            continue
         assert main(_args(lay.write(tmp_path), lay, 4)) == 0
         est = {i: row["total"] for row in json.loads(capsys.readouterr().out)["ranks"] for i in row["rank_ids"]}
         for i, r in enumerate(runs):

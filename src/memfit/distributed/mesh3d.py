@@ -54,13 +54,13 @@ def clip_3d(params: list[nn.Parameter], limit: float, holders: int, skip: Any = 
     stage's `holders` (dp x tp) ranks holding each element (its sharded dimensions' sizes / holders), `skip`
     (a tied matrix counted on the other stage) left out, summed over the world. Returns the norm."""
     grads = [p.grad for p in params if p.grad is not None and p is not skip]
-    total = torch.zeros((), dtype=torch.float64)
+    device = next((p.device for p in params), torch.device("cpu"))  # a stage without gradients joins too
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         local = g.to_local() if hasattr(g, "to_local") else g
         sharded = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard()) \
             if hasattr(g, "placements") else 1
-        total += local.detach().double().square().sum().cpu() * (sharded / holders)
-    total = total.to(grads[0].device if grads else "cpu")
+        total += local.detach().double().square().sum() * (sharded / holders)
     dist.all_reduce(total)
     norm = float(total.sqrt())
     if math.isfinite(norm):
