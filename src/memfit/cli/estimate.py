@@ -46,6 +46,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "zero-redundancy: zero1 on DDP with ZeroRedundancyOptimizer (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
+    p.add_argument("--pp", type=integer(1), help="--strategy pipeline --engine fsdp2: pipeline stages of the 3-D "
+                   "(pp, dp, tp) mesh (default --world / --tp); dp = world / (pp x tp)")
     p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world); "
                    "--batch stays per process, so each TP group runs tp x batch rows")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -99,8 +101,8 @@ def _estimate(args: argparse.Namespace):
         return _torchtitan(args, model)
     if args.deepspeed:
         return _deepspeed(args, model)
-    if args.engine == "fsdp2" and args.strategy != "tensor" or args.reshard_after_forward is not None:
-        return _fsdp2(args, model)  # (tensor on fsdp2, the 2-D layout: estimate() below)
+    if args.engine == "fsdp2" and args.strategy not in ("tensor", "pipeline") or args.reshard_after_forward is not None:
+        return _fsdp2(args, model)  # (tensor and pipeline on fsdp2, the 2-D and 3-D layouts: estimate() below)
     if model is None and args.params is None:
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
@@ -109,7 +111,7 @@ def _estimate(args: argparse.Namespace):
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
                   schedule=args.schedule, tp=args.tp, accum=args.accum, device=_device(args.device),
-                  engine=args.engine)
+                  engine=args.engine, pp=args.pp)
     if args.step_in_backward:
         common["step_in_backward"] = True
     for flag in ("sequence_parallel", "vocab_parallel"):

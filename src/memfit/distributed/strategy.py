@@ -38,8 +38,9 @@ ENGINES = ("memfit", "fsdp2", "zero-redundancy")
 """Who carries out a ZeRO stage: memfit's flat engine (memfit.distributed.sharded), torch's FSDP2 for
 zero2/zero3 (memfit.distributed.fsdp2: fully_shard per block; zero2 is reshard_after_forward=False),
 or torch's DDP with ZeroRedundancyOptimizer for zero1 (memfit.distributed.zero_redundancy)."""
-ENGINE_STRATEGIES = {"fsdp2": ("zero2", "zero3", "tensor"), "zero-redundancy": ("zero1",)}
-"""tensor on fsdp2: FSDP2 over "dp" x a Hugging Face model's tensor plan over "tp" (zero3 with tp=)."""
+ENGINE_STRATEGIES = {"fsdp2": ("zero2", "zero3", "tensor", "pipeline"), "zero-redundancy": ("zero1",)}
+"""tensor on fsdp2: FSDP2 over "dp" x a Hugging Face model's tensor plan over "tp" (zero3 with tp=);
+pipeline on fsdp2 (or zero3 with pp=): the ("pp", "dp", "tp") mesh of memfit.distributed.mesh3d."""
 
 
 def engine_strategies(engine: str) -> str:
@@ -71,6 +72,10 @@ def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: fl
         from memfit.distributed.fsdp2 import FSDP2Optimizer
 
         kw.pop("prefetch", None)  # FSDP2 prefetches the next block itself
+        if strategy == "pipeline" or (kw.get("pp") or 1) > 1:  # 3-D: FSDP2 x TP x PP
+            from memfit.distributed.mesh3d import Mesh3DOptimizer
+
+            return Mesh3DOptimizer(model, optimizer, lr, **kw)
         if strategy == "tensor" and not 1 < kw.get("tp", 1) < dist.get_world_size(kw.get("group")):
             raise ConfigError(f"tensor on engine fsdp2 is FSDP2 over dp x the tensor plan over tp: give tp between 1 "
                               f"and the world of {dist.get_world_size(kw.get('group'))}, not {kw.get('tp')}")

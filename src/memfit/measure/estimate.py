@@ -132,7 +132,7 @@ def estimate(
     vocab_parallel: bool = False,
     device: str | None = None,
     qlora: bool = False,
-    step_in_backward: bool = False, engine: str = "memfit",
+    step_in_backward: bool = False, engine: str = "memfit", pp: int | None = None,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -157,7 +157,7 @@ def estimate(
     precision to what people run there (bf16-master). None or cpu: this machine's CPU, 32-true.
     `step_in_backward`: each parameter updated, and its gradient freed, as soon as backward produced it
     (memfit.apply.step_in_backward; one device, accum 1, no master weights or optimizer offload).
-    `engine`: who runs the strategy (memfit.distributed.strategy.ENGINES; rank_estimate.rank_rows)."""
+    `engine`: who runs the strategy (memfit.distributed.strategy.ENGINES; rank_estimate.rank_rows; `pp`: see it)."""
     from memfit.core.device import estimate_device
     from memfit.core.gpus import local_gpu
 
@@ -178,7 +178,7 @@ def estimate(
                       zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
                       device_memory=device_memory, loss_fn=loss_fn, lora=lora, routing=routing, strategy=strategy,
                       microbatches=microbatches, schedule=schedule, tp=tp, accum=accum, gpu=gpu, engine=engine,
-                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, sib=step_in_backward)
+                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, sib=step_in_backward, pp=pp)
     est.step_in_backward = step_in_backward
     est.precision_default = default if gpu is not None else None
     if gpu is not None:
@@ -209,7 +209,7 @@ def torch_index(device: str) -> int | None:
 
 def _strategies(model: Any, example: Any, *, params, batch, seq, precision, optimizer, zero, world, checkpoint,
                 offload_optimizer, device_memory, loss_fn, lora, routing, strategy, microbatches, schedule, tp, accum,
-                gpu, sequence_parallel=False, vocab_parallel=False, sib=False, engine="memfit") -> Estimate:
+                gpu, sequence_parallel=False, vocab_parallel=False, sib=False, engine="memfit", pp=None) -> Estimate:
     """estimate() on one device or under a strategy, for a resolved precision and device."""
     from memfit.measure.moe import routing as moe_routing
     from memfit.measure.rank_estimate import strategy_of
@@ -239,7 +239,7 @@ def _strategies(model: Any, example: Any, *, params, batch, seq, precision, opti
                             lora=lora, worst=routing == "worst", gpu=gpu)
             return with_ranks(one, _spec_of(model, lora), strategy, world, microbatches=microbatches, schedule=schedule,
                               tp=tp, accum=accum, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                              engine=engine)
+                              engine=engine, pp=pp)
         if engine != "memfit":
             raise ConfigError(f"engine {engine!r} is estimated per rank for a model name, spec or config.json "
                               "(without LoRA adapters), not for a module")
