@@ -59,10 +59,13 @@ class Case:
     accum: int = 1
     engine: str = "memfit"
     """who runs a data-parallel strategy (memfit.distributed.strategy.ENGINES)"""
+    virtual_stages: int | None = None
+    """pipeline's interleaved schedule: stages per rank"""
 
     @property
     def name(self) -> str:
-        s = self.strategy + (f"-{self.schedule}" if self.schedule else "")
+        s = self.strategy + (f"-{self.schedule}" if self.schedule else "") \
+            + (f"x{self.virtual_stages}" if self.virtual_stages else "")
         return f"{Path(self.model).parent.name if self.model.endswith('.json') else self.model} {s} " \
                f"{self.precision} ckpt={self.checkpoint}" + (f" accum={self.accum}" if self.accum > 1 else "") \
                + (f" engine={self.engine}" if self.engine != "memfit" else "")
@@ -77,6 +80,8 @@ class Case:
             out += ["--accum", str(self.accum)]
         if self.engine != "memfit":
             out += ["--engine", self.engine]
+        if self.virtual_stages:
+            out += ["--virtual-stages", str(self.virtual_stages)]
         return out
 
 
@@ -115,6 +120,8 @@ def _one(case: Case, rank: int, world: int) -> dict:
     kw = {}
     if case.strategy == "pipeline":
         kw = dict(schedule=case.schedule or "1f1b", microbatches=case.microbatches or world)
+        if case.virtual_stages:
+            kw["virtual_stages"] = case.virtual_stages
     if case.strategy == "none":
         opt = TrainingOptimizer(model, "adamw", lr=1e-3, precision=case.precision)
         opt.model, opt.tracked_module = model, model
