@@ -100,7 +100,10 @@ def _add_processes(g) -> None:
                    "docs/compression.md; default none)")
     g.add_argument("--microbatches", metavar="M", type=integer(1, 4096),
                    help="--strategy pipeline: micro-batches per step (default: the number of processes)")
-    g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"),
+                   help="--strategy pipeline: schedule (default 1f1b; interleaved: torch's interleaved 1F1B)")
+    g.add_argument("--virtual-stages", metavar="V", type=integer(1, 1024),
+                   help="--schedule interleaved: stages per process (default 2; blocks cut evenly into nproc x V)")
     g.add_argument("--tp", metavar="T", type=integer(1, 1024),
                    help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp)")
     g.add_argument("--dp", metavar="R", type=integer(1, 1024),

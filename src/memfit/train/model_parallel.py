@@ -27,7 +27,8 @@ def precheck_model_parallel(cfg: Any, world: int | None, resuming: bool) -> None
             raise ConfigError(f"--dp {cfg.dp} does not divide the {world} processes; use a --dp dividing "
                               f"--nproc (stages = nproc / dp)")
         stages = world // cfg.dp
-        check_pipeline(config.layers, stages, cfg.batch * stages, cfg.microbatches or stages, cfg.schedule)
+        check_pipeline(config.layers, stages, cfg.batch * stages, cfg.microbatches or stages, cfg.schedule,
+                       getattr(cfg, "virtual_stages", None))
     else:
         from memfit.distributed.tensor_parallel import check_tensor
 
