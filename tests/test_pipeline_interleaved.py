@@ -25,8 +25,18 @@ RTOL = 1e-5
 PER_RANK = 0.03
 
 
-def test_refusals_and_torch_order():
+def interleaved_plan() -> dict:
+    """A cluster plan of a 2-rank interleaved pipeline, 2 stages per rank (4 blocks: one per stage)."""
+    from test_emit import plan_doc
+
+    doc = plan_doc(strategy="pipeline", dp=1, pp=2, rows=1, accum=4, schedule="interleaved", actions="keep*4")
+    doc["cluster"]["layout"]["virtual_stages"] = 2
+    return doc
+
+
+def test_refusals_torch_order_and_emitted_job():
     from memfit.distributed.interleaved import peak_held, rank_order
+    from memfit.integrations.emit_plan import emit, plan_view
     from memfit.distributed.pipeline import check_pipeline
 
     with pytest.raises(ConfigError, match="do not split evenly into 2 ranks x 2 virtual stages"):
@@ -42,8 +52,13 @@ def test_refusals_and_torch_order():
     assert all(order.index(("F", s, m)) < order.index(("B", s, m)) for _, s, m in order)
     # torch's warm-up, (V - 1) x M / rounds + 2 (pp - 1 - r) forwards, and one more before the first backward
     assert [peak_held(rank_order(2, 2, 4, r)) for r in (0, 1)] == [5, 3]
+    # torchtitan cuts V x pp stages of layers_per_stage blocks, none taken off the first and last
+    job = emit(plan_view(interleaved_plan()), "torchtitan").text
+    assert 'pipeline_parallel_schedule = "Interleaved1F1B"' in job and "pipeline_parallel_layers_per_stage = 1" in job
+    assert "pipeline_parallel_first_stage_less_layers = 0" in job and "pipeline_parallel_last_stage_less_layers = 0" in job
 
 
+@pytest.mark.slow
 def test_cli_refuses_in_one_line(capsys):
     spec = "gpt:layers=6,hidden=32,heads=4,vocab=64,seq=16"
     for extra, message in ((["--schedule", "interleaved"], "6 blocks do not split evenly"),

@@ -43,6 +43,8 @@ class PlanView:
     actions: list
     """One memfit.apply.policy.BlockAction per block."""
     schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Pipeline stages per rank (schedule "interleaved")."""
     head_chunks: int | None = None
     notes: list = field(default_factory=list)
 
@@ -114,7 +116,8 @@ def plan_view(doc: dict, where: str = "the plan") -> PlanView:
                     dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro, accumulation=accum, seq=plan.get("seq"),
                     precision=plan["precision"], optimizer=plan["optimizer"],
                     offload_optimizer=plan["offload_optimizer"], actions=actions,
-                    schedule=schedule, head_chunks=plan.get("head_chunks"))
+                    schedule=schedule, head_chunks=plan.get("head_chunks"),
+                    virtual_stages=_count(lay, "virtual_stages", 1, where) if schedule == "interleaved" else 1)
 
 
 def _count(lay: dict, key: str, default: int, where: str) -> int:
