@@ -13,9 +13,9 @@ of holding, at its peak, more micro-batch-stages' activations than 1F1B's pp - r
 
 torch's rule (ScheduleInterleaved1F1B.__init__): rounds = max(1, M // pp) and M must be a multiple
 of rounds (M = 10 on 4 ranks runs, M = 5 on 2 ranks does not). ScheduleInterleavedZeroBubble splits
-each backward into an input and a weight part: it needs a stage whose backward can be split
-(torch's own autograd split, which a checkpointed or offloaded block's custom backward does not
-offer), so memfit does not run it.
+each backward into an input part (autograd.grad, the graph retained) and a later weight part, so
+a micro-batch-stage's saved tensors outlive its input backward; memfit does not run it (docs/distributed.md,
+"Interleaved 1F1B", says why).
 """
 from __future__ import annotations
 
