@@ -4,8 +4,9 @@ stage per rank, run by torch.distributed.pipelining.
     opt = distribute(gpt, "pipeline", "adamw", lr=3e-4, microbatches=4, schedule="1f1b", clip=1.0)
     loss, tokens, result = opt.accumulate_step([(x, y), ...])   # every rank passes the whole batch
 
-Every rank draws the same global batch; the schedule (ScheduleGPipe or Schedule1F1B, from torch)
-splits it into `microbatches` pieces, runs forward and backward through the stages and computes
+Every rank draws the same global batch; the schedule (ScheduleGPipe, Schedule1F1B or, with
+schedule="interleaved", ScheduleInterleaved1F1B over `virtual_stages` stages per rank:
+memfit.distributed.interleaved; all from torch) splits it into `microbatches` pieces, runs forward and backward through the stages and computes
 the loss on the last one. The loss function returns each micro-batch's *summed* cross-entropy over
 the global token count and `scale_grads=False`, so the gradients are those of one process on the
 whole batch. Accumulation calls the schedule once per accumulated batch; the gradients add up.

@@ -6,14 +6,16 @@
 The stage is built and checkpointed as memfit.distributed.pipeline builds it (the GPT cut by
 cut_to_stage, the policy re-applied to the stage's blocks, the step of ModelParallelOptimizer) and
 its micro-batches run through the stage as torch.distributed.pipelining's ScheduleGPipe and
-Schedule1F1B run them, holding what they hold:
+Schedule1F1B run them (and ScheduleInterleaved1F1B: the rank's V stages in the order torch computes
+for it), holding what they hold:
 
 * each forward's output (and its input) until that micro-batch's backward (the fwd cache); the last
   stage computes the loss right after its forward and keeps it;
 * a sent tensor until its send's work is released: GPipe keeps every send's work to the end of its
   phase loop, so every forward output and every input gradient it sends lives to the step's end;
   1F1B keeps the last forward's send and the previous backward's gradient send across the next
-  computation (a recomputed block's backward included), and the `output` of the last forward;
+  computation (a recomputed block's backward included), and the `output` of the last forward; the
+  interleaved schedule's runtime keeps every send's work to the step's end, as GPipe;
 * the receive buffers (one per micro-batch) exist before the step, as torch allocates them when the
   stage is first run; a buffer counts from the moment an op saves it, as the tracker sees it.
 
