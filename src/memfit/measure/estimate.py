@@ -147,8 +147,7 @@ def estimate(
     `world=N` is `strategy="zeroZ"`. `accum` micro-batches per optimizer step: a later micro-batch
     runs beside the gradients of the earlier ones (ZeRO-2/3: the rank's reduced slices).
     `sequence_parallel`, `vocab_parallel` (strategy "tensor"): Megatron-LM's sequence parallelism and
-    vocabulary-parallel embedding and head, estimated only (memfit.measure.parallel_estimate; memfit's
-    runtime does not run them).
+    vocabulary-parallel embedding and head, estimated only (memfit.measure.parallel_estimate; not run).
     `device`: a GPU to estimate for from any machine (h100, h200, a100-80gb, a100-40gb, l40s, rtx4090, ...;
     memfit.core.gpus): the step is traced with that GPU's attention, dropout and optimizer kernels,
     per_device["reserved"] predicts its max_memory_reserved, device_memory defaults to its capacity and
