@@ -169,3 +169,23 @@ def test_train_resumes_an_interleaved_run_exactly(tmp_path):
     assert json.loads((part / "metrics.json").read_text())["steps"]["step"][-1] == 2
     resumed = run_world(train_rank, 2, args=(cfg, None, str(part)), timeout_s=300)
     assert len(resumed[0]) == 4 and resumed[0] == whole[0]
+
+
+def _dp_pp(rank: int, world: int) -> list[float]:
+    from memfit.distributed import distribute
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    with distribute(model, "pipeline", "adamw", lr=1e-2, clip=1.0, microbatches=2, schedule="interleaved", dp=2) as opt:
+        rows = opt.data_rows(2 * GLOBAL_BATCH)
+        return [opt.accumulate_step([(m[rows, :-1].contiguous(), m[rows, 1:].contiguous()) for m in micro])[0]
+                for micro in global_batches(CFG, 2 * GLOBAL_BATCH, STEPS, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_dp_x_interleaved_pp_on_four_ranks():
+    """2 replicas of a 2-rank interleaved pipeline (4 stages each): one process's losses (seen 3e-6)."""
+    want = single_losses(CFG, global_batches(CFG, 2 * GLOBAL_BATCH, STEPS, 1))
+    for losses in run_world(_dp_pp, 4, timeout_s=300):
+        assert losses == pytest.approx(want, rel=RTOL)
