@@ -56,6 +56,10 @@ def test_refusals_torch_order_and_emitted_job():
     job = emit(plan_view(interleaved_plan()), "torchtitan").text
     assert 'pipeline_parallel_schedule = "Interleaved1F1B"' in job and "pipeline_parallel_layers_per_stage = 1" in job
     assert "pipeline_parallel_first_stage_less_layers = 0" in job and "pipeline_parallel_last_stage_less_layers = 0" in job
+    uneven = interleaved_plan()
+    uneven["cluster"]["layout"]["virtual_stages"] = 3
+    with pytest.raises(ConfigError, match="4 blocks do not split evenly into 2 x 3"):
+        plan_view(uneven)
 
 
 @pytest.mark.slow
