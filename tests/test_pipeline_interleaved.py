@@ -193,3 +193,34 @@ def test_dp_x_interleaved_pp_on_four_ranks():
     want = single_losses(CFG, global_batches(CFG, 2 * GLOBAL_BATCH, STEPS, 1))
     for losses in run_world(_dp_pp, 4, timeout_s=300):
         assert losses == pytest.approx(want, rel=RTOL)
+
+
+def _save_or_load(rank: int, world: int, options: dict, path: str, load: bool) -> list[float]:
+    """Steps 1-2 saved by one layout, or steps 3-4 continued by another from that checkpoint."""
+    from memfit.distributed import distribute
+
+    torch.manual_seed(123 if load else 0)  # a loaded run must not depend on its own initial weights
+    batches = global_batches(CFG, GLOBAL_BATCH, 4, 1)
+    with distribute(GPT(GPTConfig(**CFG)), "pipeline", "adamw", lr=1e-2, clip=1.0, **options) as opt:
+        if load:
+            opt.load_sharded(path)
+        losses = [opt.accumulate_step([(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in micro])[0]
+                  for micro in (batches[2:] if load else batches[:2])]
+        if not load:
+            opt.save_sharded(path)
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_interleaved_checkpoint_loads_into_1f1b(tmp_path):
+    """An interleaved run's checkpoint (stages 0, 2 | 1, 3) read by a 1F1B layout (blocks 0-1 | 2-3):
+    the continued losses are one uninterrupted process's (rel 5e-5 over 4 steps, as in
+    tests/test_distributed_model_parallel_checkpoint.py)."""
+    want = single_losses(CFG, global_batches(CFG, GLOBAL_BATCH, 4, 1))
+    path = str(tmp_path / "ckpt")
+    first = run_world(_save_or_load, 2, args=(dict(microbatches=2, schedule="interleaved"), path, False), timeout_s=300)
+    after = run_world(_save_or_load, 2, args=(dict(microbatches=2, schedule="1f1b"), path, True), timeout_s=300)
+    assert first[0] == pytest.approx(want[:2], rel=5e-5)
+    for losses in after:
+        assert losses == pytest.approx(want[2:], rel=5e-5)
