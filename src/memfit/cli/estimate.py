@@ -45,7 +45,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "with --strategy tensor FSDP2 over dp x the tensor plan over tp (2-D, a Hugging Face config); "
                    "zero-redundancy: zero1 on DDP with ZeroRedundancyOptimizer (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
+                   help="--strategy pipeline (default 1f1b; interleaved: torch's interleaved 1F1B)")
+    p.add_argument("--virtual-stages", type=integer(1), metavar="V",
+                   help="--schedule interleaved: stages per rank (default 2; blocks cut evenly into world x V)")
     p.add_argument("--pp", type=integer(1), help="--strategy pipeline --engine fsdp2: pipeline stages of the 3-D "
                    "(pp, dp, tp) mesh (default --world / --tp); dp = world / (pp x tp)")
     p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world); "
@@ -111,7 +114,7 @@ def _estimate(args: argparse.Namespace):
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
                   schedule=args.schedule, tp=args.tp, accum=args.accum, device=_device(args.device),
-                  engine=args.engine, pp=args.pp)
+                  engine=args.engine, pp=args.pp, virtual_stages=args.virtual_stages)
     if args.step_in_backward:
         common["step_in_backward"] = True
     for flag in ("sequence_parallel", "vocab_parallel"):

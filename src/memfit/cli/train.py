@@ -101,7 +101,10 @@ def _add_processes(g) -> None:
     g.add_argument("--microbatches", metavar="M", type=integer(1, 4096),
                    help="--strategy pipeline: micro-batches per step (default: the number of processes); "
                    "memfit's GPT or a Hugging Face config.json of llama, mistral, qwen2 or qwen3, cut at its layers")
-    g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"),
+                   help="--strategy pipeline: schedule (default 1f1b; interleaved: torch's interleaved 1F1B)")
+    g.add_argument("--virtual-stages", metavar="V", type=integer(1, 1024),
+                   help="--schedule interleaved: stages per process (default 2; blocks cut evenly into nproc x V)")
     g.add_argument("--tp", metavar="T", type=integer(1, 1024),
                    help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp); "
                    "memfit's GPT, or a Hugging Face config.json sharded by its own tensor plan (base_model_tp_plan)")

@@ -15,6 +15,7 @@ from memfit.core.errors import ConfigError
 APPLIES_TO: dict[str, tuple[str, ...]] = {
     "microbatches": ("pipeline",),
     "schedule": ("pipeline",),
+    "virtual_stages": ("pipeline",),
     "dp": ("pipeline",),
     "tp": ("tensor",),
     "engine": ("zero2", "zero3"),

@@ -45,6 +45,8 @@ class Layout:
     accum: int = 1
     """Micro-batches per optimizer step (pipeline: the schedule's micro-batches)."""
     schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Pipeline stages per rank (schedule "interleaved"; the planner itself searches gpipe and 1f1b)."""
     precision: str = "32-true"
     optimizer: str = "adamw"
     offload_optimizer: str | None = None

@@ -39,6 +39,8 @@ def train_flags(lay: Layout) -> list[str]:
         out += ["--tp", str(lay.tp)]
     if lay.strategy == "pipeline":
         out += ["--dp", str(lay.dp), "--microbatches", str(lay.accum), "--schedule", lay.schedule]
+        if lay.schedule == "interleaved":
+            out += ["--virtual-stages", str(lay.virtual_stages)]
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from memfit.core.errors import ConfigError
 
 _FLAGS = {"--nproc": "nproc", "--strategy": "strategy", "--tp": "tp", "--dp": "dp", "--microbatches": "microbatches",
-          "--schedule": "schedule"}
+          "--schedule": "schedule", "--virtual-stages": "virtual_stages"}
 
 
 def cluster_options(path: str) -> dict | None:

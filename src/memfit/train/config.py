@@ -85,7 +85,10 @@ class TrainConfig:
     microbatches: int | None = None
     """--strategy pipeline: micro-batches the global batch is split into per schedule step (default: world)."""
     schedule: str = "1f1b"
-    """--strategy pipeline: gpipe (all forwards, then all backwards) or 1f1b (fewer micro-batches in flight)."""
+    """--strategy pipeline: gpipe (all forwards, then all backwards), 1f1b (fewer micro-batches in flight) or
+    interleaved (torch's interleaved 1F1B: --virtual-stages stages per rank, a smaller bubble)."""
+    virtual_stages: int | None = None
+    """--schedule interleaved: stages per rank (default 2; the blocks cut evenly into processes x V stages)."""
     tp: int | None = None
     """--strategy tensor: tensor-parallel degree (default: world, so dp = world / tp = 1)."""
     dp: int = 1

@@ -165,7 +165,8 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
 
 def strategy_options(cfg: Any) -> dict:
     if cfg.strategy == "pipeline":
-        return {"microbatches": cfg.microbatches, "schedule": cfg.schedule, "dp": cfg.dp}
+        return {"microbatches": cfg.microbatches, "schedule": cfg.schedule, "dp": cfg.dp,
+                "virtual_stages": getattr(cfg, "virtual_stages", None)}
     return {"tp": cfg.tp} if cfg.strategy == "tensor" else {}
 
 

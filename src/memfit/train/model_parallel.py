@@ -26,7 +26,8 @@ def precheck_model_parallel(cfg: Any, world: int | None, resuming: bool) -> None
         from memfit.distributed.pipeline import check_pipeline
 
         stages = _stages(cfg, world)
-        check_pipeline(config.layers, stages, cfg.batch * stages, cfg.microbatches or stages, cfg.schedule)
+        check_pipeline(config.layers, stages, cfg.batch * stages, cfg.microbatches or stages, cfg.schedule,
+                       getattr(cfg, "virtual_stages", None))
     else:
         from memfit.distributed.tensor_parallel import check_tensor
 
