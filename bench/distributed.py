@@ -134,7 +134,7 @@ def _build(name: str):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     if name.startswith("memfit"):
-        opt = distribute(model, name.split()[1], "adamw", lr=1e-3)
+        opt = distribute(model, name.split()[1], "adamw", lr=1e-3, engine="memfit")
         return opt.model, opt, opt
     if name.startswith("ZeroRedundancy"):
         from torch.distributed.optim import ZeroRedundancyOptimizer

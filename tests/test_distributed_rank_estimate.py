@@ -30,7 +30,8 @@ def _tracked_peaks(rank: int, world: int) -> dict:
     for precision in PRECISIONS:
         for strategy in STRATEGIES:
             torch.manual_seed(0)
-            with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", lr=1e-2, precision=precision, clip=1.0) as opt:
+            with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", engine="memfit", lr=1e-2, precision=precision,
+                            clip=1.0) as opt:
                 for step in range(3):
                     batch = torch.randint(0, CFG["vocab"], (BATCH * world, CFG["seq"] + 1), generator=g)
                     x = batch[rank * BATCH:(rank + 1) * BATCH]

@@ -104,8 +104,6 @@ def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext
     from memfit.distributed import env
 
     line = resolve_engine(cfg, device)  # (under --nproc the launcher resolved it and said so)
-    if line and os.environ.get("RANK", "0") == "0":
-        print(f"memfit train: {line}", file=sys.stderr, flush=True)
     if cfg.strategy in (None, "none"):
         if env.launched() and int(os.environ["WORLD_SIZE"]) > 1:
             raise ConfigError("started with several processes but no --strategy; pass --strategy ddp, ps, zero1, "
@@ -115,6 +113,8 @@ def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext
     if not env.launched():
         raise ConfigError(f"--strategy {cfg.strategy} needs several processes: add --nproc N, or start with "
                           "torchrun --nproc-per-node N -m memfit train ...")
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"memfit train: {line}", file=sys.stderr, flush=True)
     rank, world = env.init(env.local_device(device))
     if cfg.out is None:  # one run folder for all ranks (each would stamp its own time)
         import torch.distributed as dist
@@ -175,7 +175,7 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
     if ctx.engine == "fsdp2":  # torch's FSDP2: fully_shard per block (memfit.distributed.fsdp2)
         return distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="fsdp2", weight_decay=cfg.weight_decay,
                           precision=precision, clip=cfg.clip, offload=offload, **optimizer_extra(cfg))
-    opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="memfit", weight_decay=cfg.weight_decay,
                      precision=precision, clip=cfg.clip, offload=offload,
                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg), **strategy_options(cfg))
     opt.compression = compression.attach(opt, getattr(cfg, "compress", "none"), cfg)  # --compress
