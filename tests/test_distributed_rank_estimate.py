@@ -52,7 +52,7 @@ def _tracked_peaks(rank: int, world: int) -> dict:
 def _estimated(strategy: str, world: int, precision: str, capsys) -> list[dict]:
     capsys.readouterr()
     assert main(["estimate", SPEC, "--batch", str(BATCH), "--strategy", strategy, "--world", str(world),
-                 "--precision", precision, "--optimizer", "adamw", "--json"]) == 0
+                 "--precision", precision, "--optimizer", "adamw", "--engine", "memfit", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["ranks"]
     return sorted((dict(row, rank=i) for row in rows for i in row["rank_ids"]), key=lambda r: r["rank"])
 

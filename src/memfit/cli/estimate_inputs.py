@@ -95,6 +95,9 @@ def auto_engine(args: Any, model: str | None) -> str:
     strategy = args.strategy or (f"zero{args.zero}" if args.zero and args.world > 1 else None)
     if args.torchtitan or args.deepspeed or strategy not in ("zero2", "zero3"):
         return "memfit"
+    if args.strategy and args.zero and args.strategy != f"zero{args.zero}" or args.sequence_parallel \
+            or args.vocab_parallel:
+        return "memfit"  # a request the estimate refuses in its own words
     offload = None if args.offload_optimizer in (None, "none") else args.offload_optimizer
     engine, reason = engine_for(strategy, precision=args.precision, optimizer=args.optimizer, offload=offload,
                                 cuda=args.device not in (None, "cpu"))
