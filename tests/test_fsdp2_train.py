@@ -175,7 +175,7 @@ def test_fsdp2_and_memfits_layouts_resume_each_other(tmp_path):
     run_world(train_rank, 2, args=({**cfg, "engine": "fsdp2", "out": f}, 2, None), timeout_s=300)
     one = loop.train(*loop.resume_config(f, {"strategy": "none"}, world=1), progress=False, log=lambda m: None)
     assert one.metrics["steps"]["loss"] == pytest.approx(reference, rel=1e-5)
-    run_world(train_rank, 2, args=({**cfg, "out": m}, 2, None), timeout_s=300)
+    run_world(train_rank, 2, args=({**cfg, "engine": "memfit", "out": m}, 2, None), timeout_s=300)
     onto = run_world(_resume_as, 2, args=(m, {"engine": "fsdp2"}), timeout_s=300)
     assert onto[0] == pytest.approx(reference, rel=1e-5)
 
