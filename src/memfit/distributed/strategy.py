@@ -125,6 +125,7 @@ def _build(model: nn.Module, strategy: str, optimizer: str, lr: float, engine: s
         from memfit.distributed.fsdp2 import FSDP2Optimizer
 
         kw.pop("prefetch", None)  # FSDP2 prefetches the next block itself
+        kw.pop("spill_dir", None)  # (no disk offload on this engine: auto chose it without one)
         if strategy == "tensor" and not 1 < kw.get("tp", 1) < dist.get_world_size(kw.get("group")):
             raise ConfigError(f"tensor on engine fsdp2 is FSDP2 over dp x the tensor plan over tp: give tp between 1 "
                               f"and the world of {dist.get_world_size(kw.get('group'))}, not {kw.get('tp')}")
