@@ -90,7 +90,11 @@ def test_fsdp2_smoke_two_ranks_one_process_losses_and_a_dcp_folder(tmp_path):
     cfg = {**BASE, "batch": 2, "steps": 2, "eval_batches": 1, "strategy": "zero3", "out": str(out)}
     two = run_world(train_rank, 2, args=(cfg, None, None), timeout_s=300)
     assert two[0] == pytest.approx(_single(2), rel=1e-5)
-    assert json.loads((out / "metrics.json").read_text())["config"]["engine"] == "fsdp2"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["engine"] == "fsdp2"
+    from memfit.train.report import format_summary
+
+    assert ", zero3 on fsdp2" in format_summary(metrics, out, "steps").splitlines()[0]  # the report names it
     assert [p.name for p in out.glob("*sharded-*")] == ["sharded-2"]  # renamed into place, no .partial left
     assert (out / "sharded-2" / ".metadata").is_file()
 
