@@ -79,7 +79,7 @@ class Case:
             out += ["--microbatches", str(self.microbatches)]
         if self.accum > 1:
             out += ["--accum", str(self.accum)]
-        if self.engine != "memfit":
+        if self.engine != "memfit" or self.strategy in ("zero2", "zero3"):  # (auto would estimate FSDP2)
             out += ["--engine", self.engine]
         if self.virtual_stages:
             out += ["--virtual-stages", str(self.virtual_stages)]

@@ -40,8 +40,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--world", type=integer(1), default=1, help="ranks (default 1)")
     p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
-    p.add_argument("--engine", choices=("memfit", "fsdp2", "zero-redundancy"), default="memfit",
-                   help="who runs the strategy: memfit's flat engine (default); torch's FSDP2 for zero2/zero3, or "
+    p.add_argument("--engine", choices=("auto", "memfit", "fsdp2", "zero-redundancy"), default="auto",
+                   help="who runs the strategy: auto (default: FSDP2 for zero2/zero3 where memfit train would run "
+                   "it, else memfit's flat engine, named on stderr); memfit; torch's FSDP2 for zero2/zero3, or "
                    "with --strategy tensor FSDP2 over dp x the tensor plan over tp (2-D, a Hugging Face config); "
                    "zero-redundancy: zero1 on DDP with ZeroRedundancyOptimizer (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
@@ -100,6 +101,10 @@ def _estimate(args: argparse.Namespace):
     from memfit.models.spec import parse_model
 
     model = model_of(args, required=False)
+    if args.engine == "auto":
+        from memfit.cli.estimate_inputs import auto_engine
+
+        args.engine = auto_engine(args, model)
     if args.torchtitan:
         return _torchtitan(args, model)
     if args.deepspeed:
@@ -243,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.torchtitan or args.deepspeed or args.engine == "fsdp2") and not args.json:
         print(est.note + "\n")
     if args.json:
-        text = json.dumps(est.to_json(), indent=1)
+        engine = {"engine": args.engine} if est.strategy and not (args.torchtitan or args.deepspeed) else {}
+        text = json.dumps({**est.to_json(), **engine}, indent=1)
         # a list of rank ids on one line (world 1024 stays a few lines)
         print(re.sub(r"\[\n\s*(\d+(?:,\n\s*\d+)*)\n\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text))
         return 0

@@ -91,9 +91,11 @@ def _add_processes(g) -> None:
     """The options of a run over several processes."""
     g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy; --batch stays per process (default none; ddp with --nproc N)")
-    g.add_argument("--engine", choices=("memfit", "fsdp2"),
-                   help="who carries out --strategy zero2/zero3: memfit's flat engine, or torch's FSDP2 (fully_shard "
-                   "per block, checkpoints through torch.distributed.checkpoint; default memfit)")
+    g.add_argument("--engine", choices=("auto", "memfit", "fsdp2"),
+                   help="who carries out --strategy zero2/zero3: torch's FSDP2 (fully_shard per block, checkpoints "
+                   "through torch.distributed.checkpoint) or memfit's flat engine; default auto: FSDP2 unless the "
+                   "run needs memfit's (fp16, --compress, optimizer offload to disk, 8/4-bit or factored optimizers), "
+                   "named on stderr and in metrics.json")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
                    "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; "
@@ -214,11 +216,22 @@ def _launch(cfg: TrainConfig, given: dict, resuming: bool) -> int:
         raise ConfigError(f"--nproc must be at least 2 (or left out for one process), got {given['nproc']}")
     cfg.validate()
     precheck(cfg, resuming, world=given["nproc"])
+    given = _engine_given(cfg, given)
     # Every rank, and every attempt after an elastic restart, writes to (and resumes from) one folder.
     given = {**given, "out": cfg.out or str(new_run_dir())}
     with hold_run_folder(given["out"], resuming, given.get("overwrite", False)):
         return launch(given["nproc"], to_argv("train", given, drop=("nproc", "max_restarts", "overwrite")),
                       max_restarts=given.get("max_restarts", 0), out=given["out"])
+
+
+def _engine_given(cfg: TrainConfig, given: dict) -> dict:
+    """The engine resolved once, here, and said once: the ranks get it as --engine (zero1-3 runs)."""
+    from memfit.train.distributed import resolve_engine
+
+    line = resolve_engine(cfg)
+    if line:
+        print(f"memfit train: {line}", file=sys.stderr, flush=True)
+    return {**given, "engine": cfg.engine} if cfg.strategy in ("zero2", "zero3") else given
 
 
 @contextlib.contextmanager

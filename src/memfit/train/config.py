@@ -93,9 +93,10 @@ class TrainConfig:
     """--strategy tensor: tensor-parallel degree (default: world, so dp = world / tp = 1)."""
     dp: int = 1
     """--strategy pipeline: data-parallel replicas of the pipeline (stages = world / dp)."""
-    engine: str = "memfit"
+    engine: str = "auto"
     """Who carries out zero2/zero3: memfit's flat engine, or torch's FSDP2 (fully_shard per block; checkpoints
-    through torch.distributed.checkpoint). memfit.distributed.strategy.ENGINES."""
+    through torch.distributed.checkpoint). memfit.distributed.strategy.ENGINES; "auto": FSDP2 unless the run
+    needs memfit's (memfit.train.distributed.resolve_engine writes the choice here when the run starts)."""
     compress: str = "none"
     """Gradient compression on the wire (ddp, zero1, zero2): topk:0.01, int8, sign, bf16, powersgd:4, ...
     (memfit.distributed.compression; docs/compression.md)."""
@@ -129,7 +130,7 @@ class TrainConfig:
             raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r}; accepted: none, cpu, disk")
         if self.step_in_backward:
             self._check_step_in_backward()
-        if self.engine != "memfit":
+        if self.engine not in ("memfit", "auto"):
             from memfit.train.fsdp2_run import check_engine
 
             check_engine(self)  # an engine the strategy or an option cannot run on: one line

@@ -56,7 +56,7 @@ def _precheck_hf(spec: Any, cfg: Any, world: int | None) -> None:
         if world is not None:
             stages = _stages(cfg, world)
             check_pipeline(len(hf_layers(model)[1]), stages, cfg.batch * stages, cfg.microbatches or stages,
-                           cfg.schedule)
+                           cfg.schedule, getattr(cfg, "virtual_stages", None))
         return
     from memfit.distributed.hf_tensor import heads_of, hf_tp_plan
     from memfit.distributed.tensor_parallel import check_tensor
