@@ -48,8 +48,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
                    help="--strategy pipeline (default 1f1b; interleaved: torch's interleaved 1F1B)")
-    p.add_argument("--virtual-stages", type=integer(1), metavar="V",
-                   help="--schedule interleaved: stages per rank (default 2; blocks cut evenly into world x V)")
+    p.add_argument("--virtual-stages", type=integer(1), metavar="V", help="--schedule interleaved: stages per rank (default 2)")
     p.add_argument("--pp", type=integer(1), help="--strategy pipeline --engine fsdp2: pipeline stages of the 3-D "
                    "(pp, dp, tp) mesh (default --world / --tp); dp = world / (pp x tp)")
     p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world); "

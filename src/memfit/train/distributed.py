@@ -61,18 +61,17 @@ def precheck(cfg: Any, resuming: bool = False, world: int | None = None) -> None
 
 
 def resolve_engine(cfg: Any, device: torch.device | str | None = None) -> str | None:
-    """Replace cfg.engine "auto" by the engine the run trains on (memfit.distributed.strategy.engine_for:
-    FSDP2 for zero2/zero3 unless the run needs memfit's flat engine), so the run's config, metrics.json
-    and checkpoints record it. Returns the line to print once (zero1-3), else None."""
+    """Replace cfg.engine "auto" by the engine the run trains on (memfit.distributed.strategy.engine_for), so
+    its config, metrics.json and checkpoints record it. Returns the line to print once (zero1-3), else None."""
     from memfit.core.device import resolve_device
     from memfit.distributed.strategy import engine_for, engine_line
 
     if getattr(cfg, "engine", "memfit") != "auto":
         return None
     on = torch.device(device) if device is not None else resolve_device(rank_device(cfg.device)[0])
-    offload = None if cfg.offload_optimizer in (None, "none") else cfg.offload_optimizer
-    engine, reason = engine_for(cfg.strategy, precision=cfg.precision, optimizer=cfg.optimizer, offload=offload,
-                                cuda=on.type == "cuda", compress=getattr(cfg, "compress", None))
+    engine, reason = engine_for(cfg.strategy, precision=cfg.precision, optimizer=cfg.optimizer, cuda=on.type == "cuda",
+                                offload=None if cfg.offload_optimizer in (None, "none") else cfg.offload_optimizer,
+                                compress=getattr(cfg, "compress", None))
     cfg.engine = engine
     return engine_line(engine, reason) if cfg.strategy in ("zero1", "zero2", "zero3") else None
 
@@ -132,9 +131,8 @@ STOP_REASONS = ("interrupted", "terminated", "steps", "stop_at", "time_limit")
 
 
 def agree_stop(reason: str | None) -> str | None:
-    """One stop decision for all ranks before each step: a signal that reached one rank, or one
-    rank's clock passing the time limit, stops them all at the same step (never a rank waiting
-    in a collective for a peer that has left). One small all-reduce per step."""
+    """One stop decision for all ranks before each step: a signal that reached one rank, or one rank's clock
+    passing the time limit, stops them all at the same step (never a rank left waiting in a collective)."""
     import torch.distributed as dist
 
     from memfit.distributed.comm import control_sum
