@@ -192,6 +192,8 @@ def _fsdp2(args: argparse.Namespace, model: str | None):
 
     if args.engine != "fsdp2":
         raise ConfigError("--reshard-after-forward is FSDP2's option: add --engine fsdp2")
+    if args.pp is not None:
+        raise ConfigError("--pp (pipeline stages) is the 3-D layout's: give --strategy pipeline --engine fsdp2")
     if model is None or is_factory(model):
         raise ConfigError("--engine fsdp2 traces a model name, gpt:... spec or config.json (give one)")
     if args.strategy not in (None, "zero3", "zero2") or args.zero not in (0, 2, 3):
