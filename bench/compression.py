@@ -92,7 +92,8 @@ class Contender:
         self.zero = spec.startswith(ZERO2)
         if self.zero:  # memfit's strategies sum gradients: each rank divides by the global token count
             codec = spec[len(ZERO2):]
-            self.opt = distribute(self.model, "zero2", optimizer_for(codec, optimizer), lr=lr, clip=CLIP, **extra)
+            self.opt = distribute(self.model, "zero2", optimizer_for(codec, optimizer), lr=lr, clip=CLIP, engine="memfit",
+                                  **extra)
             self.ddp = self.model
             self.state = register_compression(self.opt, codec)
         else:

@@ -134,7 +134,7 @@ def _build(name: str):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     if name.startswith("memfit"):
-        opt = distribute(model, name.split()[1], "adamw", lr=1e-3)
+        opt = distribute(model, name.split()[1], "adamw", lr=1e-3, engine="memfit")
         return opt.model, opt, opt
     if name.startswith("ZeroRedundancy"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -320,6 +320,35 @@ def render(result: dict) -> str:
         lines.append(f"| {name} | {why} | | | | |")
     lines += ["", machine_line(result), ""]
     return "\n".join(lines)
+
+
+ENGINE_PAIRS = (("zero1", "memfit zero1", "ZeroRedundancyOptimizer+DDP"), ("zero2", "memfit zero2", "FSDP2 reshard=False"),
+                ("zero3", "memfit zero3", "FSDP2 reshard=True"))
+"""Each ZeRO stage on memfit's flat engine and on the torch engine that carries it out."""
+
+
+def snippets(result: dict) -> dict[str, str]:
+    """docs/design.md's table: memfit's flat engine against torch's, stage by stage (rank 0's medians)."""
+    got = result["results"]
+    cores = result.get("cores") or os.cpu_count() or 1
+    busy = max(result["load_before"][0], result["load_after"][0]) > cores
+    lines = [f"`{result['command']}` ({result['date']}; GPT {', '.join(f'{k}={v}' for k, v in result['model'].items())}, "
+             f"{result['params']:,} parameters, "
+             f"AdamW, fp32, batch {result['batch_per_rank']} per rank, 2 gloo ranks, {result['rounds']} shuffled "
+             "rounds; rank 0's medians)" + (": the machine was busy, so the step times are not a speed comparison"
+                                             if busy else ""), "",
+             "| stage | engine | peak per rank | vs memfit | bytes sent / step / rank | step time (range) |",
+             "|---|---|---|---|---|---|"]
+    for stage, ours, theirs in ENGINE_PAIRS:
+        if ours not in got or theirs not in got:
+            continue
+        base = got[ours][0]
+        for name in (ours, theirs):
+            r = got[name][0]
+            vs = "" if name == ours else f"{100 * (r['peak'] - base['peak']) / base['peak']:+.1f}%"
+            lines.append(f"| {stage} | {name} | {r['peak']:,} B | {vs} | {r['bytes_sent']:,} B | "
+                         f"{r['step_s'] * 1e3:.0f} ms ({r['step_s_range'][0] * 1e3:.0f}-{r['step_s_range'][1] * 1e3:.0f}) |")
+    return {"engine_choice": "\n".join(lines)}
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ def main() -> None:
 def paste(text: str, blocks: dict[str, str]) -> str:
     """Replace what lies between <!-- bench:NAME --> and <!-- /bench:NAME --> with blocks[NAME]."""
     for name, body in blocks.items():
-        pattern = re.compile(rf"(<!-- bench:{re.escape(name)} -->\n).*?(\n<!-- /bench:{re.escape(name)} -->)", re.S)
-        text = pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + m.group(2), text)
+        # (?:.*?\n)?: an empty block (the two lines next to each other) is filled too
+        tag = re.escape(name)
+        pattern = re.compile(rf"(<!-- bench:{tag} -->\n)(?:.*?\n)?(<!-- /bench:{tag} -->)", re.S)
+        text = pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text)
     return text
 
 

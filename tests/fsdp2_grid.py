@@ -134,7 +134,7 @@ def estimated(case: Case, world: int, engine: str | None = None) -> int:
     if (engine or case.engine) == "fsdp2":
         args += ["--engine", "fsdp2", "--reshard-after-forward", str(case.reshard).lower()]
     else:
-        args += ["--strategy", case.strategy]
+        args += ["--strategy", case.strategy, "--engine", "memfit"]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(args) == 0, args

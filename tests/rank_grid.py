@@ -23,11 +23,12 @@ def gpt(layers: int) -> str:
     return f"gpt:layers={layers},hidden=32,heads=4,vocab=128,seq={SEQ}"
 
 
-def hf_configs(folder: Path) -> dict[str, str]:
-    """Small Hugging Face causal LMs written as config.json files: name -> path."""
+def hf_configs(folder: Path, layers: int = 2) -> dict[str, str]:
+    """Small Hugging Face causal LMs written as config.json files: name -> path (`layers` decoder
+    layers; other than 2, the folder names end in -L)."""
     import transformers as tf
 
-    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                  max_position_embeddings=64)
     configs = {
         "llama-tied": tf.LlamaConfig(**small, num_key_value_heads=4, tie_word_embeddings=True, architectures=["LlamaForCausalLM"]),
@@ -40,7 +41,7 @@ def hf_configs(folder: Path) -> dict[str, str]:
     }
     out = {}
     for name, cfg in configs.items():
-        d = folder / name
+        d = folder / (name if layers == 2 else f"{name}-{layers}")
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(cfg.to_json_string())
         out[name] = str(d / "config.json")
@@ -59,10 +60,13 @@ class Case:
     accum: int = 1
     engine: str = "memfit"
     """who runs a data-parallel strategy (memfit.distributed.strategy.ENGINES)"""
+    virtual_stages: int | None = None
+    """pipeline's interleaved schedule: stages per rank"""
 
     @property
     def name(self) -> str:
-        s = self.strategy + (f"-{self.schedule}" if self.schedule else "")
+        s = self.strategy + (f"-{self.schedule}" if self.schedule else "") \
+            + (f"x{self.virtual_stages}" if self.virtual_stages else "")
         return f"{Path(self.model).parent.name if self.model.endswith('.json') else self.model} {s} " \
                f"{self.precision} ckpt={self.checkpoint}" + (f" accum={self.accum}" if self.accum > 1 else "") \
                + (f" engine={self.engine}" if self.engine != "memfit" else "")
@@ -75,8 +79,10 @@ class Case:
             out += ["--microbatches", str(self.microbatches)]
         if self.accum > 1:
             out += ["--accum", str(self.accum)]
-        if self.engine != "memfit":
+        if self.engine != "memfit" or self.strategy in ("zero2", "zero3"):  # (auto would estimate FSDP2)
             out += ["--engine", self.engine]
+        if self.virtual_stages:
+            out += ["--virtual-stages", str(self.virtual_stages)]
         return out
 
 
@@ -115,6 +121,8 @@ def _one(case: Case, rank: int, world: int) -> dict:
     kw = {}
     if case.strategy == "pipeline":
         kw = dict(schedule=case.schedule or "1f1b", microbatches=case.microbatches or world)
+        if case.virtual_stages:
+            kw["virtual_stages"] = case.virtual_stages
     if case.strategy == "none":
         opt = TrainingOptimizer(model, "adamw", lr=1e-3, precision=case.precision)
         opt.model, opt.tracked_module = model, model
@@ -182,6 +190,8 @@ def errors(cases: list[Case], world: int, measured: list[dict]) -> list[dict]:
         est = [r["total"] for r in estimated(c, world)]
         got = [measured[r][c]["total"] for r in range(world)]
         rows.append({"case": c.name, "model": c.model, "strategy": c.strategy, "schedule": c.schedule,
+                     **({"virtual_stages": c.virtual_stages or 2, "microbatches": c.microbatches or world}
+                        if c.schedule == "interleaved" else {}),
                      "precision": c.precision, "checkpoint": c.checkpoint, "world": world, "estimate": est,
                      "measured": got, "error": [(e - m) / m for e, m in zip(est, got)]})
     return rows
@@ -223,3 +233,17 @@ def hf_cases(paths: dict[str, str], precisions=("32-true",), checkpoints=CHECKPO
     model_parallel = [("tensor", None), ("pipeline", "1f1b"), ("pipeline", "gpipe")]
     return [Case(path, s, p, c, sch) for name, path in paths.items() for p in precisions for c in checkpoints
             for s, sch in [(d, None) for d in DATA_PARALLEL] + (model_parallel if name.startswith("llama") else [])]
+
+
+def interleaved_cases(hf_paths: dict[str, str]) -> dict[int, list[Case]]:
+    """world -> pipeline cases under the interleaved schedule: memfit's GPT at depths that split evenly
+    into world x V stages (V 2 to 4; 2 and 4 micro-batches per rank pair), both precisions, with and
+    without full checkpointing; on 4 ranks 8 blocks; the Llama configs of `hf_paths` (4 layers)."""
+    both = [(p, c) for p in PRECISIONS for c in CHECKPOINTS]
+    two = [Case(gpt(4), "pipeline", p, c, "interleaved", m) for m in (2, 4) for p, c in both]
+    two += [Case(gpt(12), "pipeline", p, c, "interleaved", 4, virtual_stages=v) for v in (2, 3) for p, c in both]
+    two += [Case(gpt(24), "pipeline", p, c, "interleaved", 4, virtual_stages=4) for p, c in both]
+    two += [Case(path, "pipeline", "32-true", c, "interleaved", m) for name, path in hf_paths.items()
+            if name.startswith("llama") for m in (2, 4) for c in CHECKPOINTS]
+    four = [Case(gpt(8), "pipeline", "32-true", c, "interleaved", m) for m in (4, 8) for c in CHECKPOINTS]
+    return {2: two, 4: four}

@@ -42,7 +42,7 @@ def _work(rank, world, strategy, path, load, precision):
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     from memfit.apply.param_state import param_states, step_of
 
-    with distribute(model, strategy, "adamw", lr=1e-2, precision=precision) as opt:
+    with distribute(model, strategy, "adamw", engine="memfit", lr=1e-2, precision=precision) as opt:
         if load:
             load_sharded(opt, path)
             with param_states(opt.inner) as slots:

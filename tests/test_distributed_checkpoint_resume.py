@@ -52,13 +52,13 @@ def _work(rank, world, path):
     out = {}
     for precision in PRECISIONS:
         torch.manual_seed(0)
-        with distribute(GPT(GPTConfig(**CFG)), "zero2", "adamw", lr=1e-2, precision=precision) as opt:
+        with distribute(GPT(GPTConfig(**CFG)), "zero2", "adamw", engine="memfit", lr=1e-2, precision=precision) as opt:
             _steps(opt, _batches()[:2], rows)
             save_sharded(opt, f"{path}/{precision}")
             ref = _steps(opt, _batches()[2:], rows)
             ref_w = torch.cat([p.detach().float().flatten() for p in opt.model.parameters()])
         torch.manual_seed(123)  # the loaded run must not depend on its own initialisation
-        with distribute(GPT(GPTConfig(**CFG)), "zero2", "adamw", lr=1e-2, precision=precision) as opt:
+        with distribute(GPT(GPTConfig(**CFG)), "zero2", "adamw", engine="memfit", lr=1e-2, precision=precision) as opt:
             load_sharded(opt, f"{path}/{precision}")
             loaded_steps = _adam_steps(opt)
             got = _steps(opt, _batches()[2:], rows)

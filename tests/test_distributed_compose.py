@@ -60,13 +60,13 @@ def _work(rank: int, world: int, cases=CASES, overflow=True) -> dict:
     res = {}
     for case in cases:
         strategy, precision, policy, offload = case
-        with distribute(_model(policy), strategy, "adamw", lr=1e-2, precision=precision, clip=1.0,
+        with distribute(_model(policy), strategy, "adamw", engine="memfit", lr=1e-2, precision=precision, clip=1.0,
                         offload=offload) as opt:
             res[case] = _train(opt, opt.model, rows, global_count)
     if not overflow:
         return res
     # fp16 overflow on rank 0's shard only, at step 1: every rank must skip that step.
-    with distribute(_model("none"), "zero2", "adamw", lr=1e-2, precision="16-master") as opt:
+    with distribute(_model("none"), "zero2", "adamw", engine="memfit", lr=1e-2, precision="16-master") as opt:
         def inject(step):
             if step == 1 and rank == 0:
                 opt.engine.grads[0][0] = float("inf")

@@ -134,7 +134,7 @@ def _train(rank: int, kind: str, spec: str | None) -> dict:
         state = register_compression(run, spec, optimizer=opt) if spec else None
         divisor = 1
     else:
-        opt = distribute(model, kind, "adamw", lr=1e-2, clip=1.0)
+        opt = distribute(model, kind, "adamw", engine="memfit", lr=1e-2, clip=1.0)
         run, state, divisor = opt.model, (register_compression(opt, spec) if spec else None), 2
     losses, phases, start = [], [], _params(model)
     for step in range(STEPS):

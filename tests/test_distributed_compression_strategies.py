@@ -32,7 +32,7 @@ def _train(rank: int, strategy: str, spec: str | None, optimizer: str = "sgd", a
 
     torch.manual_seed(0)
     model = parse_model(TINY).build(seq=16)
-    opt = distribute(model, strategy, optimizer, lr=LR if optimizer == "sgd" else 1e-2)
+    opt = distribute(model, strategy, optimizer, engine="memfit", lr=LR if optimizer == "sgd" else 1e-2)
     state = register_compression(opt, spec) if spec is not None else None
     start, first, losses = _params(model), None, []
     for step in range(STEPS):
@@ -63,7 +63,7 @@ def _refusals() -> dict:
     out = {}
     for strategy in ("zero3", "ps"):
         model = parse_model(TINY).build(seq=16)
-        opt = distribute(model, strategy, "sgd", lr=LR)
+        opt = distribute(model, strategy, "sgd", engine="memfit", lr=LR)
         try:
             register_compression(opt, "topk:0.01")
         except ConfigError as exc:

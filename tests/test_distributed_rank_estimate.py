@@ -30,7 +30,8 @@ def _tracked_peaks(rank: int, world: int) -> dict:
     for precision in PRECISIONS:
         for strategy in STRATEGIES:
             torch.manual_seed(0)
-            with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", lr=1e-2, precision=precision, clip=1.0) as opt:
+            with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", engine="memfit", lr=1e-2, precision=precision,
+                            clip=1.0) as opt:
                 for step in range(3):
                     batch = torch.randint(0, CFG["vocab"], (BATCH * world, CFG["seq"] + 1), generator=g)
                     x = batch[rank * BATCH:(rank + 1) * BATCH]
@@ -51,7 +52,7 @@ def _tracked_peaks(rank: int, world: int) -> dict:
 def _estimated(strategy: str, world: int, precision: str, capsys) -> list[dict]:
     capsys.readouterr()
     assert main(["estimate", SPEC, "--batch", str(BATCH), "--strategy", strategy, "--world", str(world),
-                 "--precision", precision, "--optimizer", "adamw", "--json"]) == 0
+                 "--precision", precision, "--optimizer", "adamw", "--engine", "memfit", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["ranks"]
     return sorted((dict(row, rank=i) for row in rows for i in row["rank_ids"]), key=lambda r: r["rank"])
 

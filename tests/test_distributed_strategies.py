@@ -64,7 +64,7 @@ def _world_work(rank: int, world: int, precision: str) -> dict:
         for accum in (ACCUM, 1):
             torch.manual_seed(0)
             model = GPT(GPTConfig(**CFG))
-            opt = distribute(model, strategy, "adamw", lr=1e-2, precision=precision, clip=1.0)
+            opt = distribute(model, strategy, "adamw", engine="memfit", lr=1e-2, precision=precision, clip=1.0)
             with opt:
                 # Tracked at the third step: DDP rebuilds its buckets during the second.
                 out[strategy, accum] = _run(opt, opt.model, _batches(STEPS, accum), rank, world,

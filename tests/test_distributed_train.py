@@ -26,8 +26,10 @@ def test_nproc_matches_one_process_with_the_global_batch(tmp_path):
     assert main(["train", *FAST, "--batch", "4", "--out", str(one)]) == 0
     # A fresh interpreter runs the launcher, as a user's shell would.
     env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    # memfit's engine: its collectives are the ones memfit's traffic counter sees (asserted below)
     proc = subprocess.run([sys.executable, "-m", "memfit", "train", *FAST, "--batch", "2", "--strategy", "zero2",
-                           "--nproc", "2", "--out", str(two)], env=env, capture_output=True, text=True, timeout=300)
+                           "--engine", "memfit", "--nproc", "2", "--out", str(two)], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m1 = json.loads((one / "metrics.json").read_text())
     m2 = json.loads((two / "metrics.json").read_text())

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from test_emit import emitted, plan_doc
+from test_pipeline_interleaved import interleaved_plan
 
 pytestmark = pytest.mark.slow
 CHECKS = Path(__file__).with_name("emit_checks.py")
@@ -25,6 +26,7 @@ CASES = {  # name -> the plan
     "ddp fp32": plan_doc(strategy="ddp", precision="32-true", actions="keep"),
     "tensor": plan_doc(strategy="tensor", dp=1, tp=2),
     "pipeline gpipe": plan_doc(strategy="pipeline", dp=2, pp=2, rows=1, accum=8, schedule="gpipe"),
+    "pipeline interleaved": interleaved_plan(),
     "one device": plan_doc(dp=1, actions="selective*4"),
 }
 

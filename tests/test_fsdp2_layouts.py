@@ -53,7 +53,7 @@ def test_fsdp2_engine_refuses_what_it_cannot_run():
 
     model = torch.nn.Linear(2, 2)
     for kw, words in (({"strategy": "zero3", "engine": "deepspeed"}, "unknown engine"),
-                      ({"strategy": "ddp", "engine": "fsdp2"}, "zero2, zero3 and tensor")):
+                      ({"strategy": "ddp", "engine": "fsdp2"}, "zero2, zero3, tensor and pipeline")):
         with pytest.raises(ConfigError, match=words):
             distribute(model, **kw)
     with pytest.raises(ConfigError, match="loss scaler"):

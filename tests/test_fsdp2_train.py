@@ -80,13 +80,21 @@ def _grad_norms(rank, world, cfg: dict) -> list[float]:
 @pytest.mark.multiproc
 def test_fsdp2_smoke_two_ranks_one_process_losses_and_a_dcp_folder(tmp_path):
     """The default tier's one 2-rank run (about 3 CPU-s: 1.5 in the ranks, forked from a forkserver
-    that imported torch): two steps equal one process's within fp32 reassociation (see below)."""
+    that imported torch): two steps equal one process's within fp32 reassociation (see below). No
+    --engine: the default (auto) puts zero3 on FSDP2 and records it."""
+    import json
+
     from memfit.distributed.spawn import run_world
 
     out = tmp_path / "r"
-    cfg = {**BASE, "batch": 2, "steps": 2, "eval_batches": 1, "strategy": "zero3", "engine": "fsdp2", "out": str(out)}
+    cfg = {**BASE, "batch": 2, "steps": 2, "eval_batches": 1, "strategy": "zero3", "out": str(out)}
     two = run_world(train_rank, 2, args=(cfg, None, None), timeout_s=300)
     assert two[0] == pytest.approx(_single(2), rel=1e-5)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["engine"] == "fsdp2"
+    from memfit.train.report import format_summary
+
+    assert ", zero3 on fsdp2" in format_summary(metrics, out, "steps").splitlines()[0]  # the report names it
     assert [p.name for p in out.glob("*sharded-*")] == ["sharded-2"]  # renamed into place, no .partial left
     assert (out / "sharded-2" / ".metadata").is_file()
 
@@ -171,7 +179,7 @@ def test_fsdp2_and_memfits_layouts_resume_each_other(tmp_path):
     run_world(train_rank, 2, args=({**cfg, "engine": "fsdp2", "out": f}, 2, None), timeout_s=300)
     one = loop.train(*loop.resume_config(f, {"strategy": "none"}, world=1), progress=False, log=lambda m: None)
     assert one.metrics["steps"]["loss"] == pytest.approx(reference, rel=1e-5)
-    run_world(train_rank, 2, args=({**cfg, "out": m}, 2, None), timeout_s=300)
+    run_world(train_rank, 2, args=({**cfg, "engine": "memfit", "out": m}, 2, None), timeout_s=300)
     onto = run_world(_resume_as, 2, args=(m, {"engine": "fsdp2"}), timeout_s=300)
     assert onto[0] == pytest.approx(reference, rel=1e-5)
 

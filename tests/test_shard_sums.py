@@ -37,7 +37,7 @@ def _work(rank, world, path):
 
     folder = Path(path)
     torch.manual_seed(0)
-    with distribute(GPT(GPTConfig(**CFG)), "zero2", "adamw", lr=1e-2) as opt:
+    with distribute(GPT(GPTConfig(**CFG)), "zero2", "adamw", engine="memfit", lr=1e-2) as opt:
         x = torch.randint(0, CFG["vocab"], (2, CFG["seq"] + 1))
         _, loss, _ = opt.model(x[:, :-1].contiguous(), x[:, 1:].contiguous())
         opt.backward(loss)

@@ -48,17 +48,17 @@ def _work(rank, world, strategy, offload, precision, spill, path):
     kw = dict(lr=1e-2, precision=precision, offload=offload, spill_dir=spill, clip=1.0)
     out = {}
     torch.manual_seed(0)
-    with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", **kw) as opt:
+    with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", engine="memfit", **kw) as opt:
         out["ref"] = _steps(opt, _batches(4), rows, global_count)
         out["ref_weights"] = [p.detach().clone() for p in opt.engine.shards]
     torch.manual_seed(0)
-    with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", **kw) as opt:
+    with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", engine="memfit", **kw) as opt:
         _steps(opt, _batches(2), rows, global_count)
         save_sharded(opt, path)
         out["saved_counter"] = _counter(opt)
         _steps(opt, _batches(4)[2:3], rows, global_count)  # the save left the live state untouched
     torch.manual_seed(123)  # the loaded run must not depend on its own initialisation
-    with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", **kw) as opt:
+    with distribute(GPT(GPTConfig(**CFG)), strategy, "adamw", engine="memfit", **kw) as opt:
         load_sharded(opt, path)
         out["loaded_counter"] = _counter(opt)
         out["resumed"] = _steps(opt, _batches(4)[2:], rows, global_count)

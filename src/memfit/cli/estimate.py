@@ -40,12 +40,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--world", type=integer(1), default=1, help="ranks (default 1)")
     p.add_argument("--strategy", choices=("ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy: print each rank's figures for --world ranks (docs/distributed.md)")
-    p.add_argument("--engine", choices=("memfit", "fsdp2", "zero-redundancy"), default="memfit",
-                   help="who runs the strategy: memfit's flat engine (default); torch's FSDP2 for zero2/zero3, or "
+    p.add_argument("--engine", choices=("auto", "memfit", "fsdp2", "zero-redundancy"), default="auto",
+                   help="who runs the strategy: auto (default: FSDP2 for zero2/zero3 where memfit train would run "
+                   "it, else memfit's flat engine, named on stderr); memfit; torch's FSDP2 for zero2/zero3, or "
                    "with --strategy tensor FSDP2 over dp x the tensor plan over tp (2-D, a Hugging Face config); "
                    "zero-redundancy: zero1 on DDP with ZeroRedundancyOptimizer (docs/distributed.md)")
     p.add_argument("--microbatches", type=integer(1), help="--strategy pipeline: micro-batches (default --world)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="--strategy pipeline (default 1f1b)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
+                   help="--strategy pipeline (default 1f1b; interleaved: torch's interleaved 1F1B)")
+    p.add_argument("--virtual-stages", type=integer(1), metavar="V", help="--schedule interleaved: stages per rank (default 2)")
+    p.add_argument("--pp", type=integer(1), help="--strategy pipeline --engine fsdp2: pipeline stages of the 3-D "
+                   "(pp, dp, tp) mesh (default --world / --tp); dp = world / (pp x tp)")
     p.add_argument("--tp", type=integer(1), help="--strategy tensor: tensor-parallel degree (default --world); "
                    "--batch stays per process, so each TP group runs tp x batch rows")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -95,12 +100,16 @@ def _estimate(args: argparse.Namespace):
     from memfit.models.spec import parse_model
 
     model = model_of(args, required=False)
+    if args.engine == "auto":
+        from memfit.cli.estimate_inputs import auto_engine
+
+        args.engine = auto_engine(args, model)
     if args.torchtitan:
         return _torchtitan(args, model)
     if args.deepspeed:
         return _deepspeed(args, model)
-    if args.engine == "fsdp2" and args.strategy != "tensor" or args.reshard_after_forward is not None:
-        return _fsdp2(args, model)  # (tensor on fsdp2, the 2-D layout: estimate() below)
+    if args.engine == "fsdp2" and args.strategy not in ("tensor", "pipeline") or args.reshard_after_forward is not None:
+        return _fsdp2(args, model)  # (tensor and pipeline on fsdp2, the 2-D and 3-D layouts: estimate() below)
     if model is None and args.params is None:
         raise ConfigError("give a model (e.g. gpt2, a gpt:... spec, a config.json, my_pkg.models:build) or --params N")
     params = parse_count(args.params) if args.params is not None else None
@@ -109,7 +118,7 @@ def _estimate(args: argparse.Namespace):
                   checkpoint=args.checkpoint, offload_optimizer=args.offload_optimizer, device_memory=budget,
                   routing=args.routing, strategy=args.strategy, microbatches=args.microbatches,
                   schedule=args.schedule, tp=args.tp, accum=args.accum, device=_device(args.device),
-                  engine=args.engine)
+                  engine=args.engine, pp=args.pp, virtual_stages=args.virtual_stages)
     if args.step_in_backward:
         common["step_in_backward"] = True
     for flag in ("sequence_parallel", "vocab_parallel"):
@@ -183,6 +192,8 @@ def _fsdp2(args: argparse.Namespace, model: str | None):
 
     if args.engine != "fsdp2":
         raise ConfigError("--reshard-after-forward is FSDP2's option: add --engine fsdp2")
+    if args.pp is not None:
+        raise ConfigError("--pp (pipeline stages) is the 3-D layout's: give --strategy pipeline --engine fsdp2")
     if model is None or is_factory(model):
         raise ConfigError("--engine fsdp2 traces a model name, gpt:... spec or config.json (give one)")
     if args.strategy not in (None, "zero3", "zero2") or args.zero not in (0, 2, 3):
@@ -238,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.torchtitan or args.deepspeed or args.engine == "fsdp2") and not args.json:
         print(est.note + "\n")
     if args.json:
-        text = json.dumps(est.to_json(), indent=1)
+        engine = {"engine": args.engine} if est.strategy and not (args.torchtitan or args.deepspeed) else {}
+        text = json.dumps({**est.to_json(), **engine}, indent=1)
         # a list of rank ids on one line (world 1024 stays a few lines)
         print(re.sub(r"\[\n\s*(\d+(?:,\n\s*\d+)*)\n\s*\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text))
         return 0

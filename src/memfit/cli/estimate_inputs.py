@@ -82,3 +82,41 @@ def parse_inputs(texts: list[str]) -> dict[str, torch.Tensor] | tuple[torch.Tens
         twice = sorted({n for n in names if names.count(n) > 1})
         raise ConfigError(f"--input names {', '.join(twice)} more than once")
     return {n: t for n, t in parsed}
+
+
+def auto_engine(args: Any, model: str | None) -> str:
+    """`memfit estimate --engine auto`: the engine `memfit train` would run the strategy on (FSDP2 for
+    zero2/zero3, memfit.distributed.strategy.engine_for), where FSDP2's estimate covers the request;
+    memfit's otherwise, the reason on stderr in one line."""
+    import sys
+
+    from memfit.distributed.strategy import engine_for, engine_line
+
+    strategy = args.strategy or (f"zero{args.zero}" if args.zero and args.world > 1 else None)
+    if args.torchtitan or args.deepspeed or strategy not in ("zero2", "zero3"):
+        return "memfit"
+    if args.strategy and args.zero and args.strategy != f"zero{args.zero}" or args.sequence_parallel \
+            or args.vocab_parallel:
+        return "memfit"  # a request the estimate refuses in its own words
+    offload = None if args.offload_optimizer in (None, "none") else args.offload_optimizer
+    engine, reason = engine_for(strategy, precision=args.precision, optimizer=args.optimizer, offload=offload,
+                                cuda=args.device not in (None, "cpu"))
+    if engine == "fsdp2":
+        reason = _fsdp2_gap(args, model)
+    if reason:
+        print(engine_line("memfit", reason), file=sys.stderr, flush=True)
+        return "memfit"
+    return engine
+
+
+def _fsdp2_gap(args: Any, model: str | None) -> str | None:
+    """What of the request FSDP2's estimate (memfit.measure.fsdp2_estimate) does not cover, in words."""
+    if model is None or is_factory(model):
+        return f"{'a model factory' if model else '--params'} is estimated on it"
+    gaps = [f for f, on in (("--accum", args.accum != 1), ("--lora/--qlora", args.lora or args.qlora),
+                            ("--offload-optimizer", args.offload_optimizer not in (None, "none")),
+                            ("--step-in-backward", args.step_in_backward), ("--params", args.params),
+                            ("--tp", args.tp), ("--microbatches", args.microbatches)) if on]
+    if args.precision not in (None, "32-true", "bf16-mixed", "bf16-master", "bf16-true"):
+        gaps.append(f"--precision {args.precision}")
+    return f"{gaps[0]} is estimated on it" if gaps else None

@@ -31,8 +31,11 @@ def print_per_rank(args: Any, est: Any) -> int:
         print("  " + f"{label:<8}" + "".join(f"{format_bytes(r[c]):>13}" for c in COLUMNS))
     print("\n  each row's figures are the rank's at its peak moment (they add up to its total)")
     if est.strategy == "pipeline":
-        print("  " + "; ".join(f"ranks {_ids(r['rank_ids'])}: {r['blocks']} blocks, {r['microbatches_in_flight']} "
-                               f"micro-batches of {r['microbatch_rows']} rows in flight" for r in rows))
+        print("  " + "; ".join(f"ranks {_ids(r['rank_ids'])}: {r['blocks']} blocks"
+                               + (f" in {r['virtual_stages']} stages" if r.get("virtual_stages") else "")
+                               + f", {r['microbatches_in_flight']} "
+                               + ("stage " if r.get("virtual_stages") else "")
+                               + f"micro-batches of {r['microbatch_rows']} rows in flight" for r in rows))
     elif est.strategy == "tensor":
         r = rows[0]
         print(f"  tp {r['tp']} x dp {r['dp']}: weights, gradients and optimizer state of the attention and "

@@ -91,18 +91,25 @@ def _add_processes(g) -> None:
     """The options of a run over several processes."""
     g.add_argument("--strategy", choices=("none", "ddp", "ps", "zero1", "zero2", "zero3", "pipeline", "tensor"),
                    help="distributed strategy; --batch stays per process (default none; ddp with --nproc N)")
-    g.add_argument("--engine", choices=("memfit", "fsdp2"),
-                   help="who carries out --strategy zero2/zero3: memfit's flat engine, or torch's FSDP2 (fully_shard "
-                   "per block, checkpoints through torch.distributed.checkpoint; default memfit)")
+    g.add_argument("--engine", choices=("auto", "memfit", "fsdp2"),
+                   help="who carries out --strategy zero2/zero3: torch's FSDP2 (fully_shard per block, checkpoints "
+                   "through torch.distributed.checkpoint) or memfit's flat engine; default auto: FSDP2 unless the "
+                   "run needs memfit's (fp16, --compress, optimizer offload to disk, 8/4-bit or factored optimizers), "
+                   "named on stderr and in metrics.json")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
                    "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; "
                    "docs/compression.md; default none)")
     g.add_argument("--microbatches", metavar="M", type=integer(1, 4096),
-                   help="--strategy pipeline: micro-batches per step (default: the number of processes)")
-    g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
+                   help="--strategy pipeline: micro-batches per step (default: the number of processes); "
+                   "memfit's GPT or a Hugging Face config.json of llama, mistral, qwen2 or qwen3, cut at its layers")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"),
+                   help="--strategy pipeline: schedule (default 1f1b; interleaved: torch's interleaved 1F1B)")
+    g.add_argument("--virtual-stages", metavar="V", type=integer(1, 1024),
+                   help="--schedule interleaved: stages per process (default 2; blocks cut evenly into nproc x V)")
     g.add_argument("--tp", metavar="T", type=integer(1, 1024),
-                   help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp)")
+                   help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp); "
+                   "memfit's GPT, or a Hugging Face config.json sharded by its own tensor plan (base_model_tp_plan)")
     g.add_argument("--dp", metavar="R", type=integer(1, 1024),
                    help="--strategy pipeline: data-parallel replicas of the pipeline (default 1; stages = nproc / dp)")
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")
@@ -209,11 +216,22 @@ def _launch(cfg: TrainConfig, given: dict, resuming: bool) -> int:
         raise ConfigError(f"--nproc must be at least 2 (or left out for one process), got {given['nproc']}")
     cfg.validate()
     precheck(cfg, resuming, world=given["nproc"])
+    given = _engine_given(cfg, given)
     # Every rank, and every attempt after an elastic restart, writes to (and resumes from) one folder.
     given = {**given, "out": cfg.out or str(new_run_dir())}
     with hold_run_folder(given["out"], resuming, given.get("overwrite", False)):
         return launch(given["nproc"], to_argv("train", given, drop=("nproc", "max_restarts", "overwrite")),
                       max_restarts=given.get("max_restarts", 0), out=given["out"])
+
+
+def _engine_given(cfg: TrainConfig, given: dict) -> dict:
+    """The engine resolved once, here, and said once: the ranks get it as --engine (zero1-3 runs)."""
+    from memfit.train.distributed import resolve_engine
+
+    line = resolve_engine(cfg)
+    if line:
+        print(f"memfit train: {line}", file=sys.stderr, flush=True)
+    return {**given, "engine": cfg.engine} if cfg.strategy in ("zero2", "zero3") else given
 
 
 @contextlib.contextmanager

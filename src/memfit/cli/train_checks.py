@@ -15,6 +15,7 @@ from memfit.core.errors import ConfigError
 APPLIES_TO: dict[str, tuple[str, ...]] = {
     "microbatches": ("pipeline",),
     "schedule": ("pipeline",),
+    "virtual_stages": ("pipeline",),
     "dp": ("pipeline",),
     "tp": ("tensor",),
     "engine": ("zero2", "zero3"),
@@ -34,7 +35,7 @@ def check_strategy_options(given: dict[str, Any], strategy: str) -> None:
     for name, strategies in APPLIES_TO.items():
         if name not in given or strategy in strategies:
             continue
-        if (name, given[name]) in (("dp", 1), ("engine", "memfit")):
+        if (name, given[name]) in (("dp", 1), ("engine", "memfit"), ("engine", "auto")):
             continue  # the default value, harmless anywhere
         where = " or ".join(f"--strategy {s}" for s in strategies)
         raise ConfigError(f"{_flag(name)} applies to {where}, not --strategy {strategy}; leave it out or "

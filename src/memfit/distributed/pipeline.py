@@ -4,8 +4,9 @@ stage per rank, run by torch.distributed.pipelining.
     opt = distribute(gpt, "pipeline", "adamw", lr=3e-4, microbatches=4, schedule="1f1b", clip=1.0)
     loss, tokens, result = opt.accumulate_step([(x, y), ...])   # every rank passes the whole batch
 
-Every rank draws the same global batch; the schedule (ScheduleGPipe or Schedule1F1B, from torch)
-splits it into `microbatches` pieces, runs forward and backward through the stages and computes
+Every rank draws the same global batch; the schedule (ScheduleGPipe, Schedule1F1B or, with
+schedule="interleaved", ScheduleInterleaved1F1B over `virtual_stages` stages per rank:
+memfit.distributed.interleaved; all from torch) splits it into `microbatches` pieces, runs forward and backward through the stages and computes
 the loss on the last one. The loss function returns each micro-batch's *summed* cross-entropy over
 the global token count and `scale_grads=False`, so the gradients are those of one process on the
 whole batch. Accumulation calls the schedule once per accumulated batch; the gradients add up.
@@ -34,22 +35,29 @@ from memfit.core.compat import initialize_pipeline_stage
 from memfit.core.errors import ConfigError
 from memfit.distributed import comm
 from memfit.distributed.mp_optimizer import ModelParallelOptimizer
-from memfit.distributed.stages import cut_to_stage, mark_tied, stage_blocks, stage_sizes, tied_weight
+from memfit.distributed.stages import cut_to_stages, mark_tied, stage_blocks, stage_sizes, tied_weight
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-def check_pipeline(layers: int, stages: int, global_batch: int, microbatches: int, schedule: str) -> None:
-    """Everything a pipeline run needs that no process group is needed to check (fail fast, every rank)."""
-    stage_sizes(layers, stages)
+def check_pipeline(layers: int, stages: int, global_batch: int, microbatches: int, schedule: str,
+                   virtual_stages: int | None = None) -> None:
+    """Everything a pipeline run needs that no process group is needed to check (fail fast, every rank).
+    `virtual_stages`: stages per rank of the interleaved schedule (memfit.distributed.interleaved)."""
+    from memfit.distributed.interleaved import check_interleaved, virtual_stages_of
+
     if schedule not in SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {schedule!r}; accepted: {', '.join(SCHEDULES)}")
+    virtual = virtual_stages_of(schedule, virtual_stages)
+    stage_sizes(layers, stages)
     if microbatches < 1 or global_batch % microbatches:
         raise ConfigError(f"a global batch of {global_batch} sequences does not split into {microbatches} "
                           f"micro-batches; use --microbatches dividing {global_batch} (or change --batch)")
     if schedule == "1f1b" and microbatches < stages:
         raise ConfigError(f"1F1B needs at least as many micro-batches as stages ({stages}), got {microbatches}; "
                           f"use --microbatches {stages} or more, or --schedule gpipe")
+    if schedule == "interleaved":
+        check_interleaved(layers, stages, microbatches, virtual)
 
 
 def _stage_class():
@@ -91,12 +99,34 @@ def _blocks_of(model: nn.Module) -> tuple[bool, nn.ModuleList]:
 
 def cut_stage(model: nn.Module, rank: int, stages: int, hf: bool) -> nn.Module:
     """This rank's stage of memfit's GPT or of a Hugging Face causal LM (the model keeps only its parts)."""
-    if hf:
-        from memfit.distributed.hf_stages import cut_hf_to_stage
+    return cut_stages(model, [rank], stages, hf)[0]
 
-        return cut_hf_to_stage(model, rank, stages)
+
+def cut_stages(model: nn.Module, stage_ids: list[int], stages: int, hf: bool) -> list[nn.Module]:
+    """The stages `stage_ids` of `stages` (one rank's; several under the interleaved schedule)."""
+    if hf:
+        from memfit.distributed.hf_stages import cut_hf_to_stages
+
+        return cut_hf_to_stages(model, stage_ids, stages)
     mark_tied(model)
-    return cut_to_stage(model, rank, stages)
+    return cut_to_stages(model, stage_ids, stages)
+
+
+def checkpointed_stages(model: nn.Module, rank: int, pp: int, virtual: int, hf: bool, actions,
+                        spill_dir: str | None = None) -> list[nn.Module]:
+    """This rank's `virtual` stages of pp x virtual, each with the policy's actions of its own blocks
+    (`actions`: one per block of the whole model, or None)."""
+    from memfit.apply.checkpoint import checkpoint as apply_checkpoint
+    from memfit.distributed.interleaved import virtual_stage_ids
+
+    layers = len(_blocks_of(model)[1])
+    ids = virtual_stage_ids(rank, pp, virtual)
+    parts = cut_stages(model, ids, pp * virtual, hf)
+    if actions is not None:
+        for part, sid in zip(parts, ids):
+            apply_checkpoint(part, [actions[i] for i in stage_blocks(layers, pp * virtual, sid)], blocks=part.blocks,
+                             spill_dir=spill_dir)
+    return parts
 
 
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
@@ -122,30 +152,29 @@ class PipelineOptimizer(ModelParallelOptimizer):
     def __init__(self, model: nn.Module, optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  precision: str = "32-true", clip: float | None = None, offload: str | None = None,
                  spill_dir: str | None = None, *, microbatches: int | None = None, schedule: str = "1f1b",
-                 dp: int = 1, group=None, loss_scale: Any = None, **kw: Any) -> None:
-        """dp: data-parallel replicas of the pipeline (world = dp x stages; rank = replica x stages + stage)."""
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
-        from memfit.apply.checkpoint import applied, checkpoint as apply_checkpoint, remove
+                 dp: int = 1, group=None, loss_scale: Any = None, virtual_stages: int | None = None,
+                 **kw: Any) -> None:
+        """dp: data-parallel replicas of the pipeline (world = dp x stages; rank = replica x stages + stage);
+        virtual_stages: stages per rank under schedule="interleaved" (default 2)."""
+        from memfit.apply.checkpoint import applied, remove
+        from memfit.distributed.interleaved import StageGroup, virtual_stages_of
 
         if group is not None:
             raise ConfigError("--strategy pipeline runs on the whole world (group=None); use dp= for replicas")
         self._mesh(dp, next(model.parameters()).device)
         self.microbatches, self.schedule_name = microbatches or self.stages, schedule
         self.hf, layers = _blocks_of(model)
-        check_pipeline(len(layers), self.stages, self.microbatches, self.microbatches, schedule)
+        check_pipeline(len(layers), self.stages, self.microbatches, self.microbatches, schedule, virtual_stages)
+        self.virtual = virtual_stages_of(schedule, virtual_stages)
         policy = applied(model, layers)
-        actions = policy.actions if policy is not None else None
-        remove(model, layers)  # a policy's segments must not cross a stage boundary: re-applied to the stage below
-        self.stage_module = cut_stage(model, self.rank, self.stages, self.hf)
-        own = list(stage_blocks(len(layers), self.stages, self.rank))
-        if actions is not None:
-            apply_checkpoint(self.stage_module, [actions[i] for i in own], blocks=self.stage_module.blocks,
-                             spill_dir=spill_dir)
+        remove(model, layers)  # a policy's segments must not cross a stage boundary: re-applied to each stage below
+        self.parts = checkpointed_stages(model, self.rank, self.stages, self.virtual, self.hf,
+                                         policy.actions if policy is not None else None, spill_dir)
+        self.stage_module = self.parts[0] if self.virtual == 1 else StageGroup(self.parts)
         self.model, self.tracked_module = model, self.stage_module
         self._make_inner(self.stage_module, list(model.named_parameters()), optimizer, lr, weight_decay, precision,
                          clip, offload, spill_dir, loss_scale, kw)
-        self.tied = self.stage_module.tied_weight() if self.hf else tied_weight(self.stage_module)
+        self.tied = self._tied_weight()
         self.tied_names = self.tied is not None  # the last stage's head.weight is the first's tok.weight
         self.tied_group = None
         if self.tied is not None or self.stages > 2:  # new_group is collective: every rank joins the call
@@ -153,11 +182,29 @@ class PipelineOptimizer(ModelParallelOptimizer):
                 g = (self.pp_group if self.stages == 2 and self.dp == 1 else
                      dist.new_group([d * self.stages, (d + 1) * self.stages - 1]))
                 self.tied_group = g if d == self.dp_rank else self.tied_group
-        device = next(self.stage_module.parameters()).device
-        self.stage = _stage_class()(self.stage_module, self.rank, self.stages, device, group=self.pp_group)
-        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        self.schedule = kind(self.stage, self.microbatches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = self._make_schedule(schedule)
         self._total = 1.0
+
+    def _tied_weight(self) -> nn.Parameter | None:
+        """The matrix this rank's first or last stage shares with the other end (tied embeddings)."""
+        found = [p.tied_weight() if self.hf else tied_weight(p) for p in self.parts]
+        return next((t for t in found if t is not None), None)
+
+    def _make_schedule(self, schedule: str):
+        """torch's schedule over this rank's stages (one, or `virtual` for the interleaved schedule)."""
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        from memfit.distributed.interleaved import virtual_stage_ids
+
+        device = next(self.stage_module.parameters()).device
+        n = self.stages * self.virtual
+        stages = [_stage_class()(part, sid, n, device, group=self.pp_group)
+                  for part, sid in zip(self.parts, virtual_stage_ids(self.rank, self.stages, self.virtual))]
+        if schedule == "interleaved":
+            return ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
+        self.stage = stages[0]
+        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        return kind(self.stage, self.microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _mesh(self, dp: int, device: torch.device) -> None:
         """This rank's stage, its replica and the groups: the world (the step's scalars), the
@@ -189,7 +236,7 @@ class PipelineOptimizer(ModelParallelOptimizer):
 
     def _targets(self, y: torch.Tensor) -> float:
         """Target tokens: memfit's GPT skips -1; a Hugging Face model shifts by one and skips -100."""
-        return float((y[:, 1:] != -100).sum()) if self.hf else float((y != -1).sum())
+        return float((y[:, 1:] != -100).sum()) if self.shifted else float((y != -1).sum())
 
     # ------------------------------------------------------------------ the step
     def run_batch(self, x: torch.Tensor, y: torch.Tensor, total: float) -> float:
@@ -203,11 +250,16 @@ class PipelineOptimizer(ModelParallelOptimizer):
         args = (x,) if self.rank == 0 else ()
         target = y if self.rank == self.stages - 1 else None
         with self.inner.autocast():
-            if not self.schedule._stage_backward_initialized:
+            if not self._initialized():
                 self._initialize(x, target)
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         return float(sum(float(t.detach()) for t in losses)) * total / scale
+
+    def _initialized(self) -> bool:
+        s = self.schedule
+        return s._stages_backward_initialized if hasattr(s, "_stages_backward_initialized") else \
+            s._stage_backward_initialized
 
     def _initialize(self, x: torch.Tensor, target: torch.Tensor | None) -> None:
         """torch infers the stages' shapes on the first step with one forward and an autograd.grad;
@@ -215,7 +267,8 @@ class PipelineOptimizer(ModelParallelOptimizer):
         see it. A resumed run's first step is the tracked one, so this runs without global hooks."""
         rows = x.shape[0] // self.microbatches
         args = (x[:rows],) if self.rank == 0 else ()
-        init = self.schedule._initialize_stage
+        multi = hasattr(self.schedule, "_initialize_stages")  # interleaved: all of this rank's stages
+        init = self.schedule._initialize_stages if multi else self.schedule._initialize_stage
         with _no_global_module_hooks():
             initialize_pipeline_stage(init, args, None if target is None else target[:rows])
 
@@ -259,36 +312,44 @@ class PipelineOptimizer(ModelParallelOptimizer):
         try:
             dev = next(self.stage_module.parameters()).device
             for x, y in batches:
-                x, y = x.to(dev), y.to(dev)
-                h = x if self.rank == 0 else self._recv_like(x)
-                with self.inner.autocast():
-                    out = self.stage_module(h)
-                if self.rank < self.stages - 1:
-                    out = out.to(self.mode.param_dtype)  # what the schedule sends: the stages agree on it
-                    comm.TRAFFIC.add("p2p_send", out.numel() * out.element_size())
-                    dist.send(out.contiguous(), self._peer(self.rank + 1))
-                else:
-                    total += float(self._loss_sum(out, y))
+                total += self._evaluate_one(x.to(dev), y.to(dev))
                 count += self._targets(y)
         finally:
             self.stage_module.train(was)
         return comm.control_sum([total], group=self.pp_group)[0] / max(count, 1.0)
+
+    def _evaluate_one(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One batch through this rank's stages in the pipeline's order (stage i on rank i % stages);
+        the last stage's summed loss, 0 on the other ranks."""
+        last = self.stages * self.virtual - 1
+        for k, part in enumerate(self.parts):
+            sid = k * self.stages + self.rank
+            h = x if sid == 0 else self._recv_like(x, (sid - 1) % self.stages)
+            with self.inner.autocast():
+                out = part(h)
+            if sid == last:
+                return float(self._loss_sum(out, y))
+            out = out.to(self.mode.param_dtype)  # what the schedule sends: the stages agree on it
+            comm.TRAFFIC.add("p2p_send", out.numel() * out.element_size())
+            dist.send(out.contiguous(), self._peer((sid + 1) % self.stages))
+        return 0.0
 
     def _peer(self, stage: int) -> int:
         """The global rank of this replica's `stage`."""
         return self.dp_rank * self.stages + stage
 
     def _loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.hf:
+        if self.shifted:
             from memfit.distributed.hf_stages import hf_shifted
 
             return F.cross_entropy(*hf_shifted(logits, y), ignore_index=-100, reduction="sum")
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1, reduction="sum")
 
-    def _recv_like(self, x: torch.Tensor) -> torch.Tensor:
+    def _recv_like(self, x: torch.Tensor, source: int) -> torch.Tensor:
+        """The hidden states of `x`'s rows from this replica's pipeline rank `source`."""
         hidden = self.model.config.hidden_size if self.hf else self.model.cfg.hidden
         buf = torch.empty(x.shape[0], x.shape[1], hidden, dtype=self.mode.param_dtype, device=x.device)
-        dist.recv(buf, self._peer(self.rank - 1))
+        dist.recv(buf, self._peer(source))
         return buf
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
@@ -308,5 +369,6 @@ class PipelineOptimizer(ModelParallelOptimizer):
     def close(self) -> None:
         from memfit.apply.checkpoint import remove
 
-        remove(self.stage_module, self.stage_module.blocks)
+        for part in self.parts:
+            remove(part, part.blocks)
         self.inner.close()

@@ -2,6 +2,7 @@
 
     sizes = stage_sizes(layers=6, stages=2)        # [3, 3]: contiguous, earlier stages take the remainder
     stage = cut_to_stage(gpt, rank=0, stages=2)    # embeddings + blocks 0-2; gpt keeps only these
+    parts = cut_to_stages(gpt, [0, 2], stages=4)   # interleaved: stages 0 and 2 of 4 on one rank
 
 The first stage holds the token (and position) embeddings, the last the final norm and the head,
 whose loss the schedule computes. Blocks another stage owns are replaced by nn.Identity in the GPT
@@ -60,22 +61,28 @@ class GPTStage(nn.Module):
 
 def cut_to_stage(gpt: nn.Module, rank: int, stages: int) -> GPTStage:
     """This rank's stage; the GPT drops (to nn.Identity / None) every part another stage owns."""
+    return cut_to_stages(gpt, [rank], stages)[0]
+
+
+def cut_to_stages(gpt: nn.Module, stage_ids: list[int], stages: int) -> list[GPTStage]:
+    """The stages `stage_ids` (of `stages`) one rank runs, in that order; the GPT drops every part
+    another rank's stages own (interleaved schedules give a rank several stages)."""
     from memfit.models.gpt import GPT
 
     if not isinstance(gpt, GPT):
         raise ConfigError(f"--strategy pipeline cuts memfit's GPT at block boundaries; got {type(gpt).__name__}. "
                           "Use a gpt spec or a known GPT-2/Llama name, or a data-parallel strategy")
-    own = stage_blocks(len(gpt.blocks), stages, rank)
-    first, last = rank == 0, rank == stages - 1
-    stage = GPTStage(gpt, own, first, last)
+    owns = [stage_blocks(len(gpt.blocks), stages, s) for s in stage_ids]
+    parts = [GPTStage(gpt, own, s == 0, s == stages - 1) for s, own in zip(stage_ids, owns)]
+    kept = {i for own in owns for i in own}
     for i in range(len(gpt.blocks)):
-        if i not in own:
+        if i not in kept:
             gpt.blocks[i] = nn.Identity()
-    if not first:
+    if 0 not in stage_ids:
         gpt.tok, gpt.pos = None, None
-    if not last:
+    if stages - 1 not in stage_ids:
         gpt.ln_f, gpt.head = None, None
-    return stage
+    return parts
 
 
 def tied_weight(stage: GPTStage) -> nn.Parameter | None:

@@ -34,12 +34,14 @@ def check_strategy(name: str) -> str:
     return name
 
 
-ENGINES = ("memfit", "fsdp2", "zero-redundancy")
+ENGINES = ("memfit", "fsdp2", "zero-redundancy", "auto")
 """Who carries out a ZeRO stage: memfit's flat engine (memfit.distributed.sharded), torch's FSDP2 for
 zero2/zero3 (memfit.distributed.fsdp2: fully_shard per block; zero2 is reshard_after_forward=False),
-or torch's DDP with ZeroRedundancyOptimizer for zero1 (memfit.distributed.zero_redundancy)."""
-ENGINE_STRATEGIES = {"fsdp2": ("zero2", "zero3", "tensor"), "zero-redundancy": ("zero1",)}
-"""tensor on fsdp2: FSDP2 over "dp" x a Hugging Face model's tensor plan over "tp" (zero3 with tp=)."""
+or torch's DDP with ZeroRedundancyOptimizer for zero1 (memfit.distributed.zero_redundancy).
+"auto" (the default): engine_for's choice."""
+ENGINE_STRATEGIES = {"fsdp2": ("zero2", "zero3", "tensor", "pipeline"), "zero-redundancy": ("zero1",)}
+"""tensor on fsdp2: FSDP2 over "dp" x a Hugging Face model's tensor plan over "tp" (zero3 with tp=);
+pipeline on fsdp2 (or zero3 with pp=): the ("pp", "dp", "tp") mesh of memfit.distributed.mesh3d."""
 
 
 def engine_strategies(engine: str) -> str:
@@ -48,15 +50,68 @@ def engine_strategies(engine: str) -> str:
     return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else "none"
 
 
+_FP16 = ("16-mixed", "16-true", "16-master")
+
+
+def engine_for(strategy: str, *, precision: str | None = None, optimizer: str = "adamw", offload: str | None = None,
+               cuda: bool = False, compress: str | None = None, prefetch: bool = False) -> tuple[str, str | None]:
+    """What engine="auto" runs `strategy` on, and (memfit's engine for zero2/zero3 only) the one thing
+    of the run that needs it, in words: ("memfit", "fp16 loss scaling needs it").
+
+    zero2/zero3: torch's FSDP2 unless the run uses what only memfit's flat engine does: fp16 loss
+    scaling, gradient compression on the reduce-scatter, optimizer offload to disk (or to a CPU
+    rank's own memory), quantized or factored optimizer state (DCP checkpoints hold state of each
+    parameter's shape), a prefetch depth. zero1 stays memfit's: torch's ZeroRedundancyOptimizer runs
+    under DDP, which keeps every gradient whole (docs/design.md has the figures). Every other
+    strategy is memfit's own (pipeline and tensor: memfit.distributed.pipeline, tensor_parallel)."""
+    if strategy not in ("zero2", "zero3"):
+        return "memfit", None
+    from memfit.apply.optimizers import info
+
+    spec = info(optimizer)
+    reason = None
+    if precision in _FP16:
+        reason = "fp16 loss scaling needs it"
+    elif compress not in (None, "none"):
+        reason = f"--compress {compress} (compressed reduce-scatter) needs it"
+    elif offload == "disk":
+        reason = "optimizer offload to disk needs it"
+    elif offload == "cpu" and not cuda:
+        reason = "optimizer offload to a CPU rank's memory needs it"
+    elif spec.bits or (spec.states == 0 and spec.name != "sgd"):
+        reason = f"optimizer {spec.name} (state not of the parameters' shape) needs it"
+    elif prefetch:
+        reason = "a prefetch depth needs it"
+    return ("memfit", reason) if reason else ("fsdp2", None)
+
+
+def engine_line(engine: str, reason: str | None) -> str:
+    """The one line a run prints about its engine: "engine: memfit (fp16 loss scaling needs it)"."""
+    if reason:
+        return f"engine: memfit ({reason})"
+    return "engine: fsdp2 (torch's fully_shard)" if engine == "fsdp2" else f"engine: {engine}"
+
+
 def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: float = 3e-4,
-               engine: str = "memfit", **kw: Any):
+               engine: str = "auto", **kw: Any):
     """The strategy's optimizer over `model` (cast to the precision in place); see the module docstring.
 
     Keyword arguments are TrainingOptimizer's (weight_decay, precision, clip, offload, spill_dir, ...),
-    plus group= (a process group; default the world) and, for zero3, prefetch=. `engine`: see ENGINES."""
+    plus group= (a process group; default the world) and, for zero3, prefetch=. `engine`: see ENGINES;
+    "auto" is engine_for's choice from these arguments (the result's `engine_name` says which ran)."""
     check_strategy(strategy)
     if engine not in ENGINES:
         raise ConfigError(f"unknown engine {engine!r}; accepted: {', '.join(ENGINES)}")
+    if engine == "auto":
+        first = next(model.parameters(), None)
+        engine, _ = engine_for(strategy, precision=kw.get("precision"), optimizer=optimizer, offload=kw.get("offload"),
+                               cuda=first is not None and first.device.type == "cuda", prefetch=kw.get("prefetch") is not None)
+    opt = _build(model, strategy, optimizer, lr, engine, kw)
+    opt.engine_name = engine
+    return opt
+
+
+def _build(model: nn.Module, strategy: str, optimizer: str, lr: float, engine: str, kw: dict):
     if engine != "memfit" and strategy not in ENGINE_STRATEGIES[engine]:
         raise ConfigError(f"engine {engine} carries out {engine_strategies(engine)}, not {strategy}; "
                           "use engine memfit")
@@ -71,6 +126,11 @@ def distribute(model: nn.Module, strategy: str, optimizer: str = "adamw", lr: fl
         from memfit.distributed.fsdp2 import FSDP2Optimizer
 
         kw.pop("prefetch", None)  # FSDP2 prefetches the next block itself
+        kw.pop("spill_dir", None)  # (no disk offload on this engine: auto chose it without one)
+        if strategy == "pipeline" or (kw.get("pp") or 1) > 1:  # 3-D: FSDP2 x TP x PP
+            from memfit.distributed.mesh3d import Mesh3DOptimizer
+
+            return Mesh3DOptimizer(model, optimizer, lr, **kw)
         if strategy == "tensor" and not 1 < kw.get("tp", 1) < dist.get_world_size(kw.get("group")):
             raise ConfigError(f"tensor on engine fsdp2 is FSDP2 over dp x the tensor plan over tp: give tp between 1 "
                               f"and the world of {dist.get_world_size(kw.get('group'))}, not {kw.get('tp')}")

@@ -79,7 +79,8 @@ def config_of(view: PlanView) -> tuple[dict, list[str]]:
         config["pipeline"] = {"stages": view.pp, "partition": "uniform"}
         missing.append(f"pipeline: {view.pp} stages need the model as a deepspeed.pipe.PipelineModule; DeepSpeed's "
                        "own schedule (1F1B-like) runs its gradient_accumulation_steps micro-batches"
-                       + ("; GPipe (the plan's schedule) is not offered" if view.schedule == "gpipe" else ""))
+                       + (f"; {view.schedule} (the plan's schedule) is not offered"
+                          if view.schedule in ("gpipe", "interleaved") else ""))
     if view.recomputed:
         config["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
                                               "contiguous_memory_optimization": False,

@@ -43,6 +43,8 @@ class PlanView:
     actions: list
     """One memfit.apply.policy.BlockAction per block."""
     schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Pipeline stages per rank (schedule "interleaved")."""
     head_chunks: int | None = None
     notes: list = field(default_factory=list)
 
@@ -110,11 +112,16 @@ def plan_view(doc: dict, where: str = "the plan") -> PlanView:
     schedule = lay.get("schedule", "1f1b")
     if not isinstance(schedule, str):
         raise ConfigError(f"{where}: cluster.layout.schedule must be a string, got {schedule!r}")
+    virtual = _count(lay, "virtual_stages", 1, where) if schedule == "interleaved" else 1
+    if schedule == "interleaved" and plan["n_blocks"] % (pp * virtual):  # the interleaved cut is even
+        raise ConfigError(f"{where}: {plan['n_blocks']} blocks do not split evenly into {pp} x {virtual} pipeline "
+                          "stages (cluster.layout pp x virtual_stages); write it again with `memfit plan ... --json`")
     return PlanView(model=plan["model"], strategy=strategy, world=dp * tp * pp,
                     dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro, accumulation=accum, seq=plan.get("seq"),
                     precision=plan["precision"], optimizer=plan["optimizer"],
                     offload_optimizer=plan["offload_optimizer"], actions=actions,
-                    schedule=schedule, head_chunks=plan.get("head_chunks"))
+                    schedule=schedule, head_chunks=plan.get("head_chunks"),
+                    virtual_stages=virtual)
 
 
 def _count(lay: dict, key: str, default: int, where: str) -> int:

@@ -81,6 +81,10 @@ def tables_of(view: PlanView) -> tuple[dict, list[str]]:
     if view.pp > 1:
         par["pipeline_parallel_schedule"] = _SCHEDULES.get(view.schedule.lower(), view.schedule)
         par["pipeline_parallel_microbatch_size"] = view.micro_batch
+        if view.schedule.lower().startswith("interleaved"):  # memfit's even cut: V stages per rank, no
+            # lighter first or last stage (torchtitan's default takes a block off each for the embeddings and head)
+            par["pipeline_parallel_layers_per_stage"] = len(view.actions) // (view.pp * view.virtual_stages)
+            par["pipeline_parallel_first_stage_less_layers"] = par["pipeline_parallel_last_stage_less_layers"] = 0
     model = {"name": "llama3", "flavor": _FLAVORS.get(view.model.lower(), "debugmodel")}
     if view.model.lower() not in _FLAVORS:
         missing.append(f"model {view.model}: torchtitan builds its own registered models; [model] is llama3 "

@@ -53,10 +53,8 @@ class Estimate:
     ranks: list[dict] = field(default_factory=list)
     """Under a strategy: each distinct rank's figures at its peak moment, with the `rank_ids` it covers
     (memfit.measure.rank_estimate); the categories add up to `total`."""
-    accum: int = 1
-    """Micro-batches per optimizer step: the peak counts the gradients held across them."""
-    step_in_backward: bool = False
-    """Each parameter updated and its gradient freed during backward (memfit.apply.step_in_backward)."""
+    accum: int = 1  # micro-batches per optimizer step: the peak counts the gradients held across them
+    step_in_backward: bool = False  # each parameter updated, its gradient freed, in backward (apply.step_in_backward)
     moments: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     """The traced step's categories at each module's (or composed stretch's) highest moment, before
     any sharding: what the per-rank estimate transforms (not in the JSON)."""
@@ -132,7 +130,7 @@ def estimate(
     vocab_parallel: bool = False,
     device: str | None = None,
     qlora: bool = False,
-    step_in_backward: bool = False, engine: str = "memfit",
+    step_in_backward: bool = False, engine: str = "memfit", pp: int | None = None, virtual_stages: int | None = None,
 ) -> Estimate:
     """Predict per-device training memory for `model` (a name, spec string, config.json or ModelSpec).
 
@@ -144,20 +142,19 @@ def estimate(
     `qlora=True` (or base=nf4 in `lora`) holds the frozen linear weights in NF4 (memfit.models.qlora).
     `routing` (mixture-of-experts layers): "balanced" or "worst" (memfit.measure.moe).
     `strategy` ("ddp", "ps", "zero1".."zero3", "pipeline", "tensor") on `world` ranks, `batch` rows each
-    (pipeline and tensor: of the global batch world x batch; `microbatches`, `schedule`, `tp`):
+    (pipeline and tensor: of the global batch world x batch; `microbatches`, `schedule`, `virtual_stages`, `tp`):
     per_device is the largest rank's figure and `ranks` lists each distinct rank. `zero=Z` with
     `world=N` is `strategy="zeroZ"`. `accum` micro-batches per optimizer step: a later micro-batch
     runs beside the gradients of the earlier ones (ZeRO-2/3: the rank's reduced slices).
     `sequence_parallel`, `vocab_parallel` (strategy "tensor"): Megatron-LM's sequence parallelism and
-    vocabulary-parallel embedding and head, estimated only (memfit.measure.parallel_estimate; memfit's
-    runtime does not run them).
+    vocabulary-parallel embedding and head, estimated only (memfit.measure.parallel_estimate; not run).
     `device`: a GPU to estimate for from any machine (h100, h200, a100-80gb, a100-40gb, l40s, rtx4090, ...;
     memfit.core.gpus): the step is traced with that GPU's attention, dropout and optimizer kernels,
     per_device["reserved"] predicts its max_memory_reserved, device_memory defaults to its capacity and
     precision to what people run there (bf16-master). None or cpu: this machine's CPU, 32-true.
     `step_in_backward`: each parameter updated, and its gradient freed, as soon as backward produced it
     (memfit.apply.step_in_backward; one device, accum 1, no master weights or optimizer offload).
-    `engine`: who runs the strategy (memfit.distributed.strategy.ENGINES; rank_estimate.rank_rows)."""
+    `engine`: who runs the strategy (memfit.distributed.strategy.ENGINES; rank_estimate.rank_rows; `pp`: see it)."""
     from memfit.core.device import estimate_device
     from memfit.core.gpus import local_gpu
 
@@ -178,7 +175,8 @@ def estimate(
                       zero=zero, world=world, checkpoint=checkpoint, offload_optimizer=offload_optimizer,
                       device_memory=device_memory, loss_fn=loss_fn, lora=lora, routing=routing, strategy=strategy,
                       microbatches=microbatches, schedule=schedule, tp=tp, accum=accum, gpu=gpu, engine=engine,
-                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, sib=step_in_backward)
+                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, sib=step_in_backward, pp=pp,
+                      virtual_stages=virtual_stages)
     est.step_in_backward = step_in_backward
     est.precision_default = default if gpu is not None else None
     if gpu is not None:
@@ -209,7 +207,8 @@ def torch_index(device: str) -> int | None:
 
 def _strategies(model: Any, example: Any, *, params, batch, seq, precision, optimizer, zero, world, checkpoint,
                 offload_optimizer, device_memory, loss_fn, lora, routing, strategy, microbatches, schedule, tp, accum,
-                gpu, sequence_parallel=False, vocab_parallel=False, sib=False, engine="memfit") -> Estimate:
+                gpu, sequence_parallel=False, vocab_parallel=False, sib=False, engine="memfit", pp=None,
+                virtual_stages=None) -> Estimate:
     """estimate() on one device or under a strategy, for a resolved precision and device."""
     from memfit.measure.moe import routing as moe_routing
     from memfit.measure.rank_estimate import strategy_of
@@ -239,7 +238,7 @@ def _strategies(model: Any, example: Any, *, params, batch, seq, precision, opti
                             lora=lora, worst=routing == "worst", gpu=gpu)
             return with_ranks(one, _spec_of(model, lora), strategy, world, microbatches=microbatches, schedule=schedule,
                               tp=tp, accum=accum, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                              engine=engine)
+                              engine=engine, pp=pp, **({"virtual_stages": virtual_stages} if virtual_stages else {}))
         if engine != "memfit":
             raise ConfigError(f"engine {engine!r} is estimated per rank for a model name, spec or config.json "
                               "(without LoRA adapters), not for a module")

@@ -8,7 +8,9 @@ Pipeline (global batch world x batch, split into M micro-batches of b rows): eac
 (embeddings on the first, final norm and head on the last; a tied matrix on both) is traced for a
 whole step, its micro-batches run in the schedule's order with what torch's schedule holds between
 them (memfit.measure.pipeline_trace): GPipe runs every forward before the first backward, 1F1B
-min(M, stages - r) forwards of warm-up on rank r; with checkpointing each block's recompute during
+min(M, stages - r) forwards of warm-up on rank r, interleaved 1F1B its V stages' forwards and
+backwards in the order torch's schedule computes for the rank (`microbatches_in_flight`: the most
+stage micro-batches whose backward has not run, each 1/V of the rank's blocks); with checkpointing each block's recompute during
 backward is traced beside the held outputs, sends and gradients. Its figures are the rank's.
 
 A Hugging Face causal LM is cut as memfit.distributed.hf_stages cuts it (its own pipeline plan:
@@ -57,18 +59,24 @@ CATS = ("params", "grads", "optimizer", "activations", "temporaries")
 
 def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | None = None,
                    schedule: str = "1f1b", precision: str = "32-true", optimizer: str = "adamw",
-                   checkpoint: str = "none", accum: int = 1) -> list[dict]:
+                   checkpoint: str = "none", accum: int = 1, virtual_stages: int | None = None) -> list[dict]:
+    from memfit.distributed.interleaved import peak_held, rank_order, virtual_stages_of
+
     m = microbatches or world
     layers, _ = blocks_of(spec)
-    check_pipeline(layers, world, batch * world, m, schedule)
+    check_pipeline(layers, world, batch * world, m, schedule, virtual_stages)
+    virtual = virtual_stages_of(schedule, virtual_stages)
     b = batch * world // m
     out = []
     for r in range(world):
-        cats = trace_stage(spec, r, world, m, b, seq, schedule, precision, optimizer, checkpoint, accum=accum)
+        cats = trace_stage(spec, r, world, m, b, seq, schedule, precision, optimizer, checkpoint, accum=accum,
+                           virtual_stages=virtual)
         row = {"rank": r, "strategy": "pipeline", "world": world, "gathered": 0, "in_flight": 0,
                **{c: cats[c] for c in ("params", "grads", "optimizer", "activations", "temporaries")},
-               "blocks": len(stage_blocks(layers, world, r)),
+               "blocks": sum(len(stage_blocks(layers, world * virtual, r + k * world)) for k in range(virtual)),
                "microbatches_in_flight": m if schedule == "gpipe" else min(m, world - r), "microbatch_rows": b}
+        if schedule == "interleaved":  # micro-batches held at the peak, each on one of the rank's V stages
+            row.update(microbatches_in_flight=peak_held(rank_order(world, virtual, m, r)), virtual_stages=virtual)
         row["total"] = sum(row[c] for c in ("params", "grads", "optimizer", "activations", "temporaries"))
         out.append(row)
     return out

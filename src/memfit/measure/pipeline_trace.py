@@ -6,14 +6,16 @@
 The stage is built and checkpointed as memfit.distributed.pipeline builds it (the GPT cut by
 cut_to_stage, the policy re-applied to the stage's blocks, the step of ModelParallelOptimizer) and
 its micro-batches run through the stage as torch.distributed.pipelining's ScheduleGPipe and
-Schedule1F1B run them, holding what they hold:
+Schedule1F1B run them (and ScheduleInterleaved1F1B: the rank's V stages in the order torch computes
+for it), holding what they hold:
 
 * each forward's output (and its input) until that micro-batch's backward (the fwd cache); the last
   stage computes the loss right after its forward and keeps it;
 * a sent tensor until its send's work is released: GPipe keeps every send's work to the end of its
   phase loop, so every forward output and every input gradient it sends lives to the step's end;
   1F1B keeps the last forward's send and the previous backward's gradient send across the next
-  computation (a recomputed block's backward included), and the `output` of the last forward;
+  computation (a recomputed block's backward included), and the `output` of the last forward; the
+  interleaved schedule's runtime keeps every send's work to the step's end, as GPipe;
 * the receive buffers (one per micro-batch) exist before the step, as torch allocates them when the
   stage is first run; a buffer counts from the moment an op saves it, as the tracker sees it.
 
@@ -34,57 +36,73 @@ from memfit.measure.fake_mode import fake_mode
 
 def trace_stage(spec, rank: int, stages: int, microbatches: int, rows: int, seq: int, schedule: str = "1f1b",
                 precision: str = "32-true", optimizer: str = "adamw", checkpoint: str = "none",
-                steps: int = 2, accum: int = 1) -> dict[str, int]:
+                steps: int = 2, accum: int = 1, virtual_stages: int | None = None) -> dict[str, int]:
     """The stage of `rank` (micro-batches of `rows` sequences): its tracked categories at the step's peak.
-    `accum`: schedule runs per optimizer step (PipelineOptimizer.accumulate_step: gradients add up)."""
+    `accum`: schedule runs per optimizer step (PipelineOptimizer.accumulate_step: gradients add up);
+    `virtual_stages`: the interleaved schedule's stages per rank (all of them are this rank's)."""
     from memfit.core.tracker import track
+    from memfit.distributed.interleaved import virtual_stages_of
 
+    virtual = virtual_stages_of(schedule, virtual_stages)
     with fake_mode():
-        stage, opt, (hidden, vocab, hf) = _build(spec, rank, stages, seq, precision, optimizer, checkpoint)
-        first, last = rank == 0, rank == stages - 1
-        dtype = opt.mode.param_dtype if hf else _sent_dtype(stage, opt, rows, seq, hidden)
-        recv = [torch.empty(rows, seq, hidden, dtype=dtype) for _ in range(microbatches)] if not first else []
-        grad_in = [torch.empty(rows, seq, hidden, dtype=dtype) for _ in range(microbatches)] if not last else []
+        module, parts, opt, (hidden, vocab, hf) = _build(spec, rank, stages, virtual, seq, precision, optimizer,
+                                                        checkpoint)
+        n = stages * virtual
+        dtype = opt.mode.param_dtype if hf else _sent_dtype(parts[0], opt, rows, seq, hidden)
+        ids = [rank + k * stages for k in range(virtual)]
+        runs = {sid: _Stage(part, opt, _buffers(sid > 0, microbatches, rows, seq, hidden, dtype),
+                            _buffers(sid < n - 1, microbatches, rows, seq, hidden, dtype), sid == 0, sid == n - 1, hf)
+                for sid, part in zip(ids, parts)}
         batches = [[torch.randint(0, vocab, (rows * microbatches, seq)) for _ in range(accum)]
                    for _ in range(steps)]
-        run = _Stage(stage, opt, recv, grad_in, first, last, hf)
         for s, xs in enumerate(batches):
-            tracker = track(stage, opt, device="cpu") if s == steps - 1 else None
+            tracker = track(module, opt, device="cpu") if s == steps - 1 else None
             with tracker if tracker is not None else contextlib.nullcontext():
                 for x in xs:
                     with opt.autocast():
-                        (_gpipe if schedule == "gpipe" else _one_f_one_b)(run, x.tensor_split(microbatches),
-                                                                          stages - rank)
+                        _run(schedule, runs, x.tensor_split(microbatches), rank, stages, virtual)
                 opt.step()
         opt.close()
         return dict(tracker.breakdown)
 
 
-def _build(spec, rank: int, stages: int, seq: int, precision: str, optimizer: str, checkpoint: str):
-    """The stage module and its optimizer, as PipelineOptimizer makes them (without a process group), and
-    (hidden size, vocabulary, whether a Hugging Face model)."""
-    from memfit.apply.checkpoint import checkpoint as apply_checkpoint
+def _buffers(needed: bool, microbatches: int, rows: int, seq: int, hidden: int, dtype) -> list:
+    """A stage's receive buffers (activations or their gradients), one per micro-batch, if it receives."""
+    return [torch.empty(rows, seq, hidden, dtype=dtype) for _ in range(microbatches)] if needed else []
+
+
+def _run(schedule: str, runs: dict, mbs: tuple, rank: int, stages: int, virtual: int) -> None:
+    if schedule == "interleaved":
+        from memfit.distributed.interleaved import rank_order
+
+        _interleaved(runs, mbs, rank_order(stages, virtual, len(mbs), rank))
+    else:
+        (_gpipe if schedule == "gpipe" else _one_f_one_b)(runs[rank], mbs, stages - rank)
+
+
+def _build(spec, rank: int, stages: int, virtual: int, seq: int, precision: str, optimizer: str, checkpoint: str):
+    """The rank's stage module(s) and its optimizer, as PipelineOptimizer makes them (without a process
+    group): (module the tracker follows, the stages, optimizer, (hidden size, vocabulary, whether a
+    Hugging Face model))."""
+    from memfit.apply.policy import resolve_policy
+    from memfit.distributed.interleaved import StageGroup
     from memfit.distributed.mp_optimizer import ModelParallelOptimizer
-    from memfit.distributed.pipeline import _blocks_of, cut_stage
-    from memfit.distributed.stages import stage_blocks
+    from memfit.distributed.pipeline import _blocks_of, checkpointed_stages
 
     model = spec.build(seq=seq)
     model.train()
     hf, layers = _blocks_of(model)
-    from memfit.apply.policy import resolve_policy
-
     actions = resolve_policy(checkpoint, len(layers))
-    stage = cut_stage(model, rank, stages, hf)
-    own = stage_blocks(len(layers), stages, rank)
-    if not all(a.is_plain for a in actions):
-        apply_checkpoint(stage, [actions[i] for i in own], blocks=stage.blocks)
+    plain = all(a.is_plain for a in actions)
+    parts = checkpointed_stages(model, rank, stages, virtual, hf, None if plain else actions)
+    module = parts[0] if virtual == 1 else StageGroup(parts)
     opt = ModelParallelOptimizer.__new__(ModelParallelOptimizer)
-    opt._make_inner(stage, list(model.named_parameters()), optimizer, 1e-3, 0.0, precision, None, None, None, None,
+    opt._make_inner(module, list(model.named_parameters()), optimizer, 1e-3, 0.0, precision, None, None, None, None,
                     {})
     opt.scaler = None  # the loss scale is a scalar: its overflow check needs the world, not memory
     if hf:
-        return stage, opt, (model.config.hidden_size, model.config.vocab_size, True)
-    return stage, opt, (model.cfg.hidden, model.cfg.vocab, False)
+        return module, parts, opt, (model.config.hidden_size, model.config.vocab_size, True)
+    return module, parts, opt, (model.cfg.hidden, model.cfg.vocab, False)
 
 
 def _sent_dtype(stage: nn.Module, opt, rows: int, seq: int, hidden: int) -> torch.dtype:
@@ -161,6 +179,26 @@ def _gpipe(st: _Stage, mbs: tuple, _warmup: int) -> None:
         bwd_works += st.sends(st.backward(i))
     del output, fwd_works, bwd_works
     st.losses = []
+
+
+def _interleaved(runs: dict[int, _Stage], mbs: tuple, order: list[tuple[str, int, int]]) -> None:
+    """torch's _PipelineScheduleRuntime._step_microbatches over this rank's stages in `order`: every
+    send's work is kept in one list to the step's end, so every forward output and input gradient
+    sent lives until then."""
+    for st in runs.values():
+        st.start(mbs)
+    send_ops: list = []
+    for kind, sid, mb in order:
+        st = runs[sid]
+        if kind == "F":
+            output = st.forward(mb)
+            send_ops += st.sends(None if st.last else output)
+            del output
+        else:
+            send_ops += st.sends(st.backward(mb))
+    del send_ops
+    for st in runs.values():
+        st.losses = []
 
 
 def _one_f_one_b(st: _Stage, mbs: tuple, depth: int) -> None:

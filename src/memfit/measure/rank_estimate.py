@@ -36,7 +36,8 @@ def strategy_of(strategy: str | None, zero: int, world: int) -> str | None:
 def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: int | None = None,
               schedule: str = "1f1b", tp: int | None = None, accum: int = 1,
               sequence_parallel: bool = False, vocab_parallel: bool = False, engine: str = "memfit",
-              post_forward: int = 0, kept_whole: bool = False) -> list[dict]:
+              post_forward: int = 0, kept_whole: bool = False, pp: int | None = None,
+              virtual_stages: int | None = None) -> list[dict]:
     """Every rank's row (see the module docstring); `one` is the one-device Estimate of the per-rank
     micro-batch (model states unsharded); `accum` micro-batches per step (the gradients of the earlier
     ones are held through the later ones); `sequence_parallel`, `vocab_parallel`: tensor only (estimated,
@@ -44,7 +45,8 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
     and FSDP2's are estimated alike, zero-redundancy by torch's assignment of whole tensors);
     `post_forward`, `kept_whole`: zero3 only, a block's bytes kept from its forward to its backward and
     whether that is the whole block (memfit.distributed.rank_memory; torch FSDP2's reshard_after_forward,
-    memfit.measure.fsdp2_estimate)."""
+    memfit.measure.fsdp2_estimate); `pp`: pipeline on fsdp2 only, its stages (memfit.measure.mesh3d_estimate);
+    `virtual_stages`: pipeline's interleaved schedule, stages per rank."""
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
 
     from memfit.distributed.strategy import ENGINE_STRATEGIES, engine_strategies
@@ -53,6 +55,11 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
         raise ConfigError(f"engine {engine} carries out {engine_strategies(engine)}, not "
                           f"{strategy} (fsdp2 also --strategy tensor of a Hugging Face config: 2-D); leave out "
                           "--engine otherwise")
+    if pp is not None and (strategy, engine) != ("pipeline", "fsdp2"):
+        raise ConfigError("pp (pipeline stages) is the 3-D layout's: give --strategy pipeline --engine fsdp2")
+    if virtual_stages not in (None, 1) and strategy != "pipeline":
+        raise ConfigError(f"virtual stages are the pipeline's interleaved schedule's; they need --strategy pipeline "
+                          f"--schedule interleaved, not {strategy}")
     if (sequence_parallel or vocab_parallel) and strategy != "tensor":
         raise ConfigError(f"sequence and vocabulary parallelism shard more of tensor parallelism's layout; they "
                           f"need --strategy tensor, not {strategy}")
@@ -63,8 +70,16 @@ def rank_rows(spec: Any, one: Any, strategy: str, world: int, *, microbatches: i
             raise ConfigError(f"strategy {strategy} cuts a causal LM; this config is a {spec.task} model: use a "
                               "data-parallel strategy (ddp, zero1-3)")
         common = dict(precision=one.precision, optimizer=one.optimizer, checkpoint=one.checkpoint)
-        if strategy == "pipeline":
-            rows = pipeline_ranks(spec, one.batch, one.seq, world, microbatches, schedule, accum=accum, **common)
+        if strategy == "pipeline" and engine == "fsdp2":  # 3-D: FSDP2 over dp x the tensor plan x stages
+            from memfit.measure.mesh3d_estimate import mesh3d_ranks
+
+            if virtual_stages not in (None, 1):
+                raise ConfigError("the 3-D layout (--engine fsdp2) runs 1f1b or gpipe; --schedule interleaved runs "
+                                  "on memfit's pipeline engine (--engine memfit)")
+            rows = mesh3d_ranks(spec, one.batch, one.seq, world, pp, tp, microbatches, schedule, accum=accum, **common)
+        elif strategy == "pipeline":
+            rows = pipeline_ranks(spec, one.batch, one.seq, world, microbatches, schedule, accum=accum,
+                                  virtual_stages=virtual_stages, **common)
         elif accum > 1:
             raise ConfigError("--accum with --strategy tensor is not estimated; estimate one micro-batch "
                               "(--accum 1) or use pipeline or a data-parallel strategy")

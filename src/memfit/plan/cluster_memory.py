@@ -17,6 +17,10 @@ last stage's peak is in its first backward, with every micro-batch's activations
 gradients being made (measured: 8.17 MiB on a 2-stage run that pipeline_ranks, which leaves gpipe's
 gradients out, put at 7.20 MiB; tests/test_plan_cluster_train.py).
 
+On FSDP2 (Layout.engine "fsdp2") zero3 is the same sum (measured within a few hundred bytes of memfit's
+zero3, bench/results/distributed.json); zero2 shards the weights as zero3 does and holds every
+block's gathered weights from its forward to its backward.
+
 Activations per micro-batch: rows x (per block, its action's saved bytes; the embeddings' on the
 first stage; the head's and the logits on the last, or the stage's output elsewhere), plus, when
 any block recomputes, one block's kept bytes (the forward rerun in backward).
@@ -45,6 +49,8 @@ class Layout:
     accum: int = 1
     """Micro-batches per optimizer step (pipeline: the schedule's micro-batches)."""
     schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Pipeline stages per rank (schedule "interleaved"; the planner itself searches gpipe and 1f1b)."""
     precision: str = "32-true"
     optimizer: str = "adamw"
     offload_optimizer: str | None = None
@@ -54,6 +60,9 @@ class Layout:
     dp_shard: int = 0
     """A ZeRO stage over dp beside tp/pp: on paper only (3-D layouts as published; memfit's
     trainer shards over dp only under zero1-3)."""
+    engine: str = "memfit"
+    """Who carries out zero2/zero3 (memfit train --engine): "fsdp2" (torch's fully_shard; set by the search
+    where memfit.distributed.strategy.engine_for picks it) or "memfit" (its flat engine; older plan files)."""
 
     @property
     def gpus(self) -> int:
@@ -76,10 +85,13 @@ def in_flight(lay: Layout, rank: int) -> int:
 
 def _states(lay: Layout, unit: UnitProfile, numel: int, tensors: int) -> tuple[int, int, int, int]:
     """(params, grads, optimizer, extra) bytes; extra: ZeRO's gathered weights and flat buckets, DDP's buckets."""
-    s = model_state_bytes(numel, lay.precision, lay.optimizer, zero=lay.zero, world=max(lay.dp, 1),
-                          offload_optimizer=lay.offload_optimizer, n_tensors=tensors)
+    fsdp2_zero2 = lay.engine == "fsdp2" and lay.zero == 2  # weights sharded, gathered whole until backward
+    s = model_state_bytes(numel, lay.precision, lay.optimizer, zero=3 if fsdp2_zero2 else lay.zero,
+                          world=max(lay.dp, 1), offload_optimizer=lay.offload_optimizer, n_tensors=tensors)
     w = _PARAM_BYTES.get(lay.precision, 2)
     extra = 0
+    if fsdp2_zero2:  # at backward's start every block's gathered weights (reshard_after_forward=False)
+        extra += w * numel
     if lay.zero == 3:
         extra += w * (unit.rest_numel + 2 * unit.block_numel)
     if lay.zero >= 2:

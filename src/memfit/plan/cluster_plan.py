@@ -39,6 +39,10 @@ def train_flags(lay: Layout) -> list[str]:
         out += ["--tp", str(lay.tp)]
     if lay.strategy == "pipeline":
         out += ["--dp", str(lay.dp), "--microbatches", str(lay.accum), "--schedule", lay.schedule]
+        if lay.schedule == "interleaved":
+            out += ["--virtual-stages", str(lay.virtual_stages)]
+    if lay.strategy in ("zero2", "zero3"):  # the engine the layout was estimated for, named
+        out += ["--engine", lay.engine]
     return out
 
 
@@ -80,7 +84,8 @@ class ClusterPlan:
         return Layout(**self.layout)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "torchrun": self.torchrun_command()}
+        engine = {"engine": self.lay.engine} if self.lay.strategy in ("zero2", "zero3") else {}
+        return {**asdict(self), "torchrun": self.torchrun_command(), **engine}
 
     def train_command(self) -> str:
         b, a = per_process_batch(self.lay)
@@ -99,8 +104,9 @@ class ClusterPlan:
         b, a = per_process_batch(lay)
         acts = ", ".join(f"stage {i}: " * (len(lay.counts) > 1) + f"{k} keep, {s} selective, {r} recompute"
                          for i, (k, s, r) in enumerate(lay.counts))
+        engine = f" on {'FSDP2' if lay.engine == 'fsdp2' else 'memfit'}" if lay.strategy in ("zero2", "zero3") else ""
         lines = [f"cluster plan for {self.model} on {self.gpus} x {format_bytes(self.budget)} devices "
-                 f"({self.interconnect}): {lay.strategy} ({degrees(lay)})",
+                 f"({self.interconnect}): {lay.strategy}{engine} ({degrees(lay)})",
                  f"  largest rank's predicted peak {format_bytes(self.peak)}"
                  + (f"; full trace of that rank: {format_bytes(self.traced_peak)}" if self.traced_peak else ""),
                  f"  per process: micro-batch {b} x accumulation {a} (global batch {self.global_batch} x seq "

@@ -102,7 +102,8 @@ def layouts(p: ClusterProblem, n: int) -> list[Layout]:
         base = dict(precision=prec, optimizer=p.optimizer)
         for strategy in (["none"] if n == 1 else ["ddp", "zero1", "zero2", "zero3"]):
             for rows, acc in _splits(per, p.allowed):
-                out += [Layout(strategy, dp=n, rows=rows, accum=acc, offload_optimizer=o, head_chunks=h, **base)
+                out += [Layout(strategy, dp=n, rows=rows, accum=acc, offload_optimizer=o, head_chunks=h,
+                               engine=engine_of(p, strategy, prec, o, acc), **base)
                         for o in offs for h in heads]
         for tp in _divisors(n)[1:]:
             if cfg.tp and tp <= p.tp_max and cfg.heads % tp == 0 and (cfg.kv_heads or cfg.heads) % tp == 0:
@@ -119,6 +120,18 @@ def layouts(p: ClusterProblem, n: int) -> list[Layout]:
                     out.append(Layout("pipeline", dp=n // pp, pp=pp, rows=replica // m, accum=m, schedule=sched,
                                       **base))
     return out
+
+
+def engine_of(p: ClusterProblem, strategy: str, precision: str, offload: str | None, accum: int) -> str:
+    """The engine memfit train runs a zero2/zero3 layout on (memfit.distributed.strategy.engine_for), so
+    that it is estimated as it will run. With accumulation memfit's: FSDP2 as memfit.distributed.fsdp2
+    runs it keeps the earlier micro-batches' gradients whole (unreduced), memfit's engine a shard."""
+    from memfit.distributed.strategy import engine_for
+    from memfit.measure.fsdp2_estimate import PRECISIONS
+
+    engine, _ = engine_for(strategy, precision=precision, optimizer=p.optimizer, offload=offload,
+                           cuda=p.host is None)
+    return "fsdp2" if engine == "fsdp2" and accum == 1 and precision in PRECISIONS else "memfit"
 
 
 def _over_floor(p: ClusterProblem, lay: Layout) -> bool:

@@ -2,6 +2,7 @@
 
     traced_peak(spec, layout, seq, actions)  -> bytes
 
+zero2/zero3 on FSDP2 (Layout.engine): memfit.measure.fsdp2_estimate of the rank's micro-batch.
 none / ddp / zero1-3: one memfit.estimate of the rank's micro-batch (every moment of backward) with the plan's per-block actions
 (the composed trace for deep models), put on the strategy's shard layout by
 memfit.distributed.rank_memory (rank_model_state, rank_totals). pipeline and tensor:
@@ -48,6 +49,12 @@ def traced_peak(spec, lay: Layout, seq: int, actions: list) -> int:
     from memfit.distributed.rank_memory import rank_model_state, rank_totals
     from memfit.measure.estimate import estimate
     from memfit.measure.rank_estimate import _peak_block
+
+    if lay.engine == "fsdp2" and lay.strategy in ("zero2", "zero3"):  # as FSDP2 runs it (one micro-batch)
+        from memfit.measure.fsdp2_estimate import fsdp2_estimate
+
+        return fsdp2_estimate(estimate, spec, lay.rows, seq, lay.dp, checkpoint=to_string(actions),
+                              reshard=lay.strategy == "zero3", **common).per_device["total"]
 
     # One trace: backward's moments, traced with a stateless optimizer (sgd) so that each moment is
     # a backward one, whose activations the strategy's rank keeps; rank_totals puts every moment on

@@ -1,8 +1,8 @@
 """`memfit train --plan FILE` with a cluster plan: the plan's process count and strategy become the run's.
 
 A file written by `memfit plan ... --gpus N --json` holds a `cluster` field beside the per-block
-`plan`. Its strategy flags (--nproc, --strategy, --tp, --dp, --microbatches, --schedule, and --engine
-when the field names one) fill in
+`plan`. Its strategy flags (--nproc, --strategy, --tp, --dp, --microbatches, --schedule, and for
+zero2/zero3 --engine: the layout's, memfit's in files written before it was recorded) fill in
 what the command line did not give, and so does its --seq (the length every rank's figure was made
 at); under torchrun (WORLD_SIZE set) the processes exist already, so --nproc is left out. The
 torchrun line for users who start their own processes is printed once.
@@ -17,7 +17,7 @@ from pathlib import Path
 from memfit.core.errors import ConfigError
 
 _FLAGS = {"--nproc": "nproc", "--strategy": "strategy", "--tp": "tp", "--dp": "dp", "--microbatches": "microbatches",
-          "--schedule": "schedule"}
+          "--schedule": "schedule", "--virtual-stages": "virtual_stages", "--engine": "engine"}
 
 
 def cluster_options(path: str) -> dict | None:
@@ -40,8 +40,8 @@ def cluster_options(path: str) -> dict | None:
     out = {}
     for flag, value in zip(flags[::2], flags[1::2]):
         key = _FLAGS[flag]
-        out[key] = value if key in ("strategy", "schedule") else int(value)
-    if "engine" in cluster:  # who carries out zero2/zero3 (memfit train --engine); absent: memfit's engine
+        out[key] = value if key in ("strategy", "schedule", "engine") else int(value)
+    if "engine" in cluster:  # who carries out zero2/zero3 (memfit train --engine); absent: the layout's
         from memfit.distributed.strategy import ENGINES
 
         if cluster["engine"] not in ENGINES:

@@ -85,14 +85,18 @@ class TrainConfig:
     microbatches: int | None = None
     """--strategy pipeline: micro-batches the global batch is split into per schedule step (default: world)."""
     schedule: str = "1f1b"
-    """--strategy pipeline: gpipe (all forwards, then all backwards) or 1f1b (fewer micro-batches in flight)."""
+    """--strategy pipeline: gpipe (all forwards, then all backwards), 1f1b (fewer micro-batches in flight) or
+    interleaved (torch's interleaved 1F1B: --virtual-stages stages per rank, a smaller bubble)."""
+    virtual_stages: int | None = None
+    """--schedule interleaved: stages per rank (default 2; the blocks cut evenly into processes x V stages)."""
     tp: int | None = None
     """--strategy tensor: tensor-parallel degree (default: world, so dp = world / tp = 1)."""
     dp: int = 1
     """--strategy pipeline: data-parallel replicas of the pipeline (stages = world / dp)."""
-    engine: str = "memfit"
+    engine: str = "auto"
     """Who carries out zero2/zero3: memfit's flat engine, or torch's FSDP2 (fully_shard per block; checkpoints
-    through torch.distributed.checkpoint). memfit.distributed.strategy.ENGINES."""
+    through torch.distributed.checkpoint). memfit.distributed.strategy.ENGINES; "auto": FSDP2 unless the run
+    needs memfit's (memfit.train.distributed.resolve_engine writes the choice here when the run starts)."""
     compress: str = "none"
     """Gradient compression on the wire (ddp, zero1, zero2): topk:0.01, int8, sign, bf16, powersgd:4, ...
     (memfit.distributed.compression; docs/compression.md)."""
@@ -126,7 +130,7 @@ class TrainConfig:
             raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r}; accepted: none, cpu, disk")
         if self.step_in_backward:
             self._check_step_in_backward()
-        if self.engine != "memfit":
+        if self.engine not in ("memfit", "auto"):
             from memfit.train.fsdp2_run import check_engine
 
             check_engine(self)  # an engine the strategy or an option cannot run on: one line

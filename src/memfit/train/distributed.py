@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -29,7 +30,7 @@ class DistContext:
     rank: int
     world: int
     engine: str = "memfit"
-    """Who carries out zero2/zero3 (memfit.distributed.strategy.ENGINES)."""
+    """Who carries out zero2/zero3 (memfit.distributed.strategy.ENGINES; never "auto": resolve_engine)."""
 
     @property
     def main(self) -> bool:
@@ -59,6 +60,22 @@ def precheck(cfg: Any, resuming: bool = False, world: int | None = None) -> None
     check_checkpointable(strategy, cfg.optimizer)  # a run whose saves would fail: refused before it trains
 
 
+def resolve_engine(cfg: Any, device: torch.device | str | None = None) -> str | None:
+    """Replace cfg.engine "auto" by the engine the run trains on (memfit.distributed.strategy.engine_for), so
+    its config, metrics.json and checkpoints record it. Returns the line to print once (zero1-3), else None."""
+    from memfit.core.device import resolve_device
+    from memfit.distributed.strategy import engine_for, engine_line
+
+    if getattr(cfg, "engine", "memfit") != "auto":
+        return None
+    on = torch.device(device) if device is not None else resolve_device(rank_device(cfg.device)[0])
+    engine, reason = engine_for(cfg.strategy, precision=cfg.precision, optimizer=cfg.optimizer, cuda=on.type == "cuda",
+                                offload=None if cfg.offload_optimizer in (None, "none") else cfg.offload_optimizer,
+                                compress=getattr(cfg, "compress", None))
+    cfg.engine = engine
+    return engine_line(engine, reason) if cfg.strategy in ("zero1", "zero2", "zero3") else None
+
+
 def rank_device(name: str | None, world: int | None = None) -> tuple[str | None, str | None]:
     """The device each rank trains on, and a warning to print once (or None).
 
@@ -85,6 +102,7 @@ def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext
     """Join the process group for `cfg.strategy` (None: a single-process run)."""
     from memfit.distributed import env
 
+    line = resolve_engine(cfg, device)  # (under --nproc the launcher resolved it and said so)
     if cfg.strategy in (None, "none"):
         if env.launched() and int(os.environ["WORLD_SIZE"]) > 1:
             raise ConfigError("started with several processes but no --strategy; pass --strategy ddp, ps, zero1, "
@@ -94,6 +112,8 @@ def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext
     if not env.launched():
         raise ConfigError(f"--strategy {cfg.strategy} needs several processes: add --nproc N, or start with "
                           "torchrun --nproc-per-node N -m memfit train ...")
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"memfit train: {line}", file=sys.stderr, flush=True)
     rank, world = env.init(env.local_device(device))
     if cfg.out is None:  # one run folder for all ranks (each would stamp its own time)
         import torch.distributed as dist
@@ -103,7 +123,7 @@ def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext
         box = [str(new_run_dir()) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         cfg.out = box[0]
-    return DistContext(cfg.strategy, rank, world, getattr(cfg, "engine", "memfit"))
+    return DistContext(cfg.strategy, rank, world, cfg.engine)
 
 
 STOP_REASONS = ("interrupted", "terminated", "steps", "stop_at", "time_limit")
@@ -111,9 +131,8 @@ STOP_REASONS = ("interrupted", "terminated", "steps", "stop_at", "time_limit")
 
 
 def agree_stop(reason: str | None) -> str | None:
-    """One stop decision for all ranks before each step: a signal that reached one rank, or one
-    rank's clock passing the time limit, stops them all at the same step (never a rank waiting
-    in a collective for a peer that has left). One small all-reduce per step."""
+    """One stop decision for all ranks before each step: a signal that reached one rank, or one rank's clock
+    passing the time limit, stops them all at the same step (never a rank left waiting in a collective)."""
     import torch.distributed as dist
 
     from memfit.distributed.comm import control_sum
@@ -154,16 +173,19 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
     if ctx.engine == "fsdp2":  # torch's FSDP2: fully_shard per block (memfit.distributed.fsdp2)
         return distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="fsdp2", weight_decay=cfg.weight_decay,
                           precision=precision, clip=cfg.clip, offload=offload, **optimizer_extra(cfg))
-    opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="memfit", weight_decay=cfg.weight_decay,
                      precision=precision, clip=cfg.clip, offload=offload,
                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg), **strategy_options(cfg))
     opt.compression = compression.attach(opt, getattr(cfg, "compress", "none"), cfg)  # --compress
+    if ctx.strategy in ("pipeline", "tensor"):  # a Hugging Face model takes memfit's aligned targets here
+        opt.aligned_targets = True
     return opt
 
 
 def strategy_options(cfg: Any) -> dict:
     if cfg.strategy == "pipeline":
-        return {"microbatches": cfg.microbatches, "schedule": cfg.schedule, "dp": cfg.dp}
+        return {"microbatches": cfg.microbatches, "schedule": cfg.schedule, "dp": cfg.dp,
+                "virtual_stages": getattr(cfg, "virtual_stages", None)}
     return {"tp": cfg.tp} if cfg.strategy == "tensor" else {}
 
 

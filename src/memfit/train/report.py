@@ -149,7 +149,9 @@ def format_summary(metrics: dict[str, Any], run_dir: Path, stopped: str) -> str:
         return f"memfit train: no steps run; run folder {run_dir}"
     why = {"steps": "", "time_limit": " (time limit)", "stop_at": " (stopped early)", "interrupted": " (interrupted)",
            "terminated": " (SIGTERM)"}.get(stopped, f" ({stopped})")
-    lines = [f"memfit train: {s['steps']} steps, {_count(s['tokens'])} tokens in {s['seconds']:.0f} s{why}"]
+    cfg = metrics.get("config", {})
+    on = f", {cfg['strategy']} on {cfg.get('engine')}" if cfg.get("strategy") in ("zero1", "zero2", "zero3") else ""
+    lines = [f"memfit train: {s['steps']} steps, {_count(s['tokens'])} tokens in {s['seconds']:.0f} s{on}{why}"]
     val = f"   val {s['start_val_loss']:.3f} -> {s['end_val_loss']:.3f}" if s.get("end_val_loss") is not None else ""
     lines.append(f"  loss     {s['start_loss']:.3f} -> {s['end_loss']:.3f}{val}   (nats per byte)")
     lines.append(f"  speed    {s['tokens_per_s']:,.0f} tokens/s (median step)")
