@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from memfit.apply.policy import BlockAction
 from memfit.plan.costs import DISK_BW, HOOK_S
-from memfit.plan.disk_profile import DiskProfile, disk_profile, is_disk
+from memfit.plan.disk_profile import DiskProfile, disk_profile, is_disk, restore_bytes
 from memfit.plan.disk_solve import solve_with_disk
 from memfit.plan.solve import Choice, Cost, solve
 
@@ -50,24 +50,58 @@ DISK_BOUND_STEPS = 8
 
 
 def cannot_beat(prof: Any, limit: int, bases: Sequence[BlockAction], cost: Cost, n: int, tau: float,
-                bandwidth: dict[str, float] | None = None) -> bool:
+                bandwidth: dict[str, float] | None = None, disk: Sequence[BlockAction] = (),
+                restore: dict[str, int] | None = None) -> bool:
     """Whether every plan with disk kinds under `limit` takes more than `tau` extra seconds, by the solver
     alone (no disk trace). Take such a plan P and P' = P with each disk block its plain mode. A disk
     block costs its mode's time plus HOOK_S plus its restore bytes R over the disk rate at least
     (`disk_cost`), and moving R bytes to disk lowers no point of the step by more than R, so P' fits
     limit + sum(R) and t(P) >= t(P') + sum(R) / rate + HOOK_S. With x = sum(R) in [x_j-1, x_j] that is at
     least T(limit + x_j) + x_j-1 / rate + HOOK_S, T(b) the no-disk optimum under b (the exact solver,
-    which is no faster under less); beyond x = tau * rate the disk traffic alone exceeds tau."""
+    which is no faster under less); beyond x = tau * rate the disk traffic alone exceeds tau.
+    `disk`: the disk kinds the plans may take. P has at least one disk block, a single block, so P' has
+    at least one single block in a disk kind's plain mode (keep, or recompute): T is then the optimum of
+    such lists alone (solve's `must`), never below the unrestricted one (a list of selective blocks
+    that fits limit + x is no P' of any disk plan). Without `disk`: the unrestricted optimum.
+    `restore`: R per disk kind (`restore_bytes`, the DiskProfile's own). Then x >= r, the least R, and,
+    with no cpu kind in `bases`, the last moved block is a disk block read lazily (the disk solver's
+    read-ahead states cannot end the chain), whose read-back costs R / rate once more (`disk_cost`):
+    t(P) >= T(limit + x_j) + max(x_j-1, r) / rate + r / rate + HOOK_S."""
     if tau < HOOK_S:
         return True
     rate = (bandwidth or {}).get("disk", DISK_BW)
+    must = sorted({BlockAction(d.mode) for d in disk if is_disk(d)}, key=str)
     plain = [b for b in bases if not is_disk(b)]
+    plain += [m for m in must if m not in plain]  # (P' may take them even where the plan's bases do not)
+    least = min((restore[str(d)] for d in disk if is_disk(d)), default=0) if restore else 0
+    lazy = least if restore and not _has_cpu(plain) else 0
     step = tau * rate / DISK_BOUND_STEPS
     for j in range(1, DISK_BOUND_STEPS + 1):
-        got = solve(prof, limit + int(j * step) + 1, plain, cost, n_blocks=n, max_segment=min(n, 16))
-        if got is not None and got.time + (j - 1) * step / rate + HOOK_S <= tau * (1 + 1e-9):
+        if j * step < least:
+            continue  # no disk plan moves this little
+        got = solve(prof, limit + int(j * step) + 1, plain, cost, n_blocks=n, max_segment=min(n, 16), must=must)
+        if got is not None and got.time + (max((j - 1) * step, least) + lazy) / rate + HOOK_S <= tau * (1 + 1e-9):
             return False
     return True
+
+
+RESTORE_BOUND = True
+"""Where `cannot_beat` alone cannot rule disk kinds out, bound again with their restore bytes (two short
+traces per kind, shared with the disk profile) before tracing the disk profile (about ten more); False:
+the disk profile at once (the same plan)."""
+
+
+def disk_beaten(src, prof: Any, adjust: Callable[[Any], Any], limit: int, bases: Sequence[BlockAction],
+                disk: Sequence[BlockAction], cost: Cost, n: int, tau: float, bandwidth, precision: str,
+                optimizer: str) -> bool:
+    """`cannot_beat` on adjust(prof) (the solver's profile), then, where it cannot tell, with the disk
+    kinds' restore bytes."""
+    if cannot_beat(adjust(prof), limit, bases, cost, n, tau, bandwidth, disk):
+        return True
+    if not RESTORE_BOUND or not disk or tau < HOOK_S:
+        return False
+    restore = restore_bytes(src, getattr(prof, "unchunked", prof), disk, precision, optimizer)
+    return cannot_beat(adjust(prof), limit, bases, cost, n, tau, bandwidth, disk, restore)
 
 
 def solve_any(prof: Any, budget: int, bases: Sequence[BlockAction], cost: Cost, n_blocks: int | None = None,
@@ -88,7 +122,8 @@ def with_disk(src, prof, choice: Choice | None, limit: int, bases: Sequence[Bloc
     `choice` was solved on adjust(prof), and the profile returned is adjusted."""
     if not disk or (choice is not None and (choice.time == 0 or (CPU_BEFORE_DISK and _has_cpu(bases)))):
         return choice, adjust(prof), None
-    if BOUND_DISK and choice is not None and cannot_beat(adjust(prof), limit, bases, cost, n, choice.time, bandwidth):
+    if BOUND_DISK and choice is not None and disk_beaten(src, prof, adjust, limit, bases, disk, cost, n, choice.time,
+                                                         bandwidth, precision, optimizer):
         return choice, adjust(prof), None  # no disk plan can be faster: the disk kinds are not traced
     dp = adjust(disk_profile(src, prof, disk, precision, optimizer))
     dcost = disk_cost(dp, cost, t_fwd, bandwidth)

@@ -196,9 +196,10 @@ def trace_disk(src, base: ChainProfile, disk: Sequence[BlockAction], precision: 
     t0 = time.perf_counter()
     cpu = [BlockAction(m, offload="cpu") for m in ("keep", "recompute") if str(BlockAction(m, offload="cpu")) in base.fwd]
     run = (precision, optimizer, device)
+    restore = restore_bytes(src, base, disk, precision, optimizer, device)  # (its traces are walks below too)
     fwd, bwd = {}, {}
     for walk in walks(disk, cpu):
-        t = _trace(src.build_k, len(walk) + 2, src.step, [KEEP, *walk, KEEP], *run)
+        t = _walk_trace(src, walk, run)
         for i, key in enumerate(_measured(walk)):
             fwd.setdefault(key[0], t.fwd[i + 1])
             if is_disk(walk[i]) or key[2] is not None:
@@ -218,8 +219,40 @@ def trace_disk(src, base: ChainProfile, disk: Sequence[BlockAction], precision: 
         la[key] = _around(plain, _trace(src.build_k, 3, src.step, [KEEP, KEEP, d], *run), [KEEP, KEEP, d])
         both = _around(plain, pair, [d, KEEP, d])
         fa[(key, True)] = {n: both.get(n, _NONE) - la[key].get(n, _NONE) for n in set(both) | set(la[key])}
-    restore = {str(d): bwd[(str(d), False, None)].net_bytes - bwd[(str(d), True, None)].net_bytes for d in disk}
+    for key in [k for k in _WALKS if k[:2] == (src.key, run)]:  # (kept only until the profile is)
+        del _WALKS[key]
     return DiskProfile(base, fwd, bwd, first, last, restore, fa, la, time.perf_counter() - t0)
+
+
+def _walk_trace(src, walk: Sequence[BlockAction], run: tuple):
+    """The trace of a walk between two kept blocks, kept in this process (restore_bytes and trace_disk
+    share two of them)."""
+    from memfit.measure.compose import _trace
+
+    key = (src.key, run, tuple(str(a) for a in walk))
+    if key not in _WALKS:
+        _WALKS[key] = _trace(src.build_k, len(walk) + 2, src.step, [KEEP, *walk, KEEP], *run)
+    return _WALKS[key]
+
+
+_WALKS: dict[tuple, object] = {}
+
+
+def restore_bytes(src, base: ChainProfile, disk: Sequence[BlockAction], precision: str, optimizer: str,
+                  device: str = "cpu") -> dict[str, int]:
+    """R per disk kind d: its lone block read lazily ([d]) allocates its read-back in its own backward,
+    the first of a pair ([d, d]) in the second's; the difference of the two backward stretches. Two
+    short traces per kind (both are walks of trace_disk), or the disk profile's when it is cached."""
+    got = _CACHE.get(_key(src, base, disk, precision, optimizer)) or _load(_key(src, base, disk, precision, optimizer),
+                                                                          base)
+    if got is not None:
+        return dict(got.restore)
+    run = (precision, optimizer, device)
+    out = {}
+    for d in disk:
+        lazy, pair = _walk_trace(src, [d], run), _walk_trace(src, [d, d], run)
+        out[str(d)] = lazy.bwd[1].net_bytes - pair.bwd[1].net_bytes
+    return out
 
 
 def _around(base: ChainProfile, t, actions: Sequence[BlockAction]) -> dict[str, Stretch]:
@@ -238,13 +271,17 @@ def disk_profile(src, base: ChainProfile, disk: Sequence[BlockAction], precision
     """`trace_disk`, cached in this process per chain source and disk kinds. The disk stretches are traced
     on the chain source alone, so one trace serves every base profile of it with the same cpu kinds (a
     base with a chunked head grafted on included: the head's stretches are the base's)."""
-    key = src.key + (precision, optimizer, tuple(str(d) for d in disk), tuple(sorted(base.fwd)))
+    key = _key(src, base, disk, precision, optimizer)
     got = _CACHE.get(key) or _load(key, base)
     if got is None:
         got = trace_disk(src, base, disk, precision, optimizer)
         _store(key, got)
     _CACHE[key] = got
     return got if got.base is base else replace(got, base=base)
+
+
+def _key(src, base: ChainProfile, disk: Sequence[BlockAction], precision: str, optimizer: str) -> tuple:
+    return src.key + (precision, optimizer, tuple(str(d) for d in disk), tuple(sorted(base.fwd)))
 
 
 # On disk (memfit.measure.chain_cache's key and folder): the traced parts, not the base profile, which

@@ -9,7 +9,7 @@ from memfit.plan.costs import HOST_BW, PlanError, _bases, _block_seconds, _cost,
 from memfit.plan.head import head_counts, head_profile, head_seconds, sums_weight_grad
 from memfit.plan.plan import Candidate, Plan
 from memfit.plan import disk_plan
-from memfit.plan.disk_plan import cannot_beat, disk_cost, solve_any, with_disk
+from memfit.plan.disk_plan import disk_beaten, disk_cost, solve_any, with_disk
 from memfit.plan.disk_profile import DiskProfile, disk_bases
 from memfit.plan.accumulate import accumulating
 from memfit.plan.host_memory import host_need, offload_masters
@@ -238,15 +238,24 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
 
     host_limit = getattr(problem, "host_limit", 1 << 62)
 
-    def row(chunks: int | None, p, allowed_bases=bases, defer: bool = False) -> tuple:
+    def row(chunks: int | None, p, allowed_bases=bases, defer: bool = False, beat: float = float("inf")) -> tuple:
         cost = _problem_cost(problem, p, micro)[0]
         choice = solve_any(adjust(p), limit + relief, allowed_bases, cost, n_blocks=n, max_segment=min(n, 16))
         if defer and choice is None and disk and not defer_disk:  # set aside: see DEFER_PLAIN_DISK
             cand = Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks, step_in_backward=sib)
             cand.later_disk = lambda: row(chunks, p, allowed_bases)  # (not a field: plans do not carry it)
             return cand, None, adjust(p), n
-        choice, p, _ = with_disk(src, p, choice, limit + relief, allowed_bases, [] if defer_disk else disk, cost, t_fwd,
-                                 bw, prec, optimizer, n, adjust)
+        head = head_cost(costs, micro / problem.batch, chunks, lambda k: head_seconds(src, tokens, k, speed, prec, device),
+                         sums_weight_grad(src, tokens, prec, device)) if chunks else 0.0
+        kinds, later = [] if defer_disk else disk, None
+        room = (beat - 2 * relief / HOST_BW) / accum - 3 * n * t_fwd - head  # block seconds of a row faster than `beat`
+        if kinds and BOUND_ROW_DISK and choice is not None and room < choice.time and disk_beaten(
+                src, p, adjust, limit + relief, allowed_bases, kinds, cost, n, room, bw, prec, optimizer):
+            # no disk plan makes this row faster than `beat` (a row before it): solved without the disk
+            # kinds, which are traced for it only if the chosen plan is refused (`later_disk`, as above)
+            kinds, later = [], lambda p0=p: row(chunks, p0, allowed_bases)
+        choice, p, _ = with_disk(src, p, choice, limit + relief, allowed_bases, kinds, cost, t_fwd, bw, prec, optimizer, n,
+                                 adjust)
         if choice is None:
             return Candidate(micro, accum, off, prec, 0, 0.0, "", False, chunks, step_in_backward=sib), None, p, n
         host = host_need(p, choice.actions, choice.peak, opt_host, device)
@@ -255,11 +264,12 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
                 return row(chunks, p, [b for b in allowed_bases if b.offload != "cpu"])
             return Candidate(micro, accum, off, prec, choice.peak - relief, 0.0, to_string(choice.actions), False,
                              chunks, host=host, step_in_backward=sib), None, p, n
-        head = head_cost(costs, micro / problem.batch, chunks, lambda k: head_seconds(src, tokens, k, speed, prec, device),
-                         sums_weight_grad(src, tokens, prec, device)) if chunks else 0.0
         time = accum * (3 * n * t_fwd + choice.time + head) + 2 * relief / HOST_BW
-        return Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
-                         chunks, host=host, step_in_backward=sib), choice, p, n
+        cand = Candidate(micro, accum, off, prec, choice.peak - relief, time, to_string(choice.actions), True,
+                         chunks, host=host, step_in_backward=sib)
+        if later is not None:
+            cand.later_disk = later
+        return cand, choice, p, n
 
     counts = _measured_counts(head_counts(src), costs) if "chunked-head" in allowed else []
     out = [row(None, prof, defer=bool(counts) and DEFER_PLAIN_DISK)]
@@ -268,14 +278,14 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
         return out  # (a plan that keeps everything cannot get faster with the head in chunks)
     best = out[0][0].time if out[0][0].feasible else float("inf")
     for i, k in enumerate(counts):  # (profiles are cached: the most chunks' is not traced twice)
-        r = row(k, head_profile(src, prof, k, prec, optimizer, sib))
+        r = row(k, head_profile(src, prof, k, prec, optimizer, sib), beat=best)
         out.append(r)
         if r[0].feasible:
             if later is not None:
                 # the plain head's disk plan, set aside, must be slower than this row (else it is traced now)
                 tau = (r[0].time - 2 * relief / HOST_BW) / accum - 3 * n * t_fwd  # its actions' and head's
                 cost = _problem_cost(problem, prof, micro)[0]
-                if not cannot_beat(adjust(prof), limit + relief, bases, cost, n, tau, bw):
+                if not disk_beaten(src, prof, adjust, limit + relief, bases, disk, cost, n, tau, bw, prec, optimizer):
                     out[0], later = later(), None  # as without deferral from here on
                     best = out[0][0].time if out[0][0].feasible else float("inf")
             if r[0].time >= best:
@@ -289,6 +299,10 @@ def _config_rows(problem, src, prof, config, limit: int, bases, optimizer: str, 
     return _settled(out, later)
 
 
+BOUND_ROW_DISK = True
+"""A row with the head in more chunks is solved with disk kinds only where `cannot_beat` leaves a disk plan
+that could make it faster than the row before it (the loop stops at a row no faster, and the search takes
+the fastest row, the earlier on a tie); False: as any row (the same plan chosen, the disk kinds traced)."""
 DEFER_PLAIN_DISK = True
 """The plain head's row, when nothing fits it without disk kinds, is solved with them only once a row
 with the head in chunks might be slower than its disk plan (`cannot_beat`); False: at once (the same plan,

@@ -42,12 +42,14 @@ def _macro(prof: ChainProfile, base: BlockAction, n: int, seg_id: int) -> list[B
 
 
 def solve(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: Cost, n_blocks: int | None = None,
-          max_segment: int = 16, rounds: int = 4) -> Choice | None:
-    """The fastest action list whose composed peak fits `budget` (None if none does)."""
+          max_segment: int = 16, rounds: int = 4, must: Sequence[BlockAction] = ()) -> Choice | None:
+    """The fastest action list whose composed peak fits `budget` (None if none does). `must`: only lists
+    in which at least one block, alone (not in a segment), takes one of these actions (a lower bound's
+    restricted optimum: memfit.plan.disk_plan.cannot_beat)."""
     n = n_blocks or prof.n_blocks
     bound = budget
     for _ in range(rounds):
-        choice = _dp(prof, bound, bases, cost, n, max_segment)
+        choice = _dp(prof, bound, bases, cost, n, max_segment, tuple(must))
         if choice is None:
             return None
         peak = prof.peak_of(choice.actions)
@@ -58,7 +60,7 @@ def solve(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: C
 
 
 def _dp(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: Cost, n: int,
-        max_segment: int) -> Choice | None:
+        max_segment: int, must: tuple[BlockAction, ...] = ()) -> Choice | None:
     g = _grads_per_block(prof)
     # Live bytes at the step's start and the constant parts, with the all-keep chain as the reference.
     start = sum(prof.start) + (n - prof.traced_blocks) * sum(prof.start_per_block)
@@ -83,45 +85,49 @@ def _dp(prof: ChainProfile, budget: int, bases: Sequence[BlockAction], cost: Cos
     # Every decision (an action, or a segment of k blocks) at block i is feasible iff F <= its
     # threshold, and moves F by its forward nets: the DP only compares integers. Each front is a
     # Pareto set (F ascending, time strictly descending) held in numpy arrays, with back-pointers.
+    # With `must`, a state also says whether a `must` block was taken yet (1; without `must`, always
+    # 1): fronts are kept per flag, and only flag 1 may end the chain.
     head_net = post_f.net_bytes + post_b.net_bytes
-    pending: list[list[tuple]] = [[] for _ in range(n + 1)]
-    fronts: list[tuple | None] = [None] * (n + 1)
+    need = {o for o, (b, k) in enumerate(options) if k == 1 and b in must}
+    pending: list[dict[int, list[tuple]]] = [{0: [], 1: []} for _ in range(n + 1)]
+    fronts: list[dict[int, tuple]] = [{} for _ in range(n + 1)]
     zero = np.zeros(1, np.int64)
-    fronts[0] = (zero, np.zeros(1), zero, zero, zero)
+    fronts[0] = {0 if must else 1: (zero, np.zeros(1), zero, zero, zero, zero)}
     shapes: dict[tuple, tuple[int, int, int, int]] = {}
     for i in range(n):
         if i > 0:
-            fronts[i], pending[i] = _reduce(pending[i]), []
-        if fronts[i] is None:
-            continue
-        F, T = fronts[i][0], fronts[i][1]
-        for o, (b, k) in enumerate(options):
-            if i + k > n:
-                continue
-            ckey = (b, k, i == 0, i + k == n)
-            got = shapes.get(ckey)
-            if got is None:  # a decision's stretches depend on its position only at the chain's ends
-                got = shapes[ckey] = _shape(*_stretches(prof, _macro(prof, b, k, 0), i, n))
-            limit, delta = _threshold_fast(got, c0, i, k, n, g, budget, head_net)
-            m = int(np.searchsorted(F, limit, side="right"))
-            if m:
-                pending[i + k].append((F[:m] + delta, T[:m] + cost(b, k) * k, np.full(m, i, np.int64),
-                                       np.arange(m, dtype=np.int64), np.full(m, o, np.int64)))
-    fronts[n] = _reduce(pending[n])
-    if fronts[n] is None:
+            fronts[i] = {f: r for f, parts in pending[i].items() if (r := _reduce(parts)) is not None}
+            pending[i] = {}
+        for flag, (F, T, *_) in fronts[i].items():
+            for o, (b, k) in enumerate(options):
+                if i + k > n:
+                    continue
+                ckey = (b, k, i == 0, i + k == n)
+                got = shapes.get(ckey)
+                if got is None:  # a decision's stretches depend on its position only at the chain's ends
+                    got = shapes[ckey] = _shape(*_stretches(prof, _macro(prof, b, k, 0), i, n))
+                limit, delta = _threshold_fast(got, c0, i, k, n, g, budget, head_net)
+                m = int(np.searchsorted(F, limit, side="right"))
+                if m:
+                    pending[i + k][1 if flag or o in need else 0].append(
+                        (F[:m] + delta, T[:m] + cost(b, k) * k, np.full(m, i, np.int64), np.arange(m, dtype=np.int64),
+                         np.full(m, o, np.int64), np.full(m, flag, np.int64)))
+    last = _reduce(pending[n][1])
+    if last is None:
         return None
-    F, T = fronts[n][0], fronts[n][1]
+    fronts[n] = {1: last}
+    F, T = last[0], last[1]
     head_base = c0 + F
     ok = (head_base + post_f.peak_bytes <= budget) & (head_base + post_f.net_bytes + post_b.peak_bytes <= budget)
     if not ok.any():
         return None
     j = int(np.flatnonzero(ok)[np.argmin(T[ok])])
     best_t = float(T[j])
-    decisions, at = [], n
+    decisions, at, flag = [], n, 1
     while at > 0:
-        _, _, src_i, src_idx, opt_idx = fronts[at]
+        _, _, src_i, src_idx, opt_idx, src_flag = fronts[at][flag]
         decisions.append(options[int(opt_idx[j])])
-        at, j = int(src_i[j]), int(src_idx[j])
+        at, j, flag = int(src_i[j]), int(src_idx[j]), int(src_flag[j])
     acts: list[BlockAction] = []
     for seg_id, (b, k) in enumerate(reversed(decisions)):
         acts += _macro(prof, b, k, seg_id)
@@ -133,14 +139,14 @@ def _reduce(parts: list[tuple]) -> tuple | None:
     state with less F (of equal F, the fastest)."""
     if not parts:
         return None
-    F, T, si, sx, op = (np.concatenate(c) for c in zip(*parts))
+    F, T, *rest = (np.concatenate(c) for c in zip(*parts))
     order = np.lexsort((T, F))
     F, T = F[order], T[order]
     keep = np.empty(len(F), bool)
     keep[0] = True
     keep[1:] = T[1:] < np.minimum.accumulate(T)[:-1]
     order = order[keep]
-    return F[keep], T[keep], si[order], sx[order], op[order]
+    return (F[keep], T[keep], *(r[order] for r in rest))
 
 
 def _stretches(prof: ChainProfile, acts: list[BlockAction], i: int, n: int) -> tuple[list[Stretch], list[Stretch]]:
