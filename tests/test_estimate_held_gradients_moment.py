@@ -53,3 +53,20 @@ def test_ddp_and_zero_redundancy_ranks_hold_their_buckets_beside_the_loss_backwa
     measured = run_world(grid.tracked, 2, (cases,), timeout_s=1200)
     rows = grid.errors(cases, 2, measured)
     assert all(abs(e) < TOLERANCE for r in rows for e in r["error"]), [(r["case"], r["error"]) for r in rows]
+
+
+@pytest.mark.slow
+def test_the_composed_trace_finds_the_same_moment_as_the_whole_trace():
+    """From 12 blocks the estimate composes short traces (memfit.measure.compose): each stretch keeps
+    its point with the most activations + temporaries (Stretch.busy), and the composed moment is the
+    whole trace's to the byte (12 blocks, full recomputation: the last block's recompute in backward)."""
+    from memfit.measure.blocks import composed_step
+    from memfit.measure.trace import trace_step
+    from memfit.models.spec import parse_model
+
+    spec = parse_model(grid.gpt(12))
+    whole = trace_step(spec, batch=grid.BATCH, seq=grid.SEQ, checkpoint="full")
+    composed = composed_step(spec, grid.BATCH, grid.SEQ, checkpoint="full")
+    (name, moment), = whole.other_moments.items()
+    assert name == f"blocks.11.{BUSIEST}" and moment["grads"] < whole.grads
+    assert {k: v for k, v in composed.other_moments[name].items() if k != "total"} == moment
