@@ -7,7 +7,8 @@ memfit's GPT (hidden 32, 4 heads, vocab 128, seq 32, batch 2 per rank) at each d
 ddp, ps, zero1-3, pipeline (1F1B and GPipe, one micro-batch per stage) and tensor, in 32-true and
 bf16-master, without and with full checkpointing, on 2 gloo ranks; `--worlds 2 4` adds 4 ranks for
 `--world4-depths`. `--hf`: Llama (tied, untied, GQA), GPT-2 and Mixtral configs under each
-data-parallel strategy. Memory figures are exact byte counts (no timing): one run is enough.
+data-parallel strategy, and the Llama configs under tensor (their tensor plan, tp 2) and pipeline
+(1F1B and GPipe, cut at decoder layers, pp 2). Memory figures are exact byte counts (no timing): one run is enough.
 """
 from __future__ import annotations
 

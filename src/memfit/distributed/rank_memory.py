@@ -142,9 +142,9 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
                 accum: int = 1) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total", at the peak;
-    `moments`: the same at each module's highest moment; `saved`: bytes saved for backward per
-    module; `tokens`: batch x seq per rank; `peak_block`: the block the one-device peak is in, -1 for
-    one not known, None for none).
+    `moments`: the same at each module's highest moment and at BUSIEST; `saved`: bytes saved for
+    backward per module; `tokens`: batch x seq per rank; `peak_block`: the block the one-device peak is
+    in, -1 for one not known, None for none).
 
     Every one-device moment is turned into the rank's (its model states in place of the whole
     model's), and a few moments only a strategy has are added; the peak is the highest, and the
