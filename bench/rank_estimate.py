@@ -8,8 +8,9 @@ memfit's GPT (hidden 32, 4 heads, vocab 128, seq 32, batch 2 per rank) at each d
 ddp, ps, zero1-3, pipeline (1F1B and GPipe, one micro-batch per stage) and tensor, in 32-true and
 bf16-master, without and with full checkpointing, on 2 gloo ranks; `--worlds 2 4` adds 4 ranks for
 `--world4-depths`. `--hf`: Llama (tied, untied, GQA), GPT-2 and Mixtral configs under each
-data-parallel strategy. `--interleaved`: the pipeline's interleaved 1F1B schedule alone
-(tests/rank_grid.py's interleaved_cases: V stages per rank, GPT and Llama, 2 and 4 ranks), written
+data-parallel strategy, and the Llama configs under tensor (their tensor plan, tp 2) and pipeline
+(1F1B and GPipe, cut at decoder layers, pp 2). `--interleaved`: the pipeline's interleaved 1F1B schedule
+alone (tests/rank_grid.py's interleaved_cases: V stages per rank, GPT and Llama, 2 and 4 ranks), written
 to bench/results/NAME.json. Memory figures are exact byte counts (no timing): one run is enough.
 """
 from __future__ import annotations

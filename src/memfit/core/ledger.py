@@ -64,6 +64,7 @@ class StorageLedger:
         self.module_peaks: dict[str, int] = {}
         self.module_peak_categories: dict[str, list[int]] = {}
         self._fresh_mods: list[str] = []  # modules whose peak is the current state
+        self._clear_busiest()
         self._phase = 0
         self._self_ref = weakref.ref(self)
         self.events: list[tuple[int, int]] | None = None
@@ -92,8 +93,19 @@ class StorageLedger:
         with self._lock:
             return {name: dict(zip(CATEGORIES, cats)) for name, cats in self.module_peak_categories.items()}
 
+    def _clear_busiest(self) -> None:
+        self.busiest_categories: list[int] | None = None
+        """Categories at the moment a module ran with the most activations + temporaries (the highest
+        moment once every gradient is held beside them: DDP's buckets, accumulation); None before one."""
+        self.busiest_mods: tuple[str, ...] = ()
+        """The modules running at that moment."""
+        self._busy_bytes = -1
+        self._busy_fresh = False  # the current state is that moment's (no allocation or free since)
+        self._busy_prev: tuple = (-1, None, ())
+
     def _restart_peak(self) -> None:
         with self._lock:
+            self._clear_busiest()
             self.peak_bytes = self.current_bytes
             self._peak_cats = list(self._cur)
             self._at_peak = True
@@ -170,6 +182,7 @@ class StorageLedger:
             self._cur[e.cat] += n
             self.current_bytes += n
             self._at_peak = False
+            self._busy_fresh = False
             if self._fresh_mods:
                 self._fresh_mods.clear()
 
@@ -184,7 +197,20 @@ class StorageLedger:
                     self._peak_cats = list(self._cur)
                 for name in self._fresh_mods:
                     self.module_peak_categories[name] = list(self._cur)
+                if self._busy_fresh:
+                    self._relabel_busiest()
             e.cat = cat
+
+    def _relabel_busiest(self) -> None:
+        """The busiest moment's state relabelled (a new gradient was counted as a temporary until it
+        became p.grad): the same moment with fewer activations + temporaries, which may no longer be
+        the busiest; the one before it is then."""
+        at = self._cur[ACTIVATIONS] + self._cur[TEMPORARIES]
+        if at >= self._busy_prev[0]:
+            self._busy_bytes, self.busiest_categories = at, list(self._cur)
+        else:
+            self._busy_bytes, self.busiest_categories, self.busiest_mods = self._busy_prev
+            self._busy_fresh = False
 
     def _on_free(self, key: int) -> None:
         with self._lock:
@@ -218,7 +244,13 @@ class StorageLedger:
                 self._peak_cats = list(self._cur)
                 self._at_peak = True
             peaks, cats = self.module_peaks, self.module_peak_categories
-            for name in self._current_mods():
+            mods = self._current_mods()
+            if mods and self._cur[ACTIVATIONS] + self._cur[TEMPORARIES] > self._busy_bytes:
+                if not self._busy_fresh:
+                    self._busy_prev = (self._busy_bytes, self.busiest_categories, self.busiest_mods)
+                self._busy_bytes = self._cur[ACTIVATIONS] + self._cur[TEMPORARIES]
+                self.busiest_categories, self.busiest_mods, self._busy_fresh = list(self._cur), mods, True
+            for name in mods:
                 if cur > peaks.get(name, 0):
                     peaks[name] = cur
                     cats[name] = list(self._cur)

@@ -122,6 +122,17 @@ _BLOCK = re.compile(r"(?:[A-Za-z_][\w.]*\.)?\d+")
 """A repeated block's name in module_activations: a ModuleList's child (blocks.3, model.layers.3)."""
 
 
+BUSIEST = "(most activations and temporaries)"
+"""The one-device moment a module ran with the most activations + temporaries (memfit.measure.trace)."""
+
+
+def busiest_name(mods: tuple[str, ...]) -> str:
+    """That moment's name among a trace's moments: inside a repeated block its name under the block's
+    (so that rank_totals places it in that block), else BUSIEST alone (between the blocks)."""
+    block = min((m for m in mods if _BLOCK.fullmatch(m)), key=len, default=None)
+    return f"{block}.{BUSIEST}" if block is not None else BUSIEST
+
+
 RANK_CATEGORIES = ("params", "gathered", "grads", "in_flight", "optimizer", "activations", "temporaries")
 """A rank's figures at its peak moment; they add up to its total."""
 
@@ -131,9 +142,9 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
                 accum: int = 1) -> list[dict]:
     """Each rank's step peak from its model states and a one-device trace of the per-rank micro-batch
     (`one_device`: memfit.estimate(..., batch=B).per_device, categories and "total", at the peak;
-    `moments`: the same at each module's highest moment; `saved`: bytes saved for backward per
-    module; `tokens`: batch x seq per rank; `peak_block`: the block the one-device peak is in, -1 for
-    one not known, None for none).
+    `moments`: the same at each module's highest moment and at BUSIEST; `saved`: bytes saved for
+    backward per module; `tokens`: batch x seq per rank; `peak_block`: the block the one-device peak is
+    in, -1 for one not known, None for none).
 
     Every one-device moment is turned into the rank's (its model states in place of the whole
     model's), and a few moments only a strategy has are added; the peak is the highest, and the
@@ -189,7 +200,8 @@ def rank_totals(rows: list[dict], one_device: dict[str, int], saved: dict[str, i
             moments_r += [_later(r, m) for m in moments_r]
         cats = max((_filled(m) for m in moments_r + steps), key=lambda m: m["total"])
         # each module's peak on this rank (the module table), from its one-device moment
-        modules = {k: _filled(_moment(r, held, m, _block_index(k), full))["total"] for k, m in (moments or {}).items()}
+        modules = {k: _filled(_moment(r, held, m, _block_index(k), full))["total"] for k, m in (moments or {}).items()
+                   if not k.endswith(BUSIEST)}
         out.append({**r, **cats, "modules": modules})
     return out
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from memfit.apply.policy import BlockAction, resolve_policy, segments
 from memfit.core.errors import ConfigError
 from memfit.measure.compose import BASE_ACTIONS, ChainProfile, profile_chain
-from memfit.measure.timeline import NotAChain
+from memfit.measure.timeline import NotAChain, Vec
 from memfit.models.hf_check import per_layer_config
 
 
@@ -210,6 +210,7 @@ def composed_step(spec: Any, batch: int, seq: int, precision: str = "32-true", o
                for k, v in prof.moments(actions).items()}
     moments[root] = dict(cats, total=got.peak)
     modules = dict(sorted(((k, v["total"]) for k, v in moments.items()), key=lambda kv: -kv[1]))
+    other = _busiest(prof.moments(actions, busy=True), prefix)
     # Bytes saved for backward, named as a whole trace names them (the per-rank estimate reads them):
     # each block's, the embeddings' (what the forward keeps before the blocks) and the model's.
     pre, per_block, post = prof.saved(actions)
@@ -217,7 +218,21 @@ def composed_step(spec: Any, batch: int, seq: int, precision: str = "32-true", o
     if embeddings:
         saved[embeddings[0]] = pre
     return TraceResult(peak=got.peak, modules=modules, seconds=time.perf_counter() - t0, module_categories=moments,
+                       other_moments=other,
                        module_activations=dict(sorted(saved.items(), key=lambda kv: -kv[1])), **cats)
+
+
+def _busiest(points: dict[str, Vec], prefix: str) -> dict[str, dict[str, int]]:
+    """The composed step's moment with the most activations + temporaries while the model runs (not
+    the optimizer step), named as a whole trace names it (memfit.measure.trace.TraceResult.other_moments)."""
+    from memfit.distributed.rank_memory import busiest_name
+
+    points = {k: v for k, v in points.items() if k not in ("optimizer step", "step start")}
+    if not points:
+        return {}
+    k, v = max(points.items(), key=lambda kv: kv[1][3] + kv[1][4])
+    name = busiest_name((f"{prefix}{k[6:]}",) if k.startswith("block ") else ())
+    return {name: dict(zip(CATS, v), total=sum(v))}
 
 
 def module_names(spec: Any, seq: int) -> tuple[str, str, list[str]]:

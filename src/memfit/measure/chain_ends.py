@@ -99,7 +99,7 @@ def around_corrections(t: StepStretches, kinds: list[str], a: StepStretches,
         for kind, c in counts.items():
             freed = vadd(freed, vscale(d.get(kind, ZERO), c))
         exp = parts[name] + slope[name].scaled(len(kinds) - k)
-        exp = Stretch(exp.peak, vsub(exp.net, freed))
+        exp = exp.with_net(vsub(exp.net, freed))
         diff = getattr(t, name) - exp
         # Frees of what an end block made: in the composition they are its kind's typical frees plus
         # the kept end's own (in `parts`); here they are this end block's.

@@ -189,7 +189,7 @@ class ChainProfile:
             for k, c in counts.items():
                 if k in d:
                     freed = vadd(freed, vscale(d[k], c))
-            s = Stretch(s.peak, vsub(s.net, freed))
+            s = s.with_net(vsub(s.net, freed))
         return s
 
     def _at(self, start: Vec, seq: list[Stretch], upto: int, n: int) -> Vec:
@@ -201,18 +201,20 @@ class ChainProfile:
                 cur = cur[:3] + (cur[3] + cur[4] - self.bw_temps, self.bw_temps)
         return cur if upto < 0 else vadd(cur, seq[upto].peak)
 
-    def moments(self, actions: Sequence[BlockAction]) -> dict[str, Vec]:
-        """Bytes per category at each stretch's highest point, by the stretch's name (a block's
-        forward and backward both under "block i": the higher of the two)."""
+    def moments(self, actions: Sequence[BlockAction], busy: bool = False) -> dict[str, Vec]:
+        """Bytes per category at each stretch's highest point (`busy`: its Stretch.busy point), by the
+        stretch's name (a block's forward and backward both under "block i": the higher of the two)."""
+        if self.plain is not None and all(a.is_plain for a in actions):
+            return self.plain.moments(actions, busy)
         n = len(actions)
         start, seq = self._walk_seq(actions)
         out: dict[str, Vec] = {}
-        cur = start
+        cur, rank = start, (lambda v: v[3] + v[4]) if busy else sum
         for j, st in enumerate(seq):
-            at = vadd(cur, st.peak)
+            at = vadd(cur, st.busy if busy else st.peak)
             name = _where(j, n).replace(" forward", "").replace(" backward", "") if 0 < j <= n or n + 2 < j < 2 * n + 3 \
                 else _where(j, n)
-            if name not in out or sum(at) > sum(out[name]):
+            if name not in out or rank(at) > rank(out[name]):
                 out[name] = at
             cur = vadd(cur, st.net)
             if j == n + 1:  # backward starts: the tracker relabels (see timeline.StepStretches)
@@ -258,7 +260,7 @@ def _without_deferred(st: StepStretches, kinds: list[str]) -> tuple[dict[str, St
         back = ZERO
         for i, v in d.items():
             back = vadd(back, v if 0 < i < last else kd.get(kinds[i], ZERO))
-        parts[name] = Stretch(s.peak, vadd(s.net, back))
+        parts[name] = s.with_net(vadd(s.net, back))
         per_kind[name] = kd
     return parts, per_kind
 

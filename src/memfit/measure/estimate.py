@@ -321,7 +321,7 @@ def _estimate(model: Any, example: Any, *, params: int | None, batch: int, seq: 
     per, modules = _per_device(tr, {cat: (getattr(sharded, cat), getattr(single, cat)) for cat in MODEL_STATES})
     return Estimate(spec.name, n, batch, seq, precision, optimizer, zero, world, checkpoint, offload_optimizer,
                     per, sharded.offloaded, budget, traced=True, trace_seconds=tr.seconds, modules=modules,
-                    module_activations=dict(tr.module_activations), moments=dict(tr.module_categories),
+                    module_activations=dict(tr.module_activations), moments=tr.module_categories | tr.other_moments,
                     attention=dict(tr.attention),
                     reserve_overhead=None if tr.cuda_reserved is None else tr.cuda_reserved - tr.peak)
 

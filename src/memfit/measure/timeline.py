@@ -44,12 +44,17 @@ ZERO: Vec = (0,) * N_CAT
 
 @dataclass(frozen=True)
 class Stretch:
-    """One part of a step: live bytes at its peak and at its end, both relative to its start."""
+    """One part of a step: live bytes at its peak and at its end, both relative to its start; `busy`:
+    at its point with the most activations + temporaries (the peak's when not given), the moment that
+    is highest once every gradient is held beside it (memfit.distributed.rank_memory.BUSIEST)."""
 
     peak: Vec
     net: Vec
+    busy: Vec = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        if self.busy is None:
+            object.__setattr__(self, "busy", self.peak)
         # Totals are read in every composition walk: computed once.
         object.__setattr__(self, "peak_bytes", sum(self.peak))
         object.__setattr__(self, "net_bytes", sum(self.net))
@@ -58,20 +63,23 @@ class Stretch:
     net_bytes: int = field(init=False, repr=False, compare=False)
 
     def __add__(self, other: "Stretch") -> "Stretch":
-        return Stretch(vadd(self.peak, other.peak), vadd(self.net, other.net))
+        return Stretch(vadd(self.peak, other.peak), vadd(self.net, other.net), vadd(self.busy, other.busy))
 
     def __sub__(self, other: "Stretch") -> "Stretch":
-        return Stretch(vsub(self.peak, other.peak), vsub(self.net, other.net))
+        return Stretch(vsub(self.peak, other.peak), vsub(self.net, other.net), vsub(self.busy, other.busy))
 
     def scaled(self, k: int) -> "Stretch":
-        return Stretch(vscale(self.peak, k), vscale(self.net, k))
+        return Stretch(vscale(self.peak, k), vscale(self.net, k), vscale(self.busy, k))
+
+    def with_net(self, net: Vec) -> "Stretch":
+        return Stretch(self.peak, net, self.busy)
 
     def to_json(self) -> dict[str, Any]:
-        return {"peak": list(self.peak), "net": list(self.net)}
+        return {"peak": list(self.peak), "net": list(self.net), "busy": list(self.busy)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Stretch":
-        return cls(tuple(d["peak"]), tuple(d["net"]))
+        return cls(tuple(d["peak"]), tuple(d["net"]), tuple(d.get("busy", d["peak"])))
 
 
 class TimelineTracker(MemoryTracker):
@@ -103,11 +111,15 @@ class TimelineTracker(MemoryTracker):
         self._note()
 
     def _recat(self, e, cat: int) -> None:
+        before = tuple(self._cur)
         super()._recat(e, cat)
-        # A relabel right after an allocation (a new gradient becomes p.grad) belongs to that moment.
-        if self.record and self.record[-1][0] == self.current_bytes:
-            total, _, bw, tag = self.record[-1]
-            self.record[-1] = (total, tuple(self._cur), bw, tag)
+        # A relabel right after an allocation (a new gradient becomes p.grad) belongs to that moment,
+        # which may have been recorded more than once (before and after the op's peak check).
+        i = len(self.record) - 1
+        while i >= 0 and self.record[i][1] == before:
+            total, _, bw, tag = self.record[i]
+            self.record[i] = (total, tuple(self._cur), bw, tag)
+            i -= 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # no memory changes; most dispatches of a fake step are this one
@@ -165,18 +177,22 @@ class NotAChain(Exception):
 
 
 def _runs(record: list) -> tuple[list, list[int]]:
-    """Consecutive records with the same (backward, block) tag -> (tag, start vec, peak vec), and the
-    record index where each run begins."""
+    """Consecutive records with the same (backward, block) tag -> (tag, start vec, peak vec, busy vec: the
+    most activations + temporaries), and the record index where each run begins."""
     runs: list[list] = []
     first: list[int] = []
     for i, (total, cats, bw, tag) in enumerate(record):
         key = (bw, tag)
         if not runs or runs[-1][0] != key:
-            runs.append([key, cats, cats, total])
+            runs.append([key, cats, cats, total, cats])
             first.append(i)
-        elif total > runs[-1][3]:
-            runs[-1][2], runs[-1][3] = cats, total
-    return [(k, s, p) for k, s, p, _ in runs], first
+            continue
+        run = runs[-1]
+        if total > run[3]:
+            run[2], run[3] = cats, total
+        if cats[3] + cats[4] > run[4][3] + run[4][4]:
+            run[4] = cats
+    return [(k, s, p, b) for k, s, p, _, b in runs], first
 
 
 def stretches(tracker: TimelineTracker, n_blocks: int) -> StepStretches:
@@ -188,7 +204,7 @@ def stretches(tracker: TimelineTracker, n_blocks: int) -> StepStretches:
     starts = [r[1] for r in runs] + [rec[-1][1]]
     # Runs grouped by tag; untagged runs between two blocks of a phase go to the following block.
     groups: list[list] = []
-    for j, ((bw, tag), _, _) in enumerate(runs):
+    for j, ((bw, tag), *_) in enumerate(runs):
         k = ("none", bw) if tag is None else ("blk", bw, tag)
         if groups and groups[-1][0] == k:
             groups[-1][1].append(j)
@@ -215,7 +231,8 @@ def _frees_in(idx: list[int], owner: dict[int, list]) -> dict[int, Vec]:
 def _stretch(idx: list[int], runs, starts) -> Stretch:
     s = starts[idx[0]]
     best = max(idx, key=lambda j: sum(runs[j][2]))
-    return Stretch(vsub(runs[best][2], s), vsub(starts[idx[-1] + 1], s))
+    busy = max(idx, key=lambda j: runs[j][3][3] + runs[j][3][4])
+    return Stretch(vsub(runs[best][2], s), vsub(starts[idx[-1] + 1], s), vsub(runs[busy][3], s))
 
 
 def _assemble(groups, runs, starts, n: int, peak: int, owner: dict) -> StepStretches:

@@ -50,6 +50,10 @@ class TraceResult:
     """Per module: bytes saved for backward by ops run inside it."""
     module_categories: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per module: the five categories at that module's peak moment (they sum to modules[name])."""
+    other_moments: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Moments that are no module's highest but become a rank's peak once gradient buckets are held
+    beside them: the one with the most activations + temporaries while the model ran (e.g. the loss's
+    backward under full recomputation), named by memfit.distributed.rank_memory.busiest_name."""
     seconds: float = 0.0
     """Wall time of the trace or measurement."""
     host_peak: int = 0
@@ -178,6 +182,14 @@ def _train_step(model: nn.Module, opt, batch: int, seq: int, vocab: int, device:
     opt.step()
 
 
+def _busiest(tracker: MemoryTracker) -> dict[str, dict[str, int]]:
+    from memfit.core.ledger import CATEGORIES
+    from memfit.distributed.rank_memory import busiest_name
+
+    cats = tracker.busiest_categories
+    return {} if cats is None else {busiest_name(tracker.busiest_mods): dict(zip(CATEGORIES, cats))}
+
+
 def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, optimizer: str,
          checkpoint: "str | list", device: str, steps: int, window, offload: str | None = None,
          gpu=None, step_in_backward: bool = False) -> TraceResult:
@@ -227,6 +239,6 @@ def _run(build: Callable[[], nn.Module], batch: int, seq: int, precision: str, o
         activations=b["activations"], temporaries=b["temporaries"],
         modules=dict(sorted(tracker.module_peaks.items(), key=lambda kv: -kv[1])),
         module_activations=dict(sorted(tracker.module_activations.items(), key=lambda kv: -kv[1])),
-        module_categories=tracker.module_breakdowns(),
+        module_categories=tracker.module_breakdowns(), other_moments=_busiest(tracker),
         host_peak=tracker.host_peak_bytes,
     )
