@@ -27,6 +27,7 @@ any block recomputes, one block's kept bytes (the forward rerun in backward).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from memfit.measure.formulas import model_state_bytes
@@ -83,10 +84,18 @@ def in_flight(lay: Layout, rank: int) -> float:
     if lay.strategy != "pipeline":
         return 1
     if lay.schedule == "interleaved":
-        from memfit.distributed.interleaved import peak_held, rank_order
+        from memfit.distributed.interleaved import peak_held
 
-        return peak_held(rank_order(lay.pp, lay.virtual_stages, lay.accum, rank)) / lay.virtual_stages
+        return peak_held(_order(lay.pp, lay.virtual_stages, lay.accum, rank)) / lay.virtual_stages
     return lay.accum if lay.schedule == "gpipe" else min(lay.accum, lay.pp - rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _order(pp: int, virtual: int, microbatches: int, rank: int) -> tuple:
+    """torch's interleaved order for the rank (memfit.distributed.interleaved.rank_order), computed once."""
+    from memfit.distributed.interleaved import rank_order
+
+    return tuple(rank_order(pp, virtual, microbatches, rank))
 
 
 def _interleaved_rows(lay: Layout, unit: UnitProfile, rank: int, blocks_row: int, head: int) -> int:
@@ -94,12 +103,10 @@ def _interleaved_rows(lay: Layout, unit: UnitProfile, rank: int, blocks_row: int
     forward's saved tensors (its stage's blocks; the embeddings on stage 0, the head and the logits on
     the last) until its backward, and every sent output and input gradient to the step's end (the
     runtime keeps each send's work until then: memfit.measure.pipeline_trace)."""
-    from memfit.distributed.interleaved import rank_order
-
     v, last = lay.virtual_stages, lay.pp * lay.virtual_stages - 1
     item = lambda s: blocks_row // v + (unit.embed_saved if s == 0 else 0) + (head if s == last else 0)  # noqa: E731
     held = sent = peak = 0
-    for kind, stage, _ in rank_order(lay.pp, v, lay.accum, rank):
+    for kind, stage, _ in _order(lay.pp, v, lay.accum, rank):
         if kind == "F":
             held += item(stage)
             sent += unit.boundary if stage != last else 0
