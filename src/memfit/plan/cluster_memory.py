@@ -207,5 +207,5 @@ def fixed_bytes(lay: Layout, unit: UnitProfile, layers: int, rank: int, tied: bo
     the linear form rank_peaks takes in the action counts (without the recompute working set)."""
     probe = Layout(**{**lay.__dict__, "counts": [(0, 0, 0)] * lay.pp})
     base = rank_peaks(probe, unit, layers, tied)[rank]["backward"]  # (the step's moment: no counts change it)
-    per = -(-int(lay.rows * in_flight(lay, rank) * lay.virtual_stages) // lay.virtual_stages)
+    per = -(-round(lay.rows * in_flight(lay, rank) * lay.virtual_stages) // lay.virtual_stages)  # (exact: V x a count)
     return base, per * unit.saved["keep"], per * unit.saved["selective"], per * unit.saved["recompute"]
