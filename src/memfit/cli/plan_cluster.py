@@ -43,7 +43,7 @@ def run_cluster(args: argparse.Namespace, model: str, device: str, emit=None) ->
     if cp.by_count:
         print("\n  best plan by device count (" + cp.time_basis.split(":")[0] + "):")
         for c in cp.by_count:
-            print(f"  {c['gpus']:>6} devices  {c['strategy']:<9}{c['degrees']:<26}{format_bytes(c['peak']):>12}"
+            print(f"  {c['gpus']:>6} devices  {c['strategy']:<9}{c['degrees']:<36}{format_bytes(c['peak']):>12}"
                   f"{c['tokens_per_s']:>14,.0f} tok/s{c['tokens_per_s_per_device']:>11,.0f} per device")
     print()
     print(cp.summary())
@@ -54,14 +54,14 @@ def run_cluster(args: argparse.Namespace, model: str, device: str, emit=None) ->
 
 
 def table(rows: list[dict], limit: int = 12) -> str:
-    head = (f"  {'strategy':<10}{'degrees':<27}{'micro x accum':<15}{'offload':<9}{'head':>5}{'peak/rank':>12}"
+    head = (f"  {'strategy':<10}{'degrees':<37}{'micro x accum':<15}{'offload':<9}{'head':>5}{'peak/rank':>12}"
             f"{'step s':>10}{'tokens/s':>13}{'comm/step':>12}  blocks (keep/sel/rec)")
     out = [head]
     for r in _with_each_kind(rows, limit):
         step = f"{r['step_s']:.3g}" if r["feasible"] else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r["feasible"] else "does not fit"
         acts = " | ".join("/".join(map(str, c)) for c in r["counts"][:2]) + (" ..." if len(r["counts"]) > 2 else "")
-        out.append(f"  {r['strategy']:<10}{r['degrees']:<27}{str(r['micro_batch']) + ' x ' + str(r['accumulation']):<15}"
+        out.append(f"  {r['strategy']:<10}{r['degrees']:<37}{str(r['micro_batch']) + ' x ' + str(r['accumulation']):<15}"
                    f"{r['offload_optimizer'] or '-':<9}{r['head_chunks'] or '-':>5}{format_bytes(r['peak']):>12}"
                    f"{step:>10}{tps:>13}"
                    f"{format_bytes(r['comm_bytes']):>12}  {acts}")

@@ -27,6 +27,7 @@ any block recomputes, one block's kept bytes (the forward rerun in backward).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from memfit.measure.formulas import model_state_bytes
@@ -50,7 +51,7 @@ class Layout:
     """Micro-batches per optimizer step (pipeline: the schedule's micro-batches)."""
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    """Pipeline stages per rank (schedule "interleaved"; the planner itself searches gpipe and 1f1b)."""
+    """Pipeline stages per rank (schedule "interleaved": the blocks cut evenly into pp x V stages)."""
     precision: str = "32-true"
     optimizer: str = "adamw"
     offload_optimizer: str | None = None
@@ -77,10 +78,43 @@ def stage_sizes(layers: int, stages: int) -> list[int]:
     return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
 
 
-def in_flight(lay: Layout, rank: int) -> int:
+def in_flight(lay: Layout, rank: int) -> float:
+    """Micro-batches whose activations a rank's block holds at its peak (interleaved: the
+    micro-batch-stages held over the rank's V stages, per block of the rank)."""
     if lay.strategy != "pipeline":
         return 1
+    if lay.schedule == "interleaved":
+        from memfit.distributed.interleaved import peak_held
+
+        return peak_held(_order(lay.pp, lay.virtual_stages, lay.accum, rank)) / lay.virtual_stages
     return lay.accum if lay.schedule == "gpipe" else min(lay.accum, lay.pp - rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _order(pp: int, virtual: int, microbatches: int, rank: int) -> tuple:
+    """torch's interleaved order for the rank (memfit.distributed.interleaved.rank_order), computed once."""
+    from memfit.distributed.interleaved import rank_order
+
+    return tuple(rank_order(pp, virtual, microbatches, rank))
+
+
+def _interleaved_rows(lay: Layout, unit: UnitProfile, rank: int, blocks_row: int, head: int) -> int:
+    """Bytes per row an interleaved rank holds at its peak, walked through torch's order for it: each
+    forward's saved tensors (its stage's blocks; the embeddings on stage 0, the head and the logits on
+    the last) until its backward, and every sent output and input gradient to the step's end (the
+    runtime keeps each send's work until then: memfit.measure.pipeline_trace)."""
+    v, last = lay.virtual_stages, lay.pp * lay.virtual_stages - 1
+    item = lambda s: blocks_row // v + (unit.embed_saved if s == 0 else 0) + (head if s == last else 0)  # noqa: E731
+    held = sent = peak = 0
+    for kind, stage, _ in _order(lay.pp, v, lay.accum, rank):
+        if kind == "F":
+            held += item(stage)
+            sent += unit.boundary if stage != last else 0
+        else:
+            held -= item(stage)
+            sent += unit.boundary if stage != 0 else 0
+        peak = max(peak, held + sent)
+    return peak
 
 
 def _states(lay: Layout, unit: UnitProfile, numel: int, tensors: int) -> tuple[int, int, int, int]:
@@ -118,6 +152,9 @@ def _activations(lay: Layout, unit: UnitProfile, rank: int, counts: tuple[int, i
     else:
         per_row += unit.boundary  # the stage's output waits for its backward
     working = unit.saved["keep"] if rec or sel else 0  # one block's forward rerun in backward
+    if lay.strategy == "pipeline" and lay.schedule == "interleaved":
+        blocks_row = keep * unit.saved["keep"] + sel * unit.saved["selective"] + rec * unit.saved["recompute"]
+        return lay.rows * (_interleaved_rows(lay, unit, rank, blocks_row, unit.head_saved + unit.logits) + working)
     return lay.rows * (in_flight(lay, rank) * per_row + working)
 
 
@@ -170,5 +207,5 @@ def fixed_bytes(lay: Layout, unit: UnitProfile, layers: int, rank: int, tied: bo
     the linear form rank_peaks takes in the action counts (without the recompute working set)."""
     probe = Layout(**{**lay.__dict__, "counts": [(0, 0, 0)] * lay.pp})
     base = rank_peaks(probe, unit, layers, tied)[rank]["backward"]  # (the step's moment: no counts change it)
-    per = lay.rows * in_flight(lay, rank)
+    per = -(-round(lay.rows * in_flight(lay, rank) * lay.virtual_stages) // lay.virtual_stages)  # (exact: V x a count)
     return base, per * unit.saved["keep"], per * unit.saved["selective"], per * unit.saved["recompute"]

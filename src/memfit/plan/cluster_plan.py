@@ -17,7 +17,8 @@ def degrees(lay: Layout) -> str:
     if lay.strategy == "tensor":
         return f"tp {lay.tp} x dp {lay.dp}"
     if lay.strategy == "pipeline":
-        return f"pp {lay.pp} x dp {lay.dp}, {lay.accum} mb {lay.schedule}"
+        v = f" x{lay.virtual_stages}" if lay.schedule == "interleaved" else ""
+        return f"pp {lay.pp} x dp {lay.dp}, {lay.accum} mb {lay.schedule}{v}"
     return f"dp {lay.dp}"
 
 

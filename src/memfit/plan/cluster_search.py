@@ -5,7 +5,8 @@
 
 Layouts (as memfit train runs them, `--batch` per process): one process; ddp and zero1-3 over N;
 tensor with a TP degree dividing the heads and the key/value heads (dp = N / tp); pipeline with
-stages dividing N (dp = N / stages), gpipe or 1f1b, micro-batches dividing the replica's rows.
+stages dividing N (dp = N / stages), gpipe, 1f1b or interleaved 1F1B (V = 2..MAX_VIRTUAL stages per
+rank where the blocks split evenly into stages x V), micro-batches dividing the replica's rows.
 Within each: micro-batch x accumulation at the same global batch, optimizer offload and the head
 in chunks (one process, ddp, zero), the precision when allowed, and per rank the block action counts
 (memfit.plan.cluster_actions; a pipeline runs one action on every block). Nothing here traces:
@@ -24,6 +25,9 @@ from memfit.plan.costs import SELECTIVE_SHARE
 
 HEAD_CHUNKS = 8
 MAX_GPUS = 4096
+MAX_VIRTUAL = 8
+"""The most virtual stages per rank searched: beyond, the bubble saved is below 1/(8 M) of a slot
+while the P2P sends keep growing."""
 
 
 @dataclass
@@ -119,7 +123,18 @@ def layouts(p: ClusterProblem, n: int) -> list[Layout]:
                         continue
                     out.append(Layout("pipeline", dp=n // pp, pp=pp, rows=replica // m, accum=m, schedule=sched,
                                       **base))
+                out += [Layout("pipeline", dp=n // pp, pp=pp, rows=replica // m, accum=m, schedule="interleaved",
+                               virtual_stages=v, **base) for v in virtual_counts(cfg.layers, pp, m)]
     return out
+
+
+def virtual_counts(layers: int, pp: int, m: int) -> list[int]:
+    """Virtual stages per rank the interleaved schedule can run: V >= 2 with the blocks cut evenly into
+    pp x V stages, M >= pp micro-batches in rounds torch accepts (memfit.distributed.interleaved)."""
+    rounds = max(1, m // pp)
+    if m < pp or m % rounds:
+        return []
+    return [v for v in range(2, MAX_VIRTUAL + 1) if layers % (pp * v) == 0]
 
 
 def engine_of(p: ClusterProblem, strategy: str, precision: str, offload: str | None, accum: int) -> str:

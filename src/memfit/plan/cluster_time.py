@@ -20,7 +20,9 @@ by the ring formulas memfit.distributed.comm counts with, over the group's link
     tensor    per block and micro-batch two all-reduces of the hidden states forward, two backward
               (two more forward for a recomputed block); not overlapped; dp all-reduce at the step
     pipeline  each stage's output forward and its gradient backward per micro-batch; the bubble:
-              (stages - 1) micro-batch slots of the slowest stage; dp all-reduce at the step
+              (stages - 1) micro-batch slots of the slowest stage; dp all-reduce at the step;
+              interleaved 1F1B (V stages a rank): V times the sends, slots of one virtual stage
+              (1/V of the rank's blocks), so a bubble of (stages - 1) / V slots
 
 Optimizer offload adds the gradients' trip to the host and the weights' back at HOST_BW.
 
@@ -104,18 +106,20 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
         size = 2 * lay.rows * act * (lay.tp - 1) / lay.tp
         t = ring_seconds(topo.group_link(lay.tp), size * n_ar, lay.tp, steps=2 * n_ar)
         comm, exposed, sent = comm + t * lay.accum, exposed + t * lay.accum, sent + int(size * n_ar * lay.accum)
-    if lay.pp > 1:  # a stage's output forward and its gradient backward, per micro-batch
+    v = lay.virtual_stages if lay.schedule == "interleaved" else 1
+    if lay.pp > 1:  # a stage's output forward and its gradient backward, per micro-batch (and virtual stage)
         size = 2 * lay.rows * act
-        t = ring_seconds(topo.group_link(lay.pp, lay.tp), size, 2, steps=1)
-        comm, exposed, sent = comm + t * lay.accum, exposed + t * lay.accum, sent + int(size * lay.accum)
+        t = ring_seconds(topo.group_link(lay.pp, lay.tp), size, 2, steps=1) * v
+        comm, exposed, sent = comm + t * lay.accum, exposed + t * lay.accum, sent + int(size * lay.accum * v)
     numel = unit.block_numel * max(sizes) + unit.rest_numel
     t, e, s = _dp_sync(lay, topo, numel, mb * 2 / 3)
     comm, exposed, sent = comm + t, exposed + e, sent + s
     # the pipeline schedule's own cost per micro-batch and stage is in every slot, the bubble's too;
     # measured as wall time with the ranks sharing the cores, so it stays out of their busy time
-    schedule = host.microbatch_s(lay.schedule) if host and lay.strategy == "pipeline" and lay.pp > 1 else 0.0
-    if lay.strategy == "pipeline":
-        compute, bubble = lay.accum * (mb + schedule), (lay.pp - 1) * (mb + schedule)
+    # (interleaved: a 1F1B cost for each of the rank's V stages)
+    schedule = v * host.microbatch_s(lay.schedule) if host and lay.strategy == "pipeline" and lay.pp > 1 else 0.0
+    if lay.strategy == "pipeline":  # interleaved: a bubble slot is one virtual stage's, 1/V of the rank's
+        compute, bubble = lay.accum * (mb + schedule), (lay.pp - 1) * (mb + schedule) / v
     else:
         compute, bubble = lay.accum * mb, 0.0
     opt = host.step_s_per_elem * numel / (lay.dp if lay.zero else 1) if host else 0.0  # once per step
@@ -132,7 +136,7 @@ def step_time(lay: Layout, unit: UnitProfile, cfg, seq: int, topo: Topology, flo
     if host is not None:  # every rank's busy seconds over the cores they share
         busy = (lay.dp * lay.accum * sum(per_stage) if lay.strategy == "pipeline" else lay.gpus * lay.accum * mb) \
             + lay.gpus * opt
-        waits = (lay.accum + lay.pp - 1) * schedule
+        waits = (lay.accum + (lay.pp - 1) / v) * schedule
         cores = max(busy * host.threads / (host.cores * host.core_share) - (compute + bubble - waits), 0.0)
     total = compute + bubble + exposed + offload + cores
     return {"compute": compute - lay.accum * recompute, "recompute": lay.accum * recompute, "comm": comm,

@@ -29,7 +29,9 @@ def traced_peak(spec, lay: Layout, seq: int, actions: list) -> int:
 
         mode = actions[0].mode
         b, _ = per_process_batch(lay)
-        rows = pipeline_ranks(spec, b, seq, lay.pp, lay.accum, lay.schedule, checkpoint=_CHECKPOINT[mode], **common)
+        virtual = {"virtual_stages": lay.virtual_stages} if lay.schedule == "interleaved" else {}
+        rows = pipeline_ranks(spec, b, seq, lay.pp, lay.accum, lay.schedule, checkpoint=_CHECKPOINT[mode], **common,
+                              **virtual)
         # each stage's step is traced in the schedule's order (gpipe's first backward, beside every
         # micro-batch's activations, included)
         return max(r["total"] for r in rows)
