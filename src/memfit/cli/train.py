@@ -99,10 +99,12 @@ def _add_processes(g) -> None:
                    "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; "
                    "docs/compression.md; default none)")
     g.add_argument("--microbatches", metavar="M", type=integer(1, 4096),
-                   help="--strategy pipeline: micro-batches per step (default: the number of processes)")
+                   help="--strategy pipeline: micro-batches per step (default: the number of processes); "
+                   "memfit's GPT or a Hugging Face config.json of llama, mistral, qwen2 or qwen3, cut at its layers")
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
     g.add_argument("--tp", metavar="T", type=integer(1, 1024),
-                   help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp)")
+                   help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp); "
+                   "memfit's GPT, or a Hugging Face config.json sharded by its own tensor plan (base_model_tp_plan)")
     g.add_argument("--dp", metavar="R", type=integer(1, 1024),
                    help="--strategy pipeline: data-parallel replicas of the pipeline (default 1; stages = nproc / dp)")
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")

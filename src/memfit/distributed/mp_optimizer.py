@@ -50,6 +50,16 @@ class ModelParallelOptimizer(WrapsTrainingOptimizer):
     `_make_inner`, and may override `_reduce_grads` and `_norm_weights`."""
 
     group: Any = None
+    hf = False
+    aligned_targets = False
+    """A Hugging Face model's targets: False, transformers' way (labels are the input ids, shifted by one
+    inside the loss, -100 skipped); True, memfit's data (`memfit train`: targets aligned with the inputs,
+    -1 skipped), as memfit's GPT always takes them."""
+
+    @property
+    def shifted(self) -> bool:
+        """Whether the targets are labels to shift (see aligned_targets)."""
+        return self.hf and not self.aligned_targets
 
     def _make_inner(self, model: nn.Module, named: list[tuple[str, nn.Parameter]], optimizer: str, lr: float,
                     weight_decay: float, precision: str, clip: float | None, offload: str | None,

@@ -189,7 +189,7 @@ class PipelineOptimizer(ModelParallelOptimizer):
 
     def _targets(self, y: torch.Tensor) -> float:
         """Target tokens: memfit's GPT skips -1; a Hugging Face model shifts by one and skips -100."""
-        return float((y[:, 1:] != -100).sum()) if self.hf else float((y != -1).sum())
+        return float((y[:, 1:] != -100).sum()) if self.shifted else float((y != -1).sum())
 
     # ------------------------------------------------------------------ the step
     def run_batch(self, x: torch.Tensor, y: torch.Tensor, total: float) -> float:
@@ -279,7 +279,7 @@ class PipelineOptimizer(ModelParallelOptimizer):
         return self.dp_rank * self.stages + stage
 
     def _loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.hf:
+        if self.shifted:
             from memfit.distributed.hf_stages import hf_shifted
 
             return F.cross_entropy(*hf_shifted(logits, y), ignore_index=-100, reduction="sum")

@@ -27,6 +27,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from memfit.apply.precision import cast_model, precision_mode
 from memfit.core.errors import ConfigError
@@ -151,11 +152,15 @@ class TensorParallelOptimizer(ModelParallelOptimizer):
     def _targets(self, y: torch.Tensor) -> int:
         """Target tokens of a micro-batch: memfit's GPT skips -1; a Hugging Face model shifts the labels
         by one inside (the first token of each row is no target) and skips -100."""
-        return int((y[:, 1:] != -100).sum()) if self.hf else int((y != -1).sum())
+        return int((y[:, 1:] != -100).sum()) if self.shifted else int((y != -1).sum())
 
     def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.hf:  # the model's mean over its targets, back to their sum
+        if self.shifted:  # the model's mean over its targets, back to their sum
             return self.model(input_ids=x, labels=y).loss * self._targets(y)
+        if self.hf:  # aligned targets (memfit.train.step.loss_sum's arithmetic)
+            logits = self.model(input_ids=x).logits
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), ignore_index=-1,
+                                   reduction="sum")
         return self.model(x, y)[1]
 
     def _reduce_grads(self) -> None:

@@ -199,9 +199,6 @@ def _result(p: ClusterProblem, n: int, chosen, rows, notes, device: str, calibra
     host_text = describe(row.host, p.host_memory, p.host_source, " per node")
     if p.cfg.why_not:
         notes.append(p.cfg.why_not)
-    if p.spec.config is None and lay.strategy in ("tensor", "pipeline"):
-        notes.append(f"memfit train runs {lay.strategy} on memfit's GPT only: run this layout of a Hugging Face "
-                     f"model with memfit.distributed.distribute(model, {lay.strategy!r}, ...) under torchrun")
     return ClusterPlan(model=name, budget=p.budget, gpus=n, layout=dict(lay.__dict__), peak=row.peak,
                        ranks=row.ranks, time=row.time, tokens_per_s=row.tokens_per_s,
                        time_basis=_basis(p.flops, calibrated, p.host), interconnect=link, global_batch=p.batch, seq=p.seq,

@@ -158,6 +158,8 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
                      precision=precision, clip=cfg.clip, offload=offload,
                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg), **strategy_options(cfg))
     opt.compression = compression.attach(opt, getattr(cfg, "compress", "none"), cfg)  # --compress
+    if ctx.strategy in ("pipeline", "tensor"):  # a Hugging Face model takes memfit's aligned targets here
+        opt.aligned_targets = True
     return opt
 
 
