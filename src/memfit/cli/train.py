@@ -93,7 +93,9 @@ def _add_processes(g) -> None:
                    help="distributed strategy; --batch stays per process (default none; ddp with --nproc N)")
     g.add_argument("--engine", choices=("memfit", "fsdp2"),
                    help="who carries out --strategy zero2/zero3: memfit's flat engine, or torch's FSDP2 (fully_shard "
-                   "per block, checkpoints through torch.distributed.checkpoint; default memfit)")
+                   "per block, checkpoints through torch.distributed.checkpoint; default memfit); with --strategy "
+                   "pipeline, fsdp2 runs the 3-D layout: FSDP2 x tensor plan x torch's pipelining on a (pp, dp, tp) "
+                   "mesh (--pp, --tp)")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
                    "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; "
@@ -104,7 +106,12 @@ def _add_processes(g) -> None:
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="--strategy pipeline: schedule (default 1f1b)")
     g.add_argument("--tp", metavar="T", type=integer(1, 1024),
                    help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp); "
-                   "memfit's GPT, or a Hugging Face config.json sharded by its own tensor plan (base_model_tp_plan)")
+                   "memfit's GPT, or a Hugging Face config.json sharded by its own tensor plan (base_model_tp_plan); "
+                   "--strategy pipeline --engine fsdp2: the 3-D layout's tensor degree (default 1, a Hugging Face "
+                   "config.json)")
+    g.add_argument("--pp", metavar="P", type=integer(1, 1024),
+                   help="--strategy pipeline --engine fsdp2: pipeline stages of the 3-D layout (default: nproc / tp; "
+                   "dp = nproc / (pp x tp), each replica's layers sharded by FSDP2 over dp)")
     g.add_argument("--dp", metavar="R", type=integer(1, 1024),
                    help="--strategy pipeline: data-parallel replicas of the pipeline (default 1; stages = nproc / dp)")
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")

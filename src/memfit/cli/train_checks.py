@@ -16,8 +16,9 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "microbatches": ("pipeline",),
     "schedule": ("pipeline",),
     "dp": ("pipeline",),
-    "tp": ("tensor",),
-    "engine": ("zero2", "zero3"),
+    "pp": ("pipeline",),
+    "tp": ("tensor", "pipeline"),
+    "engine": ("zero2", "zero3", "pipeline"),
 }
 """option (TrainConfig field) -> the strategies it changes. (--compress: TrainConfig.validate says why
 each other strategy cannot carry it.)"""

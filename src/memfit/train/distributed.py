@@ -152,8 +152,13 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
 
     offload = None if cfg.offload_optimizer == "none" else cfg.offload_optimizer
     if ctx.engine == "fsdp2":  # torch's FSDP2: fully_shard per block (memfit.distributed.fsdp2)
-        return distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="fsdp2", weight_decay=cfg.weight_decay,
-                          precision=precision, clip=cfg.clip, offload=offload, **optimizer_extra(cfg))
+        layout = ({"pp": cfg.pp, "tp": cfg.tp or 1, "microbatches": cfg.microbatches, "schedule": cfg.schedule}
+                  if ctx.strategy == "pipeline" else {})  # the 3-D layout (memfit.distributed.mesh3d)
+        opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="fsdp2", weight_decay=cfg.weight_decay,
+                         precision=precision, clip=cfg.clip, offload=offload, **layout, **optimizer_extra(cfg))
+        if ctx.strategy == "pipeline":  # memfit's data: a Hugging Face model's targets aligned with its inputs
+            opt.aligned_targets = True
+        return opt
     opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                      precision=precision, clip=cfg.clip, offload=offload,
                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg), **strategy_options(cfg))
@@ -173,7 +178,9 @@ def rank_sampler(ctx: DistContext, data: torch.Tensor, cfg: Any) -> "RankSampler
     """This rank's sampler: its rows for the data-parallel strategies; the whole global batch on
     every pipeline stage; its replica's rows for tensor (all TP ranks of a replica read the same)."""
     batch, rank, world = cfg.batch, ctx.rank, ctx.world
-    if ctx.strategy == "pipeline":  # the replica's rows on each of its stages
+    if ctx.strategy == "pipeline" and ctx.engine == "fsdp2":  # 3-D: the whole global batch (data_rows picks)
+        batch, rank, world = cfg.batch * ctx.world, 0, 1
+    elif ctx.strategy == "pipeline":  # the replica's rows on each of its stages
         stages = ctx.world // cfg.dp
         batch, rank, world = cfg.batch * stages, ctx.rank // stages, cfg.dp
     elif ctx.strategy == "tensor":

@@ -39,7 +39,7 @@ def check_checkpoint(ckpt: Any, where: str) -> None:
         raise ConfigError(f"checkpoint {where}: its data record or step is damaged; resume from an unedited run folder")
 
 
-LAYOUT = ("strategy", "tp", "dp", "microbatches", "schedule", "engine")
+LAYOUT = ("strategy", "tp", "dp", "pp", "microbatches", "schedule", "engine")
 """Options that say how the processes share the work, not what is computed: a resume may change
 them (memfit.train.reshard loads any layout's checkpoint into any other)."""
 
