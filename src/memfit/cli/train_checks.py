@@ -17,7 +17,7 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "schedule": ("pipeline",),
     "dp": ("pipeline",),
     "pp": ("pipeline",),
-    "tp": ("tensor", "pipeline"),
+    "tp": ("tensor",),
     "engine": ("zero2", "zero3", "pipeline"),
 }
 """option (TrainConfig field) -> the strategies it changes. (--compress: TrainConfig.validate says why
@@ -32,8 +32,9 @@ def _flag(name: str) -> str:
 
 def check_strategy_options(given: dict[str, Any], strategy: str) -> None:
     """Refuse the first option the user gave that `strategy` would not use."""
+    mesh3d = strategy == "pipeline" and given.get("engine") == "fsdp2"  # the 3-D layout: --tp is its degree
     for name, strategies in APPLIES_TO.items():
-        if name not in given or strategy in strategies:
+        if name not in given or strategy in strategies or (mesh3d and name == "tp"):
             continue
         if (name, given[name]) in (("dp", 1), ("engine", "memfit")):
             continue  # the default value, harmless anywhere
