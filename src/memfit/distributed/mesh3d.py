@@ -307,15 +307,16 @@ class Mesh3DOptimizer:
 
     def save_sharded(self, folder) -> None:
         """Every rank writes its shards of its stage (torch.distributed.checkpoint, atomic rename): the
-        keys are the whole model's names, so the stages' keys do not meet."""
+        keys are the whole model's names, so the stages' keys do not meet (the optimizer's param_groups
+        flattened per parameter name, memfit.distributed.fsdp2_checkpoint._options)."""
         from memfit.distributed.fsdp2_checkpoint import save_fsdp2
 
-        save_fsdp2(self.model, self.inner, folder)
+        save_fsdp2(self.model, self.inner, folder, flat=True)  # the stages' param_groups differ
 
     def load_sharded(self, folder) -> None:
         from memfit.distributed.fsdp2_checkpoint import load_fsdp2
 
-        load_fsdp2(self.model, self.inner, folder)
+        load_fsdp2(self.model, self.inner, folder, flat=True)
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every rank: each stage's full tensors, joined over "pp"."""
