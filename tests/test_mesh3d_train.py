@@ -95,3 +95,22 @@ def test_3d_refusals_are_one_line_before_any_launch(tmp_path, capfd):
                  "--out", str(tmp_path / "out")])
     err = capfd.readouterr().err
     assert code == 2 and "add --engine fsdp2" in err, err
+
+
+def test_a_3d_run_resumes_only_in_its_own_layout():
+    """The layout checkpoint.pt records (Mesh3DOptimizer.state_dict) against the resumed run's; the
+    layouts' own resume is the slow test above."""
+    from memfit.core.errors import ConfigError
+    from memfit.train.config import TrainConfig
+    from memfit.train.model_parallel import check_3d_resume
+
+    ckpt = {"optimizer": {"engine": "fsdp2", "mesh3d": [2, 2, 1]}, "config": {"strategy": "pipeline"}}
+    same = TrainConfig(strategy="pipeline", engine="fsdp2", pp=2)
+    check_3d_resume(same, ckpt, 4)
+    for cfg, world in [(TrainConfig(strategy="pipeline", engine="fsdp2", pp=2, tp=2), 4), (same, 8),
+                       (TrainConfig(strategy="zero3", engine="fsdp2"), 4)]:
+        with pytest.raises(ConfigError, match="written in the layout pp 2 x dp 2 x tp 1"):
+            check_3d_resume(cfg, ckpt, world)
+    with pytest.raises(ConfigError, match="layout --strategy zero3"):  # another layout's run into the 3-D one
+        check_3d_resume(same, {"optimizer": {"engine": "fsdp2"}, "config": {"strategy": "zero3"}}, 4)
+    check_3d_resume(TrainConfig(strategy="zero3", engine="fsdp2"), {"optimizer": {}, "config": {}}, 4)

@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
     given = apply_cluster_plan(given)  # a cluster plan's process count and strategy
     given = train_checks.checked(given)  # --nproc N alone: ddp, with a note
     cfg, ckpt = config_of(given)
-    train_checks.check_strategy_options(given, cfg.strategy)  # an option the strategy would ignore: refused
+    train_checks.check_strategy_options(given, cfg.strategy, cfg.engine)  # an option the strategy would ignore: refused
     if restart_count() and ckpt is not None and os.environ.get("RANK", "0") == "0":
         print(f"memfit train: restart {restart_count()}: resuming from step {ckpt['step']} in {cfg.out}",
               file=sys.stderr, flush=True)

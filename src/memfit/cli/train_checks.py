@@ -30,9 +30,9 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_strategy_options(given: dict[str, Any], strategy: str) -> None:
-    """Refuse the first option the user gave that `strategy` would not use."""
-    mesh3d = strategy == "pipeline" and given.get("engine") == "fsdp2"  # the 3-D layout: --tp is its degree
+def check_strategy_options(given: dict[str, Any], strategy: str, engine: str | None = None) -> None:
+    """Refuse the first option the user gave that `strategy` (on `engine`, default the given one) would not use."""
+    mesh3d = strategy == "pipeline" and (engine or given.get("engine")) == "fsdp2"  # 3-D: --tp is its degree
     for name, strategies in APPLIES_TO.items():
         if name not in given or strategy in strategies or (mesh3d and name == "tp"):
             continue

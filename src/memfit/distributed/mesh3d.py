@@ -303,7 +303,7 @@ class Mesh3DOptimizer:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """What checkpoint.pt records; the state itself is in the save_sharded folder."""
-        return {"precision": self.precision, "engine": "fsdp2", "layout": [self.pp, self.dp, self.tp]}
+        return {"precision": self.precision, "engine": "fsdp2", "mesh3d": [self.pp, self.dp, self.tp]}
 
     def save_sharded(self, folder) -> None:
         """Every rank writes its shards of its stage (torch.distributed.checkpoint, atomic rename): the

@@ -117,3 +117,18 @@ def _precheck_3d(spec: Any, cfg: Any, world: int | None) -> None:
     if world is not None:
         pp, _, tp = mesh3d_shape(cfg, world)
         check_pipeline(layers, pp, cfg.batch * pp * tp, cfg.microbatches or pp, cfg.schedule)
+
+
+def check_3d_resume(cfg: Any, ckpt: dict, world: int) -> None:
+    """A 3-D run resumes only in its own layout, and only a 3-D checkpoint resumes as one: moving between
+    layouts (another pp, tp or dp, or another strategy) is not built for it, and is refused, not guessed."""
+    saved = (ckpt.get("optimizer") or {}).get("mesh3d") if isinstance(ckpt.get("optimizer"), dict) else None
+    mesh3d = cfg.strategy == "pipeline" and cfg.engine == "fsdp2"
+    if saved is None and not mesh3d:
+        return
+    now = list(mesh3d_shape(cfg, world)) if mesh3d else None
+    if now != saved:
+        was = "pp {} x dp {} x tp {}".format(*saved) if saved else f"--strategy {ckpt['config'].get('strategy')}"
+        raise ConfigError(f"this run was written in the layout {was}; resume it in the same layout (the same "
+                          "--strategy, --engine, --pp, --tp and --nproc): resuming a 3-D run in another layout, or "
+                          "another run in the 3-D layout, is not supported yet")
