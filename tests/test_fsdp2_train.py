@@ -37,8 +37,9 @@ def test_config_checks_the_engine_for_api_users():
 
     with pytest.raises(ConfigError, match="accepted: memfit, fsdp2"):
         TrainConfig(strategy="zero3", engine="deepspeed").validate()
-    with pytest.raises(ConfigError, match="not pipeline"):
-        TrainConfig(strategy="pipeline", engine="fsdp2").validate()
+    with pytest.raises(ConfigError, match="not tensor"):
+        TrainConfig(strategy="tensor", engine="fsdp2").validate()
+    TrainConfig(strategy="pipeline", engine="fsdp2").validate()  # the 3-D layout (tests/test_mesh3d_train.py)
     TrainConfig(strategy="zero3", engine="fsdp2").validate()
 
 

@@ -95,7 +95,8 @@ def _add_processes(g) -> None:
                    help="who carries out --strategy zero2/zero3: torch's FSDP2 (fully_shard per block, checkpoints "
                    "through torch.distributed.checkpoint) or memfit's flat engine; default auto: FSDP2 unless the "
                    "run needs memfit's (fp16, --compress, optimizer offload to disk, 8/4-bit or factored optimizers), "
-                   "named on stderr and in metrics.json")
+                   "named on stderr and in metrics.json; with --strategy pipeline, fsdp2 runs the 3-D layout: FSDP2 x "
+                   "tensor plan x torch's pipelining on a (pp, dp, tp) mesh (--pp, --tp)")
     g.add_argument("--compress", metavar="SPEC",
                    help="compress gradients on the wire with ddp, zero1 or zero2: topk:0.01, int8, sign, bf16, "
                    "fp16, powersgd:4 (topk and sign: adam mode under adam/adamw, adam=off for error feedback; "
@@ -109,7 +110,12 @@ def _add_processes(g) -> None:
                    help="--schedule interleaved: stages per process (default 2; blocks cut evenly into nproc x V)")
     g.add_argument("--tp", metavar="T", type=integer(1, 1024),
                    help="--strategy tensor: tensor-parallel degree (default: all processes; dp = nproc / tp); "
-                   "memfit's GPT, or a Hugging Face config.json sharded by its own tensor plan (base_model_tp_plan)")
+                   "memfit's GPT, or a Hugging Face config.json sharded by its own tensor plan (base_model_tp_plan); "
+                   "--strategy pipeline --engine fsdp2: the 3-D layout's tensor degree (default 1, a Hugging Face "
+                   "config.json)")
+    g.add_argument("--pp", metavar="P", type=integer(1, 1024),
+                   help="--strategy pipeline --engine fsdp2: pipeline stages of the 3-D layout (default: nproc / tp; "
+                   "dp = nproc / (pp x tp), each replica's layers sharded by FSDP2 over dp)")
     g.add_argument("--dp", metavar="R", type=integer(1, 1024),
                    help="--strategy pipeline: data-parallel replicas of the pipeline (default 1; stages = nproc / dp)")
     g.add_argument("--nproc", metavar="N", type=integer(1, 1024), help="start N local processes through torchrun's API")
@@ -163,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     given = apply_cluster_plan(given)  # a cluster plan's process count and strategy
     given = train_checks.checked(given)  # --nproc N alone: ddp, with a note
     cfg, ckpt = config_of(given)
-    train_checks.check_strategy_options(given, cfg.strategy)  # an option the strategy would ignore: refused
+    train_checks.check_strategy_options(given, cfg.strategy, cfg.engine)  # an option the strategy would ignore: refused
     if restart_count() and ckpt is not None and os.environ.get("RANK", "0") == "0":
         print(f"memfit train: restart {restart_count()}: resuming from step {ckpt['step']} in {cfg.out}",
               file=sys.stderr, flush=True)

@@ -17,8 +17,9 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "schedule": ("pipeline",),
     "virtual_stages": ("pipeline",),
     "dp": ("pipeline",),
+    "pp": ("pipeline",),
     "tp": ("tensor",),
-    "engine": ("zero2", "zero3"),
+    "engine": ("zero2", "zero3", "pipeline"),
 }
 """option (TrainConfig field) -> the strategies it changes. (--compress: TrainConfig.validate says why
 each other strategy cannot carry it.)"""
@@ -30,10 +31,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_strategy_options(given: dict[str, Any], strategy: str) -> None:
-    """Refuse the first option the user gave that `strategy` would not use."""
+def check_strategy_options(given: dict[str, Any], strategy: str, engine: str | None = None) -> None:
+    """Refuse the first option the user gave that `strategy` (on `engine`, default the given one) would not use."""
+    mesh3d = strategy == "pipeline" and (engine or given.get("engine")) == "fsdp2"  # 3-D: --tp is its degree
     for name, strategies in APPLIES_TO.items():
-        if name not in given or strategy in strategies:
+        if name not in given or strategy in strategies or (mesh3d and name == "tp"):
             continue
         if (name, given[name]) in (("dp", 1), ("engine", "memfit"), ("engine", "auto")):
             continue  # the default value, harmless anywhere

@@ -32,7 +32,17 @@ def partial_of(folder: Path) -> Path:
     return folder.parent / f".{folder.name}{PARTIAL}"
 
 
-def save_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path, group=None) -> None:
+def _options(flat: bool):
+    """`flat`: the optimizer's param_groups keyed by parameter name (torch's flatten_optimizer_state_dict).
+    Ranks holding different parameters (pipeline stages) need it: DCP keeps one rank's copy of a key, and
+    unflattened every rank's groups are the same keys (param_groups.0.params) with different contents."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def save_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path, group=None,
+               flat: bool = False) -> None:
     """Write the model's and optimizer's shards into `folder` (all ranks call it; `folder` must not exist)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -42,7 +52,7 @@ def save_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str |
     if main:
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier save a kill cut short
     dist.barrier(group=group)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(flat))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=group)
     dist.barrier(group=group)  # every rank's files are written (and .metadata, by the coordinator)
     if main:
@@ -50,7 +60,8 @@ def save_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str |
     dist.barrier(group=group)  # every rank sees the folder under its name before anyone reads it
 
 
-def load_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path, group=None) -> None:
+def load_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path, group=None,
+               flat: bool = False) -> None:
     """Read a save_fsdp2 folder written with any number of ranks into this rank's shards."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -59,14 +70,15 @@ def load_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str |
     except (OSError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"{folder} is not a readable fsdp2 checkpoint ({type(exc).__name__})") from None
     # The templates: this run's shards (an optimizer without state yet gets it from torch, by a zero step).
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(flat))
     state = {"model": model_sd, "optim": optim_sd}
     missing = sorted(k for k in _flat_keys(state) if k not in meta)
     if missing:
         raise ConfigError(f"{folder} lacks {', '.join(missing[:2])}: it was written for another model or optimizer; "
                           "resume with the settings it was written with")
     dcp.load(state, checkpoint_id=str(folder), process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(flat))
 
 
 def _flat_keys(state: dict, prefix: str = "") -> list[str]:

@@ -129,6 +129,7 @@ class Mesh3DOptimizer:
         self.params = list(self.stage_module.parameters())
         self.inner = make_torch_optimizer(optimizer, self.params, lr=lr, weight_decay=weight_decay,
                                           **optimizer_kwargs)
+        self.fsdp_modules = sharded
         self._schedule(device)
         self._total = 1.0
 
@@ -181,17 +182,28 @@ class Mesh3DOptimizer:
 
         return replica_rows(batch, self.dp, self.dp_rank)
 
-    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's summed cross-entropy over the global batch's target tokens: a Hugging Face model
-        shifts by one and skips -100, memfit's GPT takes its targets as they are and skips -1."""
+    aligned_targets = False
+    """A Hugging Face model's targets: False, its labels (shifted by one inside the loss, -100 skipped);
+    True, memfit's data (`memfit train`: aligned with the inputs, -1 skipped), as memfit's GPT takes them
+    (memfit.distributed.mp_optimizer.ModelParallelOptimizer.aligned_targets)."""
+
+    @property
+    def shifted(self) -> bool:
+        return self.hf and not self.aligned_targets
+
+    def _loss_sum(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         from memfit.distributed.hf_stages import hf_shifted
 
-        out, tgt = hf_shifted(logits, target) if self.hf else (logits.reshape(-1, logits.size(-1)), target.reshape(-1))
-        loss = F.cross_entropy(out.float(), tgt, ignore_index=-100 if self.hf else -1, reduction="sum")
-        return loss / self._total
+        out, tgt = hf_shifted(logits, target) if self.shifted else (logits.reshape(-1, logits.size(-1)),
+                                                                     target.reshape(-1))
+        return F.cross_entropy(out.float(), tgt, ignore_index=-100 if self.shifted else -1, reduction="sum")
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's summed cross-entropy over the global batch's target tokens."""
+        return self._loss_sum(logits, target) / self._total
 
     def _targets(self, y: torch.Tensor) -> float:
-        return float((y[:, 1:] != -100).sum()) if self.hf else float((y != -1).sum())
+        return float((y[:, 1:] != -100).sum()) if self.shifted else float((y != -1).sum())
 
     def run_batch(self, x: torch.Tensor, y: torch.Tensor, total: float) -> float:
         """Forward and backward of this replica's rows `x` (targets `y`) through the pipeline; the last stage
@@ -252,6 +264,69 @@ class Mesh3DOptimizer:
     @property
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
+
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss per token over fixed batches, every rank the same figure: a plain forward passed
+        stage to stage within each (dp, tp) place (every replica computes it: FSDP gathers over "dp");
+        the gathered weights are resharded after, as the step leaves them."""
+        was = self.stage_module.training
+        self.stage_module.eval()
+        total = count = 0.0
+        peers = self.mesh.mesh[:, self.dp_rank, self.tp_rank].tolist()
+        try:
+            dev = next(self.stage_module.parameters()).device
+            with torch.no_grad():
+                for x, y in batches:
+                    x, y = x.to(dev), y.to(dev)
+                    h = x if self.rank == 0 else self._recv_hidden(x, peers[self.rank - 1], dev)
+                    out = self.stage_module(h)
+                    if self.rank < self.pp - 1:
+                        dist.send(out.to(self._hidden_dtype()).contiguous(), peers[self.rank + 1])
+                    else:
+                        total += float(self._loss_sum(out, y))
+                    count += self._targets(y)
+        finally:
+            self.stage_module.train(was)
+            for m in self.fsdp_modules:
+                m.reshard()
+        return comm.control_sum([total], group=self.pp_group)[0] / max(count, 1.0)
+
+    def _hidden_dtype(self) -> torch.dtype:
+        return torch.float32 if self.precision == "32-true" else torch.bfloat16
+
+    def _recv_hidden(self, x: torch.Tensor, src: int, device: torch.device) -> torch.Tensor:
+        hidden = self.model.config.hidden_size if self.hf else self.model.cfg.hidden
+        buf = torch.empty(x.shape[0], x.shape[1], hidden, dtype=self._hidden_dtype(), device=device)
+        dist.recv(buf, src)
+        return buf
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """What checkpoint.pt records; the state itself is in the save_sharded folder."""
+        return {"precision": self.precision, "engine": "fsdp2", "mesh3d": [self.pp, self.dp, self.tp]}
+
+    def save_sharded(self, folder) -> None:
+        """Every rank writes its shards of its stage (torch.distributed.checkpoint, atomic rename): the
+        keys are the whole model's names, so the stages' keys do not meet (the optimizer's param_groups
+        flattened per parameter name, memfit.distributed.fsdp2_checkpoint._options)."""
+        from memfit.distributed.fsdp2_checkpoint import save_fsdp2
+
+        save_fsdp2(self.model, self.inner, folder, flat=True)  # the stages' param_groups differ
+
+    def load_sharded(self, folder) -> None:
+        from memfit.distributed.fsdp2_checkpoint import load_fsdp2
+
+        load_fsdp2(self.model, self.inner, folder, flat=True)
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on every rank: each stage's full tensors, joined over "pp"."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        mine = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        mine = {k: v.detach().cpu() for k, v in mine.items()}
+        everyone: list[Any] = [None] * self.pp
+        dist.all_gather_object(everyone, mine, group=self.pp_group)
+        return {k: v for part in everyone for k, v in part.items()}
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t.to_local() if hasattr(t, "to_local") else t

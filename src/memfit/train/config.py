@@ -93,6 +93,9 @@ class TrainConfig:
     """--strategy tensor: tensor-parallel degree (default: world, so dp = world / tp = 1)."""
     dp: int = 1
     """--strategy pipeline: data-parallel replicas of the pipeline (stages = world / dp)."""
+    pp: int | None = None
+    """--strategy pipeline --engine fsdp2: pipeline stages of the 3-D ("pp", "dp", "tp") mesh (default:
+    world / tp, so dp = world / (pp x tp) = 1); --tp is its tensor-parallel degree (default 1)."""
     engine: str = "auto"
     """Who carries out zero2/zero3: memfit's flat engine, or torch's FSDP2 (fully_shard per block; checkpoints
     through torch.distributed.checkpoint). memfit.distributed.strategy.ENGINES; "auto": FSDP2 unless the run

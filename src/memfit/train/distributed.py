@@ -22,6 +22,7 @@ from memfit.core.errors import ConfigError
 from memfit.models.gpt import GPT
 from memfit.distributed.comm import TRAFFIC
 from memfit.train.data import WindowSampler
+from memfit.train.rank_device import rank_device, resolve_engine  # noqa: F401 (memfit.train.distributed API)
 
 
 @dataclasses.dataclass
@@ -58,44 +59,6 @@ def precheck(cfg: Any, resuming: bool = False, world: int | None = None) -> None
     from memfit.train.checkpoint_kind import check_checkpointable
 
     check_checkpointable(strategy, cfg.optimizer)  # a run whose saves would fail: refused before it trains
-
-
-def resolve_engine(cfg: Any, device: torch.device | str | None = None) -> str | None:
-    """Replace cfg.engine "auto" by the engine the run trains on (memfit.distributed.strategy.engine_for), so
-    its config, metrics.json and checkpoints record it. Returns the line to print once (zero1-3), else None."""
-    from memfit.core.device import resolve_device
-    from memfit.distributed.strategy import engine_for, engine_line
-
-    if getattr(cfg, "engine", "memfit") != "auto":
-        return None
-    on = torch.device(device) if device is not None else resolve_device(rank_device(cfg.device)[0])
-    engine, reason = engine_for(cfg.strategy, precision=cfg.precision, optimizer=cfg.optimizer, cuda=on.type == "cuda",
-                                offload=None if cfg.offload_optimizer in (None, "none") else cfg.offload_optimizer,
-                                compress=getattr(cfg, "compress", None))
-    cfg.engine = engine
-    return engine_line(engine, reason) if cfg.strategy in ("zero1", "zero2", "zero3") else None
-
-
-def rank_device(name: str | None, world: int | None = None) -> tuple[str | None, str | None]:
-    """The device each rank trains on, and a warning to print once (or None).
-
-    One GPU per process, as torchrun users expect (cuda = this rank's LOCAL_RANK GPU). With more
-    processes on this machine (LOCAL_WORLD_SIZE, else `world`) than CUDA devices: --device cuda is a
-    ConfigError naming both counts; no --device trains on the CPU (gloo), as on a machine without
-    GPUs, and says so. cpu and cuda:N are taken as given."""
-    from memfit.core.device import resolve_device
-
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE") or world or os.environ.get("WORLD_SIZE") or 1)
-    if processes < 2 or not torch.cuda.is_available() or (gpus := torch.cuda.device_count()) >= processes:
-        return name, None
-    instead = f"--nproc {gpus} (one process per GPU)" if gpus > 1 else "one process (no --nproc) on the GPU"
-    if name is None:
-        return "cpu", (f"memfit train: {processes} processes on a machine with {gpus} GPU(s): training on cpu (gloo); "
-                       f"run {instead}, or pass --device cpu to keep the CPU without this note")
-    if resolve_device(name) == torch.device("cuda"):
-        raise ConfigError(f"--device cuda runs one process per GPU: {processes} processes need {processes} GPUs and "
-                          f"this machine has {gpus}; run {instead}, or pass --device cpu")
-    return name, None
 
 
 def setup(cfg: Any, device: torch.device, resuming: bool = False) -> DistContext | None:
@@ -171,8 +134,13 @@ def make_optimizer(ctx: DistContext, model: nn.Module, cfg: Any, precision: str)
 
     offload = None if cfg.offload_optimizer == "none" else cfg.offload_optimizer
     if ctx.engine == "fsdp2":  # torch's FSDP2: fully_shard per block (memfit.distributed.fsdp2)
-        return distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="fsdp2", weight_decay=cfg.weight_decay,
-                          precision=precision, clip=cfg.clip, offload=offload, **optimizer_extra(cfg))
+        layout = ({"pp": cfg.pp, "tp": cfg.tp or 1, "microbatches": cfg.microbatches, "schedule": cfg.schedule}
+                  if ctx.strategy == "pipeline" else {})  # the 3-D layout (memfit.distributed.mesh3d)
+        opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="fsdp2", weight_decay=cfg.weight_decay,
+                         precision=precision, clip=cfg.clip, offload=offload, **layout, **optimizer_extra(cfg))
+        if ctx.strategy == "pipeline":  # memfit's data: a Hugging Face model's targets aligned with its inputs
+            opt.aligned_targets = True
+        return opt
     opt = distribute(model, ctx.strategy, cfg.optimizer, lr=cfg.lr, engine="memfit", weight_decay=cfg.weight_decay,
                      precision=precision, clip=cfg.clip, offload=offload,
                      spill_dir=cfg.spill_dir, **optimizer_extra(cfg), **strategy_options(cfg))
@@ -193,7 +161,9 @@ def rank_sampler(ctx: DistContext, data: torch.Tensor, cfg: Any) -> "RankSampler
     """This rank's sampler: its rows for the data-parallel strategies; the whole global batch on
     every pipeline stage; its replica's rows for tensor (all TP ranks of a replica read the same)."""
     batch, rank, world = cfg.batch, ctx.rank, ctx.world
-    if ctx.strategy == "pipeline":  # the replica's rows on each of its stages
+    if ctx.strategy == "pipeline" and ctx.engine == "fsdp2":  # 3-D: the whole global batch (data_rows picks)
+        batch, rank, world = cfg.batch * ctx.world, 0, 1
+    elif ctx.strategy == "pipeline":  # the replica's rows on each of its stages
         stages = ctx.world // cfg.dp
         batch, rank, world = cfg.batch * stages, ctx.rank // stages, cfg.dp
     elif ctx.strategy == "tensor":

@@ -22,9 +22,9 @@ def check_engine(cfg: Any) -> None:
         raise ConfigError(f"--engine {cfg.engine!r}; accepted: {', '.join(ENGINES)}")
     if cfg.engine == "memfit":
         return
-    if cfg.strategy not in FSDP2_STRATEGIES:
-        raise ConfigError(f"--engine fsdp2 carries out --strategy zero2 or zero3, not {cfg.strategy}; choose one of "
-                          "them, or leave out --engine")
+    if cfg.strategy not in FSDP2_STRATEGIES + ("pipeline",):
+        raise ConfigError(f"--engine fsdp2 carries out --strategy zero2, zero3 or pipeline (the 3-D layout), not "
+                          f"{cfg.strategy}; choose one of them, or leave out --engine")
     if cfg.compress not in (None, "none"):
         raise ConfigError("--compress with --engine fsdp2 is not supported yet (FSDP2 runs its own reduce-scatter); "
                           "leave out --compress, or use --engine memfit")
@@ -65,13 +65,14 @@ class TorchTracker:
     """The tracked step of an FSDP2 rank, measured by torch's MemTracker, with memfit's tracker's
     interface (breakdown, peak_bytes) for memfit.train.report. FSDP2 frees a block's gathered weights by
     resizing their storage to zero, which memfit's tracker does not see (it counted all 4 blocks of a
-    GPT as still gathered: +0.8 MB, +7% of the rank's peak); torch's tracker follows those resizes."""
+    GPT as still gathered: +0.8 MB, +7% of the rank's peak); torch's tracker follows those resizes.
+    `stage`: a pipeline stage (the 3-D layout), which runs forward once per micro-batch (_stage_tracker)."""
 
-    def __init__(self, model, optimizer, device) -> None:
+    def __init__(self, model, optimizer, device, stage: bool = False) -> None:
         from torch.distributed._tools.mem_tracker import MemTracker
 
         self.device = device
-        self.inner = MemTracker()
+        self.inner = _stage_tracker() if stage else MemTracker()
         self.inner.track_external(model, optimizer)
         self.breakdown: dict[str, int] = {}
         self.peak_bytes = 0
@@ -92,3 +93,18 @@ class TorchTracker:
                 parts[name] += int(value)
         self.peak_bytes = int(mine.get("Total", sum(parts.values())))
         self.breakdown = {**parts, "total": self.peak_bytes}
+
+
+def _stage_tracker():
+    """torch's MemTracker over a pipeline stage: MemTracker takes a module's second forward for the next
+    iteration and refuses it; here a stage's later micro-batches keep the first one's per-module statistics
+    (the peak and its categories come from every allocation either way)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StageTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                return
+            super()._pre_fw_hook(module, inputs)
+
+    return StageTracker()

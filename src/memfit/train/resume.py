@@ -3,6 +3,7 @@ it is trusted (an edited or foreign file gives one line saying what is wrong wit
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,7 +40,7 @@ def check_checkpoint(ckpt: Any, where: str) -> None:
         raise ConfigError(f"checkpoint {where}: its data record or step is damaged; resume from an unedited run folder")
 
 
-LAYOUT = ("strategy", "tp", "dp", "microbatches", "schedule", "virtual_stages", "engine")
+LAYOUT = ("strategy", "tp", "dp", "pp", "microbatches", "schedule", "virtual_stages", "engine")
 """Options that say how the processes share the work, not what is computed: a resume may change
 them (memfit.train.reshard loads any layout's checkpoint into any other)."""
 
@@ -74,6 +75,9 @@ def resume_config(run_dir: str | Path, overrides: dict[str, Any],
         cfg = dataclasses.replace(cfg, **{k: getattr(defaults, k) for k in LAYOUT})
     cfg = dataclasses.replace(cfg, **{"out": str(folder), **overrides})
     keep_global_batch(cfg, ckpt, world)
+    from memfit.train.model_parallel import check_3d_resume
+
+    check_3d_resume(cfg, ckpt, world or int(os.environ.get("WORLD_SIZE", 0) or 0) or 1)
     check_steps(cfg, ckpt)
     return cfg, ckpt
 

@@ -98,13 +98,14 @@ def enter_tracker(model: nn.Module, opt, device: torch.device, log: Callable[[st
 
 
 def _fsdp2_tracker(opt, device: torch.device):
-    """torch's MemTracker for an FSDP2 rank (memfit.train.fsdp2_run.TorchTracker says why), else None."""
-    fsdp2 = sys.modules.get("memfit.distributed.fsdp2")  # loaded when the run is on FSDP2
-    if fsdp2 is None or not isinstance(opt, fsdp2.FSDP2Optimizer):
+    """torch's MemTracker for an FSDP2 rank, 3-D ones too (memfit.train.fsdp2_run.TorchTracker says why), else None."""
+    fsdp2, mesh3d = sys.modules.get("memfit.distributed.fsdp2"), sys.modules.get("memfit.distributed.mesh3d")
+    stage = mesh3d is not None and isinstance(opt, mesh3d.Mesh3DOptimizer)
+    if not (stage or (fsdp2 and isinstance(opt, fsdp2.FSDP2Optimizer))):
         return None
     from memfit.train.fsdp2_run import TorchTracker
 
-    return TorchTracker(opt.model, opt.inner, device)
+    return TorchTracker(opt.tracked_module, opt.inner, device, stage=stage)
 
 
 @dataclass
