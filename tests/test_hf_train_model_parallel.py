@@ -55,12 +55,15 @@ def test_hf_model_parallel_runs_match_one_process_and_the_estimate(tmp_path, cap
         ranks = m["memory"]["step_breakdown"]["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1]
         est = _estimate(config, strategy, capsys)
+        # To the byte, but for one buffer: the estimate traces the step memfit train runs (its aligned-target
+        # loss, the targets held beside the inputs), which the tracker counts deterministically, except that
+        # under load a TP rank at times still holds one all-reduce's (rows, seq, hidden) fp32 buffer at its
+        # peak (gloo completing it late: seen on either rank, 1 run in 6 on 2 loaded cores). The estimate of
+        # transformers' shifted loss read 1,028 B (tensor) to 7.7 KB (gpipe) under, and fails this.
+        late = 4 * 32 * 32 * 4 if strategy == "tensor" else 0  # the TP group's 4 rows x seq 32 x hidden 32
         for r in ranks:  # the tracked peak of each rank at the tracked step against the per-rank estimate
             assert r["breakdown"]["params"] < one["memory"]["step_breakdown"]["breakdown"]["params"]
-            # to the byte: the estimate traces the step memfit train runs (its aligned-target loss, the
-            # targets held beside the inputs) and the tracker counts storages deterministically; the
-            # estimate of transformers' shifted loss read 1,028 B (tensor) to 7.7 KB (gpipe) under
-            assert est[r["rank"]] == r["peak_bytes"], (strategy, r, est)
+            assert est[r["rank"]] <= r["peak_bytes"] <= est[r["rank"]] + late, (strategy, r, est)
 
 
 @pytest.mark.multiproc
