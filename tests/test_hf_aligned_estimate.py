@@ -1,7 +1,7 @@
-"""What `memfit train` runs for a Hugging Face model under pipeline (targets aligned with the inputs, the
-later stage's receive buffers) is what its estimates count: the cluster plan's closed form for a 1f1b last
-stage against the full trace of that stage, and a plan near its budget trained with `memfit train --plan`
-(slow, multiproc: every rank within the budget, the largest at the plan's peak to the byte)."""
+"""A cluster plan for a Hugging Face config near its budget trained with `memfit train --plan` (slow,
+multiproc): its full trace models the step memfit train runs (targets aligned with the inputs), the plan's
+peak is never below that trace, so every rank stays within the budget and the largest is at the plan's
+peak to the byte."""
 from __future__ import annotations
 
 import json
@@ -12,24 +12,6 @@ from hf_family_configs import write_config
 from memfit.cli import main
 
 SEQ = 32
-ONE_F_ONE_B = dict(strategy="pipeline", pp=2, rows=1, accum=4, schedule="1f1b", counts=[(1, 0, 0), (1, 0, 0)])
-
-
-def test_the_closed_form_counts_a_later_stages_receive_buffers(tmp_path):
-    """The search's figure for the last stage of 4 micro-batches of 1 under 1f1b within 0.5% of its traced
-    step (which memfit train's runs match to the byte: tests/test_hf_train_model_parallel.py). It read
-    3.3% under when it held one receive buffer of the four torch keeps, and not the sent input gradient;
-    what it still leaves out (the micro-batches' targets, the loss scalars) is 0.16%."""
-    from memfit.measure.pipeline_trace import trace_stage
-    from memfit.models.spec import parse_model
-    from memfit.plan.cluster_memory import Layout, rank_peaks
-    from memfit.plan.cluster_unit import unit_profile
-
-    spec = parse_model(write_config(tmp_path, "llama"))
-    unit = unit_profile(spec, SEQ, 1, "32-true", "adamw")
-    closed = rank_peaks(Layout(**ONE_F_ONE_B), unit, layers=2)[1]["total"]
-    traced = trace_stage(spec, 1, 2, 4, 1, SEQ, "1f1b", aligned_targets=True)["total"]  # as pipeline_ranks
-    assert abs(closed - traced) <= 0.005 * traced, (closed, traced)
 
 
 def _plan(config: str, budget: str, capsys) -> tuple[int, dict | None]:
@@ -59,8 +41,8 @@ def test_a_plan_near_its_budget_trains_within_it(tmp_path, capsys):
     assert cluster["layout"]["strategy"] == "pipeline" and cluster["peak"] <= 505 * 1024
     (tmp_path / "plan.json").write_text(json.dumps(data))
     out = tmp_path / "run"
-    argv = ["train", "--plan", str(tmp_path / "plan.json"), "--steps", "2", "--warmup", "1", "--eval-batches", "1",
-            "--device", "cpu", "--quiet", "--out", str(out)]
+    argv = ["train", "--model", config, "--plan", str(tmp_path / "plan.json"), "--steps", "2", "--warmup", "1",
+            "--eval-batches", "1", "--device", "cpu", "--quiet", "--out", str(out)]
     assert run_world(_main, 2, args=(argv,), timeout_s=300) == [0, 0]
     ranks = json.loads((out / "metrics.json").read_text())["memory"]["step_breakdown"]["ranks"]
     peaks = [r["peak_bytes"] for r in ranks]

@@ -118,18 +118,7 @@ def _activations(lay: Layout, unit: UnitProfile, rank: int, counts: tuple[int, i
     else:
         per_row += unit.boundary  # the stage's output waits for its backward
     working = unit.saved["keep"] if rec or sel else 0  # one block's forward rerun in backward
-    return lay.rows * (in_flight(lay, rank) * per_row + working + _received(lay, unit, rank))
-
-
-def _received(lay: Layout, unit: UnitProfile, rank: int) -> int:
-    """Per row, a later stage's receive buffers beyond the micro-batches in flight: torch's stage allocates
-    one per micro-batch and keeps it across steps, so every one the step has filled is held (the traced
-    1f1b last stage of 4 micro-batches held 3 beyond its one in flight); under 1f1b also the input
-    gradient it sent last, kept across the next micro-batch's computation."""
-    if lay.strategy != "pipeline" or rank == 0:
-        return 0
-    sent = 1 if lay.schedule == "1f1b" and lay.accum > 1 else 0
-    return (lay.accum - in_flight(lay, rank) + sent) * unit.boundary
+    return lay.rows * (in_flight(lay, rank) * per_row + working)
 
 
 def stage_numel(lay: Layout, unit: UnitProfile, layers: int, rank: int, tied: bool) -> tuple[int, int]:
