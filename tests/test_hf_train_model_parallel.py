@@ -16,13 +16,16 @@ from memfit.cli import main
 FAST = ["--seq", "32", "--eval-batches", "2", "--quiet", "--warmup", "1", "--steps", "3", "--device", "cpu"]
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 ENV = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-LAYOUTS = {"tensor": [], "pipeline": ["--schedule", "gpipe", "--microbatches", "2"]}
+LAYOUTS = {"tensor": [], "pipeline": ["--schedule", "gpipe", "--microbatches", "2"],
+           "1f1b": ["--schedule", "1f1b", "--microbatches", "2"]}
+STRATEGY = {"1f1b": "pipeline"}
 
 
 def _two(config: str, out: Path, strategy: str) -> dict:
     """metrics.json of a 2-rank run with --batch 2 per process (a global batch of 4)."""
     proc = subprocess.run([sys.executable, "-m", "memfit", "train", "--model", config, *FAST, "--batch", "2",
-                           "--nproc", "2", "--strategy", strategy, *LAYOUTS[strategy], "--out", str(out)],
+                           "--nproc", "2", "--strategy", STRATEGY.get(strategy, strategy), *LAYOUTS[strategy],
+                           "--out", str(out)],
                           env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "metrics.json").read_text())
@@ -31,8 +34,8 @@ def _two(config: str, out: Path, strategy: str) -> dict:
 def _estimate(config: str, strategy: str, capsys) -> dict[int, int]:
     """`memfit estimate` of the run's layout: rank -> total bytes."""
     capsys.readouterr()
-    assert main(["estimate", config, "--batch", "2", "--seq", "32", "--strategy", strategy, "--world", "2",
-                 *LAYOUTS[strategy], "--json"]) == 0
+    assert main(["estimate", config, "--batch", "2", "--seq", "32", "--strategy", STRATEGY.get(strategy, strategy),
+                 "--world", "2", *LAYOUTS[strategy], "--json"]) == 0
     ranks = json.loads(capsys.readouterr().out)["ranks"]
     return {r: row["total"] for row in ranks for r in row["rank_ids"]}
 
@@ -52,14 +55,20 @@ def test_hf_model_parallel_runs_match_one_process_and_the_estimate(tmp_path, cap
         ranks = m["memory"]["step_breakdown"]["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1]
         est = _estimate(config, strategy, capsys)
+        # To the byte, but for one buffer: the estimate traces the step memfit train runs (its aligned-target
+        # loss, the targets held beside the inputs), which the tracker counts deterministically, except that
+        # under load a TP rank at times still holds one all-reduce's (rows, seq, hidden) fp32 buffer at its
+        # peak (gloo completing it late: seen on either rank, 1 run in 6 on 2 loaded cores). The estimate of
+        # transformers' shifted loss read 1,028 B (tensor) to 7.7 KB (gpipe) under, and fails this.
+        late = 4 * 32 * 32 * 4 if strategy == "tensor" else 0  # the TP group's 4 rows x seq 32 x hidden 32
         for r in ranks:  # the tracked peak of each rank at the tracked step against the per-rank estimate
             assert r["breakdown"]["params"] < one["memory"]["step_breakdown"]["breakdown"]["params"]
-            assert abs(est[r["rank"]] - r["peak_bytes"]) <= 0.03 * r["peak_bytes"], (strategy, r, est)
+            assert est[r["rank"]] <= r["peak_bytes"] <= est[r["rank"]] + late, (strategy, r, est)
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(LAYOUTS))
+@pytest.mark.parametrize("strategy", ["tensor", "pipeline"])
 def test_hf_resumed_run_continues_the_uninterrupted_trajectory(tmp_path, strategy):
     from memfit.distributed.spawn import run_world
     from reference_run import train_rank

@@ -59,7 +59,10 @@ CATS = ("params", "grads", "optimizer", "activations", "temporaries")
 
 def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | None = None,
                    schedule: str = "1f1b", precision: str = "32-true", optimizer: str = "adamw",
-                   checkpoint: str = "none", accum: int = 1, virtual_stages: int | None = None) -> list[dict]:
+                   checkpoint: str = "none", accum: int = 1, virtual_stages: int | None = None,
+                   aligned_targets: bool = True) -> list[dict]:
+    """`aligned_targets`: a Hugging Face model's loss as `memfit train` computes it (the default), else
+    over transformers' shifted labels, as `distribute()` computes it (docs/distributed.md)."""
     from memfit.distributed.interleaved import peak_held, rank_order, virtual_stages_of
 
     m = microbatches or world
@@ -70,7 +73,7 @@ def pipeline_ranks(spec, batch: int, seq: int, world: int, microbatches: int | N
     out = []
     for r in range(world):
         cats = trace_stage(spec, r, world, m, b, seq, schedule, precision, optimizer, checkpoint, accum=accum,
-                           virtual_stages=virtual)
+                           virtual_stages=virtual, aligned_targets=aligned_targets)
         row = {"rank": r, "strategy": "pipeline", "world": world, "gathered": 0, "in_flight": 0,
                **{c: cats[c] for c in ("params", "grads", "optimizer", "activations", "temporaries")},
                "blocks": sum(len(stage_blocks(layers, world * virtual, r + k * world)) for k in range(virtual)),
@@ -105,14 +108,44 @@ def local_tp_gpt(spec, seq: int, tp: int, vocab_parallel: bool = False) -> nn.Mo
     return gpt
 
 
-def local_tp_hf(spec, seq: int, tp: int) -> nn.Module:
-    """A Hugging Face causal LM with the shapes one TP rank of its tensor plan holds."""
+def local_tp_hf(spec, seq: int, tp: int, aligned_targets: bool = False) -> nn.Module:
+    """A Hugging Face causal LM with the shapes one TP rank of its tensor plan holds; `aligned_targets`:
+    its loss as `memfit train` computes it (see aligned_loss)."""
     from memfit.distributed.hf_tensor import localize_hf
 
-    return localize_hf(spec.build(seq), tp)
+    model = localize_hf(spec.build(seq), tp)
+    return aligned_loss(model) if aligned_targets else model
 
 
-def local_tp_model(spec, seq: int, tp: int, vocab_parallel: bool = False) -> nn.Module:
+def aligned_loss(model: nn.Module) -> nn.Module:
+    """`model` (a Hugging Face causal LM) scoring `labels` as targets aligned with the inputs, as
+    TensorParallelOptimizer for `memfit train` does (its summed float cross-entropy, -1 skipped, over
+    the target count), instead of transformers' labels shifted inside the loss. What that step holds
+    beyond the loss's own saved tensors is held here too, until the next forward: the targets, memfit's
+    data's own storage beside the inputs (saved by the loss and alive in the train loop to the step's
+    end), and the summed loss (alive in accumulate_step through backward). The instance's own forward is
+    replaced, so the module tree (every name the tracker reports) is the model's."""
+    import types
+
+    import torch.nn.functional as F
+
+    def forward(self, input_ids=None, labels=None, **kw):
+        self.__dict__.pop("_aligned_held", None)  # the previous step's batch is gone
+        out = type(self).forward(self, input_ids=input_ids, **kw)
+        if labels is not None:
+            logits = out.logits
+            target = labels.clone() if labels is input_ids else labels
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1), ignore_index=-1,
+                                   reduction="sum")
+            self.__dict__["_aligned_held"] = (target, loss)
+            out.loss = loss / labels.numel()  # (the traced batches skip none: a count needs no data)
+        return out
+
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+def local_tp_model(spec, seq: int, tp: int, vocab_parallel: bool = False, aligned_targets: bool = False) -> nn.Module:
     """One TP rank's model: memfit's GPT (local_tp_gpt) or a Hugging Face causal LM (local_tp_hf)."""
     if spec.config is not None:
         return local_tp_gpt(spec, seq, tp, vocab_parallel)
@@ -121,7 +154,7 @@ def local_tp_model(spec, seq: int, tp: int, vocab_parallel: bool = False) -> nn.
 
         raise ConfigError("vocabulary parallelism is estimated for memfit's GPT only; drop --vocab-parallel for a "
                           "Hugging Face config (its plan keeps the embeddings and head whole)")
-    return local_tp_hf(spec, seq, tp)
+    return local_tp_hf(spec, seq, tp, aligned_targets)
 
 
 def check_tensor_spec(spec, world: int, tp: int) -> None:
@@ -153,12 +186,14 @@ def blocks_of(spec, pipeline: bool = True) -> tuple[int, str]:
 
 def tensor_ranks(spec, batch: int, seq: int, world: int, tp: int | None = None, precision: str = "32-true",
                  optimizer: str = "adamw", checkpoint: str = "none", sequence_parallel: bool = False,
-                 vocab_parallel: bool = False) -> list[dict]:
+                 vocab_parallel: bool = False, aligned_targets: bool = True) -> list[dict]:
+    """`aligned_targets`: a Hugging Face model's loss as `memfit train` computes it (the default), else
+    over transformers' shifted labels, as `distribute()` computes it (docs/distributed.md)."""
     tp = tp or world
     check_tensor_spec(spec, world, tp)
     rows = batch * tp  # the TP group's rows: every rank of it computes all of them
-    t = trace_step(lambda: local_tp_model(spec, seq, tp, vocab_parallel), rows, seq, precision, optimizer,
-                   checkpoint)
+    t = trace_step(lambda: local_tp_model(spec, seq, tp, vocab_parallel, aligned_targets), rows, seq, precision,
+                   optimizer, checkpoint)
     cats = {c: getattr(t, c) for c in CATS}
     if sequence_parallel and tp > 1:
         cats = _sequence_parallel_peak(spec, t, rows, seq, tp, precision, optimizer, checkpoint)

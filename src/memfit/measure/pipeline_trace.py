@@ -36,10 +36,13 @@ from memfit.measure.fake_mode import fake_mode
 
 def trace_stage(spec, rank: int, stages: int, microbatches: int, rows: int, seq: int, schedule: str = "1f1b",
                 precision: str = "32-true", optimizer: str = "adamw", checkpoint: str = "none",
-                steps: int = 2, accum: int = 1, virtual_stages: int | None = None) -> dict[str, int]:
+                steps: int = 2, accum: int = 1, virtual_stages: int | None = None,
+                aligned_targets: bool = False) -> dict[str, int]:
     """The stage of `rank` (micro-batches of `rows` sequences): its tracked categories at the step's peak.
     `accum`: schedule runs per optimizer step (PipelineOptimizer.accumulate_step: gradients add up);
-    `virtual_stages`: the interleaved schedule's stages per rank (all of them are this rank's)."""
+    `virtual_stages`: the interleaved schedule's stages per rank (all of them are this rank's);
+    `aligned_targets`: a Hugging Face model's loss as `memfit train` computes it (targets aligned with the
+    inputs, ModelParallelOptimizer.aligned_targets), else transformers' labels shifted inside the loss."""
     from memfit.core.tracker import track
     from memfit.distributed.interleaved import virtual_stages_of
 
@@ -51,7 +54,8 @@ def trace_stage(spec, rank: int, stages: int, microbatches: int, rows: int, seq:
         dtype = opt.mode.param_dtype if hf else _sent_dtype(parts[0], opt, rows, seq, hidden)
         ids = [rank + k * stages for k in range(virtual)]
         runs = {sid: _Stage(part, opt, _buffers(sid > 0, microbatches, rows, seq, hidden, dtype),
-                            _buffers(sid < n - 1, microbatches, rows, seq, hidden, dtype), sid == 0, sid == n - 1, hf)
+                            _buffers(sid < n - 1, microbatches, rows, seq, hidden, dtype), sid == 0, sid == n - 1,
+                            hf and not aligned_targets)
                 for sid, part in zip(ids, parts)}
         batches = [[torch.randint(0, vocab, (rows * microbatches, seq)) for _ in range(accum)]
                    for _ in range(steps)]
@@ -118,9 +122,9 @@ def _sent_dtype(stage: nn.Module, opt, rows: int, seq: int, hidden: int) -> torc
 class _Stage:
     """torch's PipelineStage's forward_one_chunk / backward_one_chunk and its caches, on one process."""
 
-    def __init__(self, module, opt, recv, grad_in, first: bool, last: bool, hf: bool = False) -> None:
+    def __init__(self, module, opt, recv, grad_in, first: bool, last: bool, shifted: bool = False) -> None:
         self.module, self.opt, self.recv, self.grad_in = module, opt, recv, grad_in
-        self.first, self.last, self.hf = first, last, hf
+        self.first, self.last, self.shifted = first, last, shifted
         self.cache: dict[int, tuple] = {}
         self.losses: list[torch.Tensor] = []
         self.mbs: tuple = ()
@@ -129,7 +133,7 @@ class _Stage:
     def start(self, mbs: tuple) -> None:
         """clear_runtime_states and the step's split: the input buffers' gradients are dropped."""
         self.cache, self.losses, self.mbs = {}, [], mbs
-        self.total = float(sum(m[:, 1:].numel() if self.hf else m.numel() for m in mbs))
+        self.total = float(sum(m[:, 1:].numel() if self.shifted else m.numel() for m in mbs))
         for b in self.recv:
             b.grad = None
 
@@ -138,7 +142,7 @@ class _Stage:
         out = self.module(inp)
         self.cache[i] = (out, inp)
         if self.last:  # PipelineOptimizer._loss: the summed cross-entropy over the global token count
-            if self.hf:
+            if self.shifted:
                 from memfit.distributed.hf_stages import hf_shifted
 
                 loss = F.cross_entropy(*hf_shifted(out, self.mbs[i]), ignore_index=-100, reduction="sum")
