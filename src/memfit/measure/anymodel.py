@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -196,6 +197,10 @@ class RunResult:
     model: nn.Module
 
 
+QUICK_WARMUP = os.environ.get("MEMFIT_FULL_WARMUP", "") != "1"
+"""A step that says how to make its state alone (step.warmup) warms up with that (tests compare both)."""
+
+
 def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimizer: str, checkpoint: Any,
               device: str, steps: int = 2, tracker: Callable[..., MemoryTracker] | None = None,
               prepare: Callable[[nn.Module], None] | None = None, window: Any = None,
@@ -221,7 +226,9 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
         with tr:
             for i in range(steps):
                 if i < steps - 1:
-                    step(model, opt)
+                    warm = getattr(step, "warmup", None) if QUICK_WARMUP else None
+                    if i != 0 or warm is None or not warm(model, opt):
+                        step(model, opt)
                     continue
                 tr.reset_peak()
                 with window if window is not None else contextlib.nullcontext():

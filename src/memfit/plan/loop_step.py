@@ -96,7 +96,33 @@ def loop_step(problem: Any, micro: int, micro_batches: int = 1, keep_output: boo
             del loss
         opt.step()
 
+    if not keep_output:
+        # Nothing of the step outlives it but the optimizer's state: a warm-up step may make that state alone.
+        step.warmup = warmup_state  # type: ignore[attr-defined]
     return step
+
+
+def warmup_state(model: nn.Module, opt: Any) -> bool:
+    """Make the optimizer's state as a first training step would, without its forward and backward: zero
+    gradients, one update, the gradients dropped. Only where the update sees nothing of the step but the
+    gradients (a traced step on a CPU device; full precision, no loss scale, offload, update in backward or
+    chunked head); False (nothing done) elsewhere. The traced step after it then begins as it would after a real first step (tests/test_plan_warmup.py
+    compares whole profiles): this saves a forward and backward per trace."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    first = next(iter(model.parameters()))
+    if (not isinstance(first, FakeTensor)  # a measured step's warm-up also warms kernels and allocator up
+            or getattr(opt, "precision", None) != "32-true" or opt.scaler is not None or opt.streamed is not None
+            or opt.stepper is not None or first.device.type != "cpu"
+            or any(getattr(m, "_memfit_head_chunks", None) for m in model.modules())):
+        # (a chunked head may keep state of its own from a real step: memfit GPT's tied head does)
+        return False
+    for p in opt.params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad()
+    return True
 
 
 def loop_source(problem: Any, src: ChainSource, micro: int, keep_output: bool) -> ChainSource:
