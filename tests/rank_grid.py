@@ -129,16 +129,22 @@ def _one(case: Case, rank: int, world: int) -> dict:
         opt.micro_batch = lambda last: contextlib.nullcontext()
     else:
         opt = distribute(model, case.strategy, "adamw", lr=1e-3, precision=case.precision, engine=case.engine, **kw)
+    # A Hugging Face model under pipeline or tensor runs as memfit train runs it, the step `memfit estimate`
+    # models: targets aligned with the inputs, in storage of their own (memfit.measure.parallel_estimate).
+    aligned = spec.config is None and case.strategy in ("pipeline", "tensor")
+    if aligned:
+        opt.aligned_targets = True
     with opt:
         rows = opt.data_rows(BATCH * world) if case.strategy == "tensor" else None
         for step in range(3):
             ms = [torch.randint(0, vocab, (BATCH * world, SEQ), generator=g) for _ in range(case.accum)]
+            ts = [torch.randint(0, vocab, m.shape, generator=g) if aligned else m for m in ms]
             tracker = track(opt.tracked_module, opt, device="cpu") if step == 2 else None
             with tracker if tracker is not None else contextlib.nullcontext():
                 if case.strategy == "pipeline":
-                    opt.accumulate_step([(m, m) for m in ms])
+                    opt.accumulate_step(list(zip(ms, ts)))
                 elif case.strategy == "tensor":
-                    opt.accumulate_step([(m[rows], m[rows]) for m in ms])
+                    opt.accumulate_step([(m[rows], t[rows]) for m, t in zip(ms, ts)])
                 else:
                     _data_parallel_step(case, opt, ms, rank, world)
     return dict(tracker.breakdown)

@@ -242,6 +242,7 @@ def test_a_dead_rank_takes_the_blocked_ones_with_it_unless_a_signal_was_forwarde
         t0 = time.monotonic()
         with Reaper(SimpleNamespace(received=forwarded), grace=0.5, poll=0.05) as reaper:
             blocked.join(5 if forwarded is None else 1.5)
+        assert reaper.died[:1] == [crashing.pid]  # the launcher names the rank that died first
         if forwarded is None:  # killed soon after the crash's grace, never before it
             assert blocked.exitcode == -signal.SIGKILL and reaper.killed == [blocked.pid]
             assert 0.6 <= time.monotonic() - t0 < 4

@@ -73,9 +73,9 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None =
 
     from memfit.distributed.lifeline import launcher_environment
 
-    with rank_environment() as folder, forwarding(os.path.join(folder, "ready")) as signals, Reaper(signals), \
-            launcher_environment():
-        results = _elastic(nproc, argv, max_restarts, out)
+    with rank_environment() as folder, forwarding(os.path.join(folder, "ready")) as signals, \
+            Reaper(signals) as reaper, launcher_environment():
+        results = _elastic(nproc, argv, max_restarts, out, reaper.died)
     if signals.received is not None and not results:
         return 128 + signals.received
     codes = {r: res[0] for r, res in results.items()}
@@ -85,7 +85,7 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None =
     return max(codes.values())
 
 
-def _elastic(nproc: int, argv: list[str], max_restarts: int, out: str | None) -> dict[int, Any]:
+def _elastic(nproc: int, argv: list[str], max_restarts: int, out: str | None, died: list[int]) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -102,7 +102,7 @@ def _elastic(nproc: int, argv: list[str], max_restarts: int, out: str | None) ->
         with _quiet_elastic():
             return elastic_launch(config, _worker)(argv)
     except ChildFailedError as exc:
-        raise MemfitError(_failed(exc, max_restarts, out)) from None
+        raise MemfitError(_failed(exc, max_restarts, out, died)) from None
 
 
 @contextlib.contextmanager
@@ -123,13 +123,15 @@ def _quiet_elastic():
             lg.setLevel(level)
 
 
-def _failed(exc, max_restarts: int, out: str | None) -> str:
-    """One line for a rank that died (killed, crashed) with no restart left. A rank that raised
-    names its error; its traceback (torch-elastic's error file, in the launch's temporary folder)
-    is kept as rank<N>-error.txt in the run folder."""
+def _failed(exc, max_restarts: int, out: str | None, died: list[int] = ()) -> str:
+    """One line for a rank that died (killed, crashed) with no restart left: the first to die, as the
+    launcher saw them end (`died`, pids), else torch-elastic's first (its timestamps tie for ranks that
+    left no error file). A rank that raised names its error; its traceback (torch-elastic's error file,
+    in the launch's temporary folder) is kept as rank<N>-error.txt in the run folder."""
     import signal
 
-    rank, failure = exc.get_first_failure()
+    by_pid = {f.pid: (r, f) for r, f in exc.failures.items()}
+    rank, failure = next((by_pid[p] for p in died if p in by_pid), None) or exc.get_first_failure()
     code = failure.exitcode
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     raised = (failure.error_file_data or {}).get("message") or {}

@@ -153,6 +153,8 @@ class Reaper:
             grace = float(os.environ.get(REAP_ENV) or REAP_GRACE_S)
         self.signals, self.grace, self.poll = signals, grace, poll
         self.killed: list[int] = []
+        self.died: list[int] = []
+        """The pids of ranks that ended with a non-zero code, first first (memfit.cli.launch._failed names it)."""
         self._seen: dict[int, multiprocessing.process.BaseProcess] = {}
         self._doomed: list[tuple[float, multiprocessing.process.BaseProcess]] = []
         self._done = threading.Event()
@@ -164,13 +166,16 @@ class Reaper:
             # its exit code (torch-elastic's monitor polls the same Process objects).
             for p in multiprocessing.active_children():
                 self._seen.setdefault(p.pid, p)
-            for pid, p in list(self._seen.items()):
-                if p.exitcode is None:
-                    continue
-                del self._seen[pid]
-                if p.exitcode != 0 and self.signals.received is None:
-                    at = time.monotonic() + self.grace
-                    self._doomed += [(at, q) for q in self._seen.values() if q.exitcode is None]
+            ended = [p for p in self._seen.values() if p.exitcode is not None]
+            # Seen ending in one poll: a rank that aborted (a collective's error on losing its peer) is
+            # the consequence, not the cause, so it goes after the others.
+            for p in sorted(ended, key=lambda p: p.exitcode == -signal.SIGABRT):
+                del self._seen[p.pid]
+                if p.exitcode != 0:
+                    self.died.append(p.pid)
+                    if self.signals.received is None:
+                        at = time.monotonic() + self.grace
+                        self._doomed += [(at, q) for q in self._seen.values() if q.exitcode is None]
             self._reap()
 
     def _reap(self) -> None:
