@@ -4,7 +4,8 @@ Each process runs the same `memfit train` command line (without --nproc) with to
 environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), rendezvous on 127.0.0.1 at a free port. Rank 0
 speaks; another rank's output is shown only when it ended differently from rank 0. The exit code
 is the worst rank's. As under torchrun, each rank runs one thread unless OMP_NUM_THREADS is set;
-torch-elastic's temporary files go into a folder removed at the end (launch_env.py); Ctrl-C and
+torch-elastic's log folder and temporary files go into a folder removed at the end (launch_env.py),
+and a killed rank's disk offload folder is removed then too; Ctrl-C and
 SIGTERM are forwarded to the ranks, which stop after their step and save, and a rank that dies takes the
 others with it within seconds (launch_signals.py).
 """
@@ -65,17 +66,24 @@ def _worker(argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None = None) -> int:
+def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None = None,
+           spill_dir: str | None = None) -> int:
     """Run `memfit <argv>` on `nproc` ranks; a rank that dies restarts them all up to `max_restarts`
-    times (each attempt resumes from the run folder `out`, memfit.train.elastic)."""
+    times (each attempt resumes from the run folder `out`, memfit.train.elastic). `spill_dir`: the
+    ranks' disk offload folder (None: the temp folder), where a rank that was killed left its spill
+    folder: removed once the launch ends."""
     from memfit.cli.launch_env import rank_environment
     from memfit.cli.launch_signals import Reaper, forwarding
+    from memfit.core.spill import remove_stale_spill_folders
 
     from memfit.distributed.lifeline import launcher_environment
 
-    with rank_environment() as folder, forwarding(os.path.join(folder, "ready")) as signals, \
-            Reaper(signals) as reaper, launcher_environment():
-        results = _elastic(nproc, argv, max_restarts, out, reaper.died)
+    try:
+        with rank_environment() as folder, forwarding(os.path.join(folder, "ready")) as signals, \
+                Reaper(signals) as reaper, launcher_environment():
+            results = _elastic(nproc, argv, max_restarts, out, reaper.died, folder)
+    finally:  # after the block: the ranks are gone (and the temp folder is the ranks' own again)
+        remove_stale_spill_folders(spill_dir)
     if signals.received is not None and not results:
         return 128 + signals.received
     codes = {r: res[0] for r, res in results.items()}
@@ -85,7 +93,9 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0, out: str | None =
     return max(codes.values())
 
 
-def _elastic(nproc: int, argv: list[str], max_restarts: int, out: str | None, died: list[int]) -> dict[int, Any]:
+def _elastic(nproc: int, argv: list[str], max_restarts: int, out: str | None, died: list[int],
+             scratch: str) -> dict[int, Any]:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -97,6 +107,7 @@ def _elastic(nproc: int, argv: list[str], max_restarts: int, out: str | None, di
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memfit-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=max_restarts,
         monitor_interval=0.2, start_method="spawn", signals_to_handle=ELASTIC_SIGNALS,
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(scratch, "elastic")),  # removed with `scratch`
     )
     try:
         with _quiet_elastic():

@@ -227,7 +227,7 @@ def _launch(cfg: TrainConfig, given: dict, resuming: bool) -> int:
     given = {**given, "out": cfg.out or str(new_run_dir())}
     with hold_run_folder(given["out"], resuming, given.get("overwrite", False)):
         return launch(given["nproc"], to_argv("train", given, drop=("nproc", "max_restarts", "overwrite")),
-                      max_restarts=given.get("max_restarts", 0), out=given["out"])
+                      max_restarts=given.get("max_restarts", 0), out=given["out"], spill_dir=given.get("spill_dir"))
 
 
 def _engine_given(cfg: TrainConfig, given: dict) -> dict:

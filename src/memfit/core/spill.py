@@ -19,7 +19,8 @@ import weakref
 from pathlib import Path
 
 from memfit.core.errors import ConfigError
-from memfit.core.owner import hold_lock, owner_gone, release_lock
+from memfit.core.owner import hold_lock, release_lock
+from memfit.core.scratch import remove_stale
 from memfit.core.units import format_bytes
 
 PREFIX = "memfit-spill-"
@@ -81,31 +82,7 @@ def remove_stale_spill_folders(root: str | os.PathLike | None) -> list[Path]:
     A folder is stale when its lock can be taken (its owner died: the kernel dropped the lock) or,
     for folders without a lock file, when the process id in its name is dead. Folders of live
     processes, other users' folders and anything not named memfit-spill-<pid>-... are left alone."""
-    root = spill_root(root)
-    removed: list[Path] = []
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return removed
-    for entry in entries:
-        pid = owner_pid(entry.name)
-        if pid is None or os.path.realpath(entry.path) in _LIVE:
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-            if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.getuid():
-                continue
-        except (OSError, AttributeError):
-            continue
-        gone, fd = owner_gone(pid, os.path.join(entry.path, LOCK_NAME), st.st_mtime)
-        try:
-            if gone:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                if not os.path.exists(entry.path):
-                    removed.append(Path(entry.path))
-        finally:
-            release_lock(fd)
-    return removed
+    return remove_stale(spill_root(root), PREFIX, _LIVE)
 
 
 def _close(path: str, fd: int | None) -> None:
