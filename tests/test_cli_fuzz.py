@@ -121,12 +121,23 @@ def _places() -> Iterator[dict[str, str]]:
 
 
 _BASE: list[Path] = []
+_FOLDER: list[Path] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _base_folder(tmp_path_factory):
+    """Where `_base_run` trains: pytest's temporary folders (kept for the last few sessions, then
+    removed), not a folder of the system's temp folder that nothing removes."""
+    _FOLDER.append(tmp_path_factory.mktemp("fuzz-run"))
+    yield
+    _FOLDER.clear()
+    _BASE.clear()
 
 
 def _base_run() -> Path:
-    """One finished two-step run to resume from (made once per session)."""
+    """One finished two-step run to resume from (made once per module)."""
     if not _BASE:
-        folder = Path(tempfile.mkdtemp(prefix="memfit-fuzz-run-"))
+        folder = _FOLDER[0]
         assert main(["train", "--model", TINY, "--seq", "16", "--batch", "2", "--steps", "2", "--eval-batches", "1",
                      "--no-track", "--quiet", "--out", str(folder / "run")]) == 0
         _BASE.append(folder / "run")

@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -111,8 +112,10 @@ def torchrun(script: str, *args: str, port: int) -> list[dict]:
     """Run `script` on 2 gloo processes; each rank's RESULT json."""
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "--master_port", str(port),
            script, *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    # TMPDIR: torchrun's log folder (torchelastic_*), which torchrun never removes, goes in one that is removed.
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TMPDIR": scratch}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     text, decoder = out.stdout, json.JSONDecoder()
     rows = [decoder.raw_decode(text, i + 7)[0] for i in range(len(text)) if text.startswith("RESULT ", i)]
     assert out.returncode == 0 and len(rows) == 2, out.stderr[-3000:]

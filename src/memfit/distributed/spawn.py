@@ -66,16 +66,18 @@ def run_world(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120
         procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out, timeout_s, threads, environ),
                              daemon=True)
                  for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s + 30
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout_s + 30
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        finally:  # also on Ctrl-C or an error while waiting: no rank outlives the call
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
         results, errors = [], []
         for r in range(world):
             f = Path(out) / f"{r}.pt"
