@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +74,11 @@ def alive_after(pids: list[int], seconds: float) -> list[int]:
     return live
 
 
+def memfit_threads() -> list[str]:
+    """memfit's live threads in this process (disk spill's and optimizer offload's writers)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("memfit-")]
+
+
 def spill_recorder(monkeypatch) -> list[Path]:
     """Records each spill folder made (activation and optimizer offload), so a test knows it spilled."""
     from memfit.core import spill
@@ -95,7 +101,7 @@ def test_one_process_run_with_disk_offload_leaves_only_its_run_folder(scratch, t
     assert {p.name.split("-")[3] for p in made} == {"act", "optim"} and all(p.parent == scratch for p in made)
     assert os.listdir(scratch) == []
     assert sorted(os.listdir(out)) == ["checkpoint.pt", "metrics.json", "plot.png"]  # what the user keeps
-    assert alive(descendants(os.getpid())) == []
+    assert alive(descendants(os.getpid())) == [] and memfit_threads() == []
 
 
 def test_a_step_that_raises_with_disk_offload_removes_its_spill_folder_at_once(scratch, tmp_path, monkeypatch):
@@ -121,7 +127,7 @@ def test_a_step_that_raises_with_disk_offload_removes_its_spill_folder_at_once(s
         main(["train", *RUN, "--steps", "2", "--quiet", "--out", str(tmp_path / "run")])
     assert raised.traceback  # still held here
     assert made and os.listdir(scratch) == []
-    assert alive(descendants(os.getpid())) == []
+    assert alive(descendants(os.getpid())) == [] and memfit_threads() == []
 
 
 def test_folders_that_a_kill_9_left_are_removed_by_the_next_run(scratch):
