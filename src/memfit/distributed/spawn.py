@@ -13,7 +13,6 @@ working directory, as a spawned one would.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from memfit.core.scratch import owned_folder
 from memfit.distributed import env
 
 
@@ -59,7 +59,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str
 
 def run_world(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0, threads: int = 1) -> list[Any]:
     """fn(rank, world, *args) on `world` spawned processes; their return values in rank order."""
-    with tempfile.TemporaryDirectory(prefix="memfit-world-") as out:
+    with owned_folder("memfit-world-") as out:  # one a killed caller left: removed by the next call
         port = env.free_port()
         ctx = _context()
         environ = dict(os.environ)
