@@ -121,7 +121,8 @@ def main() -> None:
     from memfit.models.gpt import GPT, GPTConfig
 
     block = sum(p.numel() for p in GPT(GPTConfig(**MODEL)).blocks[0].parameters())
-    folder = Path(tempfile.mkdtemp(prefix="memfit-ds-"))
+    scratch = tempfile.TemporaryDirectory(prefix="memfit-ds-")  # the configs: removed as main() ends, also on an error
+    folder = Path(scratch.name)
     rows, paths = {}, {}
     for case in (c for c, stage in CASES.items() if stage in args.stages):
         config = emitted(CASES[case])
