@@ -107,8 +107,8 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _memfit(*argv: str, **kw) -> subprocess.Popen:
-    env = _env(OMP_NUM_THREADS="1")
+def _memfit(*argv: str, tmp: Path, **kw) -> subprocess.Popen:
+    env = _env(OMP_NUM_THREADS="1", TMPDIR=str(tmp))
     return subprocess.Popen([sys.executable, "-m", "memfit", *argv], env=env, **kw)
 
 
@@ -118,11 +118,12 @@ def _memfit(*argv: str, **kw) -> subprocess.Popen:
 def test_kill_9_of_the_launcher_takes_every_rank_and_a_torn_save_is_removed_on_resume(tmp_path):
     from memfit.train import state
 
-    out = tmp_path / "run"
+    out, scratch = tmp_path / "run", tmp_path / "tmp"
+    scratch.mkdir()
     common = ["--model", SMALL, "--seq", "32", "--batch", "2", "--eval-every", "0", "--eval-batches", "1",
               "--no-track", "--device", "cpu", "--strategy", "zero2", "--quiet", "--out", str(out)]
     launcher = _memfit("train", *common, "--steps", "100000", "--save-every", "2", "--nproc", "2",
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                       tmp=scratch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     end = time.monotonic() + 300
     while time.monotonic() < end and not (out / state.CHECKPOINT).exists():
         assert launcher.poll() is None, launcher.communicate()
@@ -132,15 +133,17 @@ def test_kill_9_of_the_launcher_takes_every_rank_and_a_torn_save_is_removed_on_r
     launcher.kill()
     launcher.wait(30)
     assert _gone_within(ranks, GONE_WITHIN_S) == []
+    assert [n for n in os.listdir(scratch) if n.startswith(f"memfit-launch-{launcher.pid}-")]  # kill -9 left it
     # A save that the kill tore, as the issue saw: a sharded folder without DCP's .metadata (written last).
     step = torch.load(out / state.CHECKPOINT, weights_only=True)["step"]
     torn = out / f"sharded-{step + 2}"
     torn.mkdir(exist_ok=True)
     (torn / "__0_0.distcp").write_bytes(b"half a shard")
     resumed = _memfit("train", *common, "--resume", str(out), "--steps", str(step + 1), "--nproc", "2",
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      tmp=scratch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, stderr[-3000:]
     assert f"sharded-{step + 2}" in stderr and "an interrupted save left" in stderr, stderr[-3000:]
     assert not torn.exists()
     assert torch.load(out / state.CHECKPOINT, weights_only=True)["step"] == step + 1
+    assert os.listdir(scratch) == []  # the next launch removed what the killed one left (docs/reliability.md)
