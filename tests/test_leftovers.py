@@ -152,6 +152,28 @@ def test_folders_that_a_kill_9_left_are_removed_by_the_next_run(scratch):
     assert sorted(os.listdir(scratch)) == ["memfit-launch-1-x3", "memfit-launch-notes"]
 
 
+# In a process of its own: on the code before, SIGTERM's default action killed the process (-15).
+SIGTERM_WHILE_PREPARING = """
+import os, signal, sys
+from memfit.cli import main, train
+def config_of(given):  # the run is still being prepared (a plan being made, a model built)
+    assert os.listdir(os.environ["TMPDIR"])  # its compiler cache folder
+    os.kill(os.getpid(), signal.SIGTERM)
+train.config_of = config_of
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_before_the_training_loop_ends_the_run_and_removes_its_folders(scratch, tmp_path):
+    """In the loop a signal stops the run after a step, saved (test_reliability.py); before it, one
+    ends the command at once, with the shell's code, and its temporary folders are removed."""
+    env = {"PYTHONPATH": SRC, "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin", "TMPDIR": str(scratch)}
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_PREPARING, "train", *RUN, "--steps", "2",
+                           "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143 and proc.stderr.strip().endswith("memfit: interrupted"), proc.stderr[-2000:]
+    assert os.listdir(scratch) == [] and not (tmp_path / "run").exists()
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()

@@ -149,8 +149,11 @@ def config_of(given: dict) -> tuple[TrainConfig, dict | None]:
 
 def run(args: argparse.Namespace) -> int:
     from memfit.cli.launch_env import compiler_cache
+    from memfit.train.signals import terminate_raises
 
-    with compiler_cache():  # no torchinductor_<user> folder left in the temp folder
+    # No torchinductor_<user> folder left in the temp folder; its own folder is removed also after a
+    # SIGTERM that comes before the training loop keeps signals (one in the loop saves, then ends as usual).
+    with terminate_raises(), compiler_cache():
         return _run(args)
 
 

@@ -64,6 +64,27 @@ def holding(restore: bool = True) -> Iterator[None]:
             _held.clear()
 
 
+@contextlib.contextmanager
+def terminate_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises Interrupted as Ctrl-C raises KeyboardInterrupt, where it would
+    otherwise kill the process at once (its default action): the blocks being left clean up (the
+    temporary folders of a run that is still preparing, before `holding` keeps signals for its loop)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield  # a handler is in place already (a rank's `hold()`, the caller's own): left as it is
+        return
+
+    def _raise(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _raise:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class Interrupted(KeyboardInterrupt):
     """A signal that stops what has nothing to save (the launcher before its ranks start).
     `signum` says which signal it was."""
