@@ -45,6 +45,7 @@ def _launch(kind: str, strategy: str, steps: int) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop("OMP_NUM_THREADS", None)  # what a user's shell has: each launcher decides the threads
     with tempfile.TemporaryDirectory(prefix="memfit-bench-launcher-") as tmp:
+        env["TMPDIR"] = tmp  # torchrun's log folder (torchelastic_*), which torchrun never removes
         out = str(Path(tmp) / "run")
         done = subprocess.run(_command(kind, strategy, steps, out), env=env, capture_output=True, text=True)
         if done.returncode != 0:

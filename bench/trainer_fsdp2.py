@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -178,7 +179,8 @@ def _launch(budget: str, kind: str, port: int, precision: str = "fp32") -> list[
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), __file__, "--worker", budget, kind,
            precision]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ.copy())
+    with tempfile.TemporaryDirectory() as scratch:  # torchrun's log folder (torchelastic_*): torchrun never removes it
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "TMPDIR": scratch})
     # the ranks' lines may interleave: each result is decoded from where its marker starts
     decoder, text = json.JSONDecoder(), out.stdout
     rows = [decoder.raw_decode(text, i + len("RESULT "))[0] for i in range(len(text)) if text.startswith("RESULT ", i)]
