@@ -134,7 +134,8 @@ def test_disk_plan_lowers_physical_memory_on_cpu(tmp_path):
     got = {}
     for policy in ("none", to_string(plan.actions)):
         proc = subprocess.run([sys.executable, "-c", WORKER, policy], capture_output=True, text=True, timeout=600,
-                              env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                              env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                                   "TMPDIR": str(tmp_path)})  # its spill folders: under tmp_path
         assert proc.returncode == 0, proc.stderr[-2000:]
         got[policy] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(got)
