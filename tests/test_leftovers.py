@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -27,15 +28,26 @@ RUN = ["--model", SMALL, "--seq", "32", "--batch", "2", "--eval-every", "0", "--
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
+_BEFORE: dict[Path, set[int]] = {}
+"""Per test's temp folder: the processes below this one before the test (earlier tests' forkserver...)."""
+
+
 @pytest.fixture
-def scratch(tmp_path, monkeypatch) -> Path:
+def scratch(tmp_path, monkeypatch) -> Iterator[Path]:
     """A fresh, empty temp folder for this test alone (the system's may hold anyone's files)."""
     folder = tmp_path / "tmp"
     folder.mkdir()
     monkeypatch.setenv("TMPDIR", str(folder))
     monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches its first answer: ask again
     assert tempfile.gettempdir() == str(folder)
-    return folder
+    _BEFORE[folder] = set(alive(descendants(os.getpid())))
+    yield folder
+    _BEFORE.pop(folder, None)
+
+
+def new_processes(scratch: Path, seconds: float = 0.0) -> list[int]:
+    """Processes below this one, started during the test, still running (`seconds` from now)."""
+    return alive_after([p for p in descendants(os.getpid()) if p not in _BEFORE[scratch]], seconds)
 
 
 def descendants(pid: int) -> list[int]:
@@ -101,7 +113,7 @@ def test_one_process_run_with_disk_offload_leaves_only_its_run_folder(scratch, t
     assert {p.name.split("-")[3] for p in made} == {"act", "optim"} and all(p.parent == scratch for p in made)
     assert os.listdir(scratch) == []
     assert sorted(os.listdir(out)) == ["checkpoint.pt", "metrics.json", "plot.png"]  # what the user keeps
-    assert alive(descendants(os.getpid())) == [] and memfit_threads() == []
+    assert new_processes(scratch) == [] and memfit_threads() == []
 
 
 def test_a_step_that_raises_with_disk_offload_removes_its_spill_folder_at_once(scratch, tmp_path, monkeypatch):
@@ -127,7 +139,7 @@ def test_a_step_that_raises_with_disk_offload_removes_its_spill_folder_at_once(s
         main(["train", *RUN, "--steps", "2", "--quiet", "--out", str(tmp_path / "run")])
     assert raised.traceback  # still held here
     assert made and os.listdir(scratch) == []
-    assert alive(descendants(os.getpid())) == [] and memfit_threads() == []
+    assert new_processes(scratch) == [] and memfit_threads() == []
 
 
 def test_folders_that_a_kill_9_left_are_removed_by_the_next_run(scratch):
@@ -237,5 +249,5 @@ def test_a_two_rank_run_leaves_nothing_in_the_temp_folder(scratch, tmp_path, end
     assert os.listdir(scratch) == []
     # A few seconds: the launcher's last children (its resource tracker, a rank) can still be exiting
     # when it has (seen as processes with no command line left, not yet zombies).
-    left = alive_after(procs + descendants(os.getpid()), 10.0)
+    left = alive_after(procs, 10.0) + new_processes(scratch, 10.0)
     assert left == [], [_cmdline(p)[:200] for p in left]
