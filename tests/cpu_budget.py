@@ -137,7 +137,7 @@ class CpuBudget:
             return
         row = dict(report.user_properties).get("cpu_budget")
         if row:
-            self.rows.append({"nodeid": report.nodeid, **row})
+            self.rows.append({"nodeid": report.nodeid.split("@")[0], **row})  # without loadgroup's "@group"
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
