@@ -11,7 +11,12 @@ import cpu_budget
 
 pytest_plugins = ["pytester"]
 
-BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+def burn(seconds: float) -> str:
+    """Code that spends `seconds` of CPU time."""
+    return f"import time\nt = time.process_time()\nwhile time.process_time() - t < {seconds}: pass\n"
+
+
+BURN = burn(0.4)
 
 
 def test_a_live_and_a_reaped_child_process_count():
@@ -35,20 +40,21 @@ def test_a_test_over_its_budget_fails_only_on_an_idle_machine(pytester, monkeypa
     pytester.makeconftest("import cpu_budget\n"
                           "def pytest_addoption(parser):\n    cpu_budget.add_options(parser)\n"
                           "def pytest_configure(config):\n    cpu_budget.configure(config)\n")
+    # test_burns fails past twice its 0.1 s (ENFORCE_FACTOR): 0.3 s is over that; the others burn a little
     pytester.makepyfile(f"""
 import pytest
 
 @pytest.mark.cpu_budget(0.1)
 def test_burns():
-    exec({BURN!r})
+    exec({burn(0.3)!r})
 
 @pytest.mark.cpu_budget(5)
 def test_within():
-    exec({BURN!r})
+    exec({burn(0.05)!r})
 
 @pytest.mark.slow
 def test_slow_has_no_budget():
-    exec({BURN!r})
+    exec({burn(0.05)!r})
 """)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=3, errors=failed)

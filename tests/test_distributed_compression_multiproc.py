@@ -1,30 +1,20 @@
 """Compression on 2 gloo ranks (127.0.0.1): every compressor as a DDP comm hook, compression off
-== uncompressed bitwise, and compressed_reduce_scatter for ZeRO-2. One spawn runs every scenario
+== uncompressed bitwise, and compressed_reduce_scatter for ZeRO-2. One run of the ranks does every scenario
 (starting processes dominates on a small machine); the tests assert on what each rank returned."""
 from __future__ import annotations
-
-import datetime
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from memfit.core.errors import ConfigError
 from memfit.distributed.compression import CompressionState, compressed_reduce_scatter, register_compression
+from memfit.distributed.spawn import run_world
 
 pytestmark = pytest.mark.multiproc
 WORLD, STEPS = 2, 4
 SPECS = ["none", "topk:1.0,values=fp32", "topk:0.01", "topk:0.001,momentum=0.9,warmup=2", "int8",
          "int8:stochastic", "sign", "bf16", "fp16", "powersgd:2", "powersgd:2,batched"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -84,31 +74,19 @@ def _reduce_scatter() -> dict:
     return out
 
 
-def _worker(rank: int, port: int, path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {"exact": _exact_mean_grads(), "plain": _train(None)}
-        for spec in SPECS:
-            results[spec] = _train(spec)
-        results["reduce_scatter"] = _reduce_scatter()
-        torch.save(results, f"{path}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int) -> dict:
+    results = {"exact": _exact_mean_grads(), "plain": _train(None)}
+    for spec in SPECS:
+        results[spec] = _train(spec)
+    results["reduce_scatter"] = _reduce_scatter()
+    return results
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    path = str(tmp_path_factory.mktemp("compression") / "out")
-    ctx = mp.start_processes(_worker, args=(_free_port(), path), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=300)
-    while not ctx.join(timeout=5):
-        if datetime.datetime.now() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("2-rank compression run did not finish in 300 s")
-    return [torch.load(f"{path}.{r}") for r in range(WORLD)]
+def ranks() -> list[dict]:
+    # run_world forks the ranks from a forkserver that imported torch once (per pytest worker), rather
+    # than spawning two interpreters that import it afresh (most of this file's CPU time)
+    return run_world(_worker, WORLD, timeout_s=300)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

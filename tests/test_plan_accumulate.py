@@ -16,6 +16,7 @@ from memfit.plan.fit import _Problem
 SPEC = "gpt:layers=3,hidden=64,heads=4,vocab=256,seq=64"
 LISTS = ["keep*3", "recompute*3", "recompute,keep,recompute", "keep,recompute*2"]
 BASES = _bases(("recompute",))
+FIT_SPEC, FIT_BATCH, FIT_SEQ = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64", 8, 64
 
 
 class _Plan:
@@ -55,11 +56,13 @@ def test_the_solver_bounds_the_later_micro_batch():
     bounded before) still keeps everything, which goes over; the later micro-batch's profile does not."""
     from memfit.plan.solve import solve
 
-    problem = _problem()
+    # the profile that test_a_plan_with_accumulation_measures_within_its_budget traces too (kept per process)
+    problem = _Problem(FIT_SPEC, None, None, FIT_BATCH, FIT_SEQ)
+    problem.keep_output = False
     bases = BASES
-    prof = chain_profile(problem.source(2), "32-true", "adamw", bases=bases)
+    prof = chain_profile(problem.source(FIT_BATCH), "32-true", "adamw", bases=bases)
     later = accumulating(prof)
-    keep = list(parse_items("keep*3"))
+    keep = list(parse_items("keep*2"))
     budget = later.peak_of(keep) - 1
     cost = lambda b, k: 0.0 if b.mode == "keep" else 1.0  # noqa: E731
     before, now = solve(prof, budget, bases, cost), solve(later, budget, bases, cost)
@@ -85,10 +88,10 @@ def _real_peak(plan, spec: str, batch: int, seq: int) -> int:
 def test_a_plan_with_accumulation_measures_within_its_budget():
     """A budget the full batch cannot meet even recomputing every block: the plan accumulates, and its
     step measures within the budget in memfit train's loop (the micro-batches on the device)."""
-    spec, batch, seq = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64", 8, 64
+    spec, batch, seq = FIT_SPEC, FIT_BATCH, FIT_SEQ
     problem = _Problem(spec, None, None, batch, seq)
     problem.keep_output = False
-    full = chain_profile(problem.source(batch), "32-true", "adamw", bases=_bases(("recompute",)))
+    full = chain_profile(problem.source(batch), "32-true", "adamw", bases=BASES)
     budget = full.peak_of(list(parse_items("recompute*2"))) - 1
     plan = memfit.fit(spec, budget=f"{budget}B", batch=batch, seq=seq, device="cpu", allow=("recompute", "accumulate"),
                       keep_output=False)

@@ -79,12 +79,16 @@ def test_a_measured_saving_from_recomputing_is_treated_as_noise(monkeypatch):
 
 def test_measured_segment_costs_decide_between_segments_and_single_blocks():
     from memfit.apply.policy import resolve_policy
-    from memfit.measure.blocks import chain_profile, spec_source
+    from memfit.measure.blocks import chain_profile
     from memfit.measure.compose import BASE_ACTIONS
-    from memfit.models.spec import parse_model
+    from memfit.plan.fit import _Problem
     from memfit.plan.solve import solve
 
-    prof = chain_profile(spec_source(parse_model(SPEC), 2, 16), "32-true", "adamw")
+    # the planner's own source (the loop's step, holding the output): the profile that fit() traced in
+    # test_a_measured_saving_from_recomputing_is_treated_as_noise, kept in this process
+    problem = _Problem(SPEC, None, None, 2, 16)
+    problem.keep_output = True  # fit()'s default
+    prof = chain_profile(problem.source(2), "32-true", "adamw")
     lo, hi = prof.peak_of(resolve_policy("full", 4)), prof.peak_of(resolve_policy("none", 4))
     budgets = [lo + (hi - lo) * i // 8 for i in range(9)]
 

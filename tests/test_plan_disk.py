@@ -21,17 +21,27 @@ from memfit.plan.plan import parse_allow
 from planned_run import tracked_steps_match_plain
 
 CFG = GPTConfig(layers=3, hidden=32, heads=2, vocab=128, seq=64)
+SPEC = "gpt:layers=3,hidden=32,heads=2,vocab=128,seq=64"  # CFG
 
 
-def test_a_plan_with_disk_blocks_runs_under_budget_with_the_plain_gradients(tmp_path):
+@pytest.fixture(scope="module")
+def peaks() -> tuple[int, int]:
+    """The full trace's peak of CFG at batch 4 keeping every block, and offloading every block to disk."""
+    keep = trace_step(parse_model(SPEC), 4, 64, checkpoint="none").peak
+    disk = trace_step(parse_model(SPEC), 4, 64, checkpoint="none+offload:disk").peak
+    return keep, disk
+
+
+def test_a_plan_with_disk_blocks_runs_under_budget_with_the_plain_gradients(tmp_path, peaks):
     torch.manual_seed(0)
     model, x = GPT(CFG), torch.randint(0, 128, (4, 64))
     plain = copy.deepcopy(model)
-    keep = trace_step(lambda: GPT(CFG), 4, 64, checkpoint="none").peak
-    disk = trace_step(lambda: GPT(CFG), 4, 64, checkpoint="none+offload:disk").peak
+    keep, disk = peaks
     assert disk < keep
     budget = (keep + disk) // 2
-    plan = fit(model, (x, x), budget=budget, allow=("offload-disk",))
+    # planned from the spec, as `memfit plan` below plans it: the command then finds the traced profiles
+    # in this process (test_plan_fit plans a module)
+    plan = fit(SPEC, budget=budget, batch=4, seq=64, device="cpu", allow=("offload-disk",))
     assert any(a.offload == "disk" for a in plan.actions), to_string(plan.actions)
     assert plan.measured_peak == plan.predicted_peak <= budget  # the full trace agrees with the composition
     assert "device is CPU" in plan.summary() and "offload:disk" in plan.summary()
@@ -51,13 +61,11 @@ def test_cpu_device_default_leaves_out_host_offload():
     assert "offload-cpu" in parse_allow("offload-cpu,recompute", "cpu")  # named: planned anyway
 
 
-def test_memfit_plan_allow_offload_disk(capsys):
+def test_memfit_plan_allow_offload_disk(capsys, peaks):
     from memfit.cli import main
 
-    spec = "gpt:layers=3,hidden=32,heads=2,vocab=128,seq=64"
-    keep = trace_step(parse_model(spec), 4, 64, checkpoint="none").peak
-    disk = trace_step(parse_model(spec), 4, 64, checkpoint="none+offload:disk").peak
-    assert main(["plan", spec, "--budget", str((keep + disk) // 2), "--batch", "4", "--seq", "64",
+    keep, disk = peaks
+    assert main(["plan", SPEC, "--budget", str((keep + disk) // 2), "--batch", "4", "--seq", "64",
                  "--allow", "offload-disk", "--device", "cpu"]) == 0  # the CPU note, also on a GPU machine
     out = capsys.readouterr().out
     assert "offload:disk" in out.split("blocks (3):")[1].splitlines()[0]

@@ -2,6 +2,8 @@
 `--host-memory`, a stated default, reported in the plan, and a plan that needs more host memory is not
 chosen (refused in one line when nothing else fits). Also: the planner's progress bar, and its traced
 parts cached on disk (a second process does not trace them again)."""
+import contextlib
+import io
 from dataclasses import replace
 
 import pytest
@@ -17,9 +19,26 @@ SPEC = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=256,vocab=256,seq=64"
 MiB = 2**20
 
 
-def test_one_gpu_plan_reports_the_offloaded_state_as_host_memory_and_respects_a_smaller_host():
-    allow = "recompute,optimizer-offload"  # no accumulation: nothing else fits 8 MiB
-    plan = memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False, allow=allow)
+ALLOW = "recompute,optimizer-offload"  # no accumulation: nothing else fits 8 MiB
+
+
+@pytest.fixture(scope="module")
+def gpu_plan():
+    """The one-GPU plan of SPEC, made with the progress bar on: (the plan, what it wrote on stderr). One
+    search serves the host-memory test and the progress bar's (each traced a model of its own before)."""
+    from memfit.core import progress
+
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err):
+        mp.setenv("MEMFIT_PROGRESS", "1")
+        mp.setattr(progress, "DELAY_S", 0.0)
+        plan = memfit.fit(SPEC, budget="8MiB", batch=4, seq=64, device="cuda", verify=False, allow=ALLOW)
+    return plan, err.getvalue()
+
+
+def test_one_gpu_plan_reports_the_offloaded_state_as_host_memory_and_respects_a_smaller_host(gpu_plan):
+    allow = ALLOW
+    plan = gpu_plan[0]
     assert plan.offload_optimizer == "cpu"  # the budget needs it (the control for the refusal below)
     local = torch.cuda.is_available()  # planned for a GPU elsewhere: a GPU's share of a DGX node
     assert plan.host_memory == (machine_ram() if local else DEFAULT_NODE_HOST // 8)
@@ -55,14 +74,8 @@ def test_cli_host_memory_bad_value_is_one_line_exit_2(capsys):
     assert len(err.splitlines()) == 1 and "lots" in err
 
 
-def test_progress_bar_on_stderr_counts_traces(monkeypatch, capsys):
-    from memfit.core import progress
-
-    monkeypatch.setenv("MEMFIT_PROGRESS", "1")
-    monkeypatch.setattr(progress, "DELAY_S", 0.0)
-    memfit.fit("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16", budget="64MiB", batch=2, seq=16, device="cpu",
-               allow="recompute")
-    err = capsys.readouterr().err
+def test_progress_bar_on_stderr_counts_traces(gpu_plan):
+    err = gpu_plan[1]
     assert "planning" in err and "trace" in err
 
 
