@@ -90,12 +90,13 @@ def test_accumulation_raises_the_estimate_by_the_held_gradients(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("depth", [d for d in grid.DEPTHS if d != 13])
 def test_grid_gpt_each_rank_within_its_strategy_tolerance(depth):
-    # Every case at 1 and 2 blocks and at the composed path's threshold (12 blocks); at 11 (the full
-    # trace's deepest) half of it: each strategy with and without checkpointing, the precisions in
-    # turn; at 24 and 48 each strategy once, checkpoint and precision alternating. 13 blocks run in
-    # test_grid_four_ranks and the default tier's covering subset; bench/rank_estimate.py runs every
-    # case at every depth.
-    if depth in (1, 2, 12):
+    # Every case at 1 and 2 blocks; at 11 (the full trace's deepest) and 12 (the composed path's
+    # threshold) half of it: each strategy with and without checkpointing, the precisions in turn, so
+    # each strategy meets each precision and each checkpoint (the three-way combinations, twice the
+    # cases, run at 1 and 2 blocks); at 24 and 48 each strategy once, checkpoint and precision
+    # alternating. 13 blocks run in test_grid_four_ranks and the default tier's covering subset;
+    # bench/rank_estimate.py runs every case at every depth.
+    if depth in (1, 2):
         cases = grid.gpt_cases([depth])
     else:
         cases = grid.covering_cases(depth, each_once=depth > 13)

@@ -62,20 +62,26 @@ def test_a_cluster_plan_names_the_engine(tmp_path):
         apply_cluster_plan({"plan": str(path), "nproc": 2})
 
 
-def _single(steps: int, batch: int = 4, column: str = "loss") -> list[float]:
+def _single_steps(steps: int, batch: int = 4) -> dict[str, list[float]]:
+    """One process's per-step columns (loss, grad_norm, ...)."""
     import tempfile
 
     from memfit.train import loop
 
     with tempfile.TemporaryDirectory() as out:  # not the working directory's runs/
         cfg = loop.TrainConfig(**BASE, batch=batch, steps=steps, device="cpu", save_every=0, out=out)
-        return loop.train(cfg, progress=False, log=lambda m: None).metrics["steps"][column]
+        return loop.train(cfg, progress=False, log=lambda m: None).metrics["steps"]
 
 
-def _grad_norms(rank, world, cfg: dict) -> list[float]:
+def _single(steps: int, batch: int = 4) -> list[float]:
+    return _single_steps(steps, batch)["loss"]
+
+
+def _losses_and_grad_norms(rank, world, cfg: dict) -> list[list[float]]:
     from memfit.train import loop
 
-    return loop.train(loop.TrainConfig(**{"device": "cpu", **cfg}), progress=False).metrics["steps"]["grad_norm"]
+    steps = loop.train(loop.TrainConfig(**{"device": "cpu", **cfg}), progress=False).metrics["steps"]
+    return [steps["loss"], steps["grad_norm"]]
 
 
 @pytest.mark.multiproc
@@ -107,16 +113,17 @@ def test_fsdp2_ranks_match_one_process_with_the_global_batch(tmp_path, strategy)
     from memfit.distributed.spawn import run_world
 
     cfg = {**BASE, "batch": 2, "steps": 4, "strategy": strategy, "engine": "fsdp2", "out": str(tmp_path / "two")}
-    two = run_world(train_rank, 2, args=(cfg, None, None), timeout_s=300)
-    assert two[0] == two[1]  # every rank reports the global mean
+    # One run of each gives the losses and the gradient norms (it was two runs of each, a column apiece).
+    two = run_world(_losses_and_grad_norms, 2, args=(cfg,), timeout_s=300)
+    assert two[0][0] == two[1][0]  # every rank reports the global mean
+    one = _single_steps(4)
     # The same sequences; FSDP2 reduce-scatters gradients summed over the ranks in another order than one
     # process's backward, and the norm for clipping is a sum of per-shard sums: fp32 reassociation only,
     # a few ulps per step (seen: 1.5e-7 relative over 4 Adam steps, 2 and 3 ranks). FSDP2's own default,
     # averaging the ranks' gradients, was 1.5e-4 off by step 4: Adam hides a scale but not its eps.
-    assert two[0] == pytest.approx(_single(4), rel=1e-5)
+    assert two[0][0] == pytest.approx(one["loss"], rel=1e-5)
     # The gradient norm is the sum's, not the ranks' average (which would be half of it).
-    norms = run_world(_grad_norms, 2, args=({**cfg, "out": str(tmp_path / "n")},), timeout_s=300)[0]
-    assert norms == pytest.approx(_single(4, column="grad_norm"), rel=1e-5)
+    assert two[0][1] == pytest.approx(one["grad_norm"], rel=1e-5)
 
 
 @pytest.mark.slow

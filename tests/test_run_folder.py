@@ -182,15 +182,19 @@ def test_two_memfit_train_processes_into_one_folder(tmp_path):
     """Two real runs into one --out: the second is refused (exit 2) and the first ends with its own
     checkpoint; then a run killed with SIGKILL mid-run leaves no lock behind."""
     args = ("train", *FAST, "--save-every", "5", "--out", "run")
+    # The first run ends by SIGTERM once the second is refused (saved, exit 143); its time limit is only a
+    # ceiling long enough for the second's start on a loaded machine, which it used to train out in full.
     first = _memfit(*args, "--time-limit", "45", cwd=tmp_path)
     _wait_for(tmp_path / "run" / LOCK)
-    second = _memfit(*args, "--steps", "5", "--overwrite", cwd=tmp_path)
+    second = _memfit(*args, "--steps", "2", "--overwrite", cwd=tmp_path)
     _, err = second.communicate(timeout=300)
     assert second.returncode == 2 and f"in use by another memfit train run (pid {first.pid}" in err
     assert err.strip().splitlines()[-1].startswith("memfit train: error: run folder")
     assert first.poll() is None, "the first run ended before the second tried: the test proved nothing"
+    _wait_for(tmp_path / "run" / state.CHECKPOINT)  # its step-5 save
+    first.send_signal(signal.SIGTERM)
     first.communicate(timeout=600)
-    assert first.returncode == 0 and state.load_checkpoint(tmp_path / "run")["step"] > 5  # not the second's
+    assert first.returncode == 143 and state.load_checkpoint(tmp_path / "run")["step"] >= 5  # not the second's
     killed = _memfit("train", "--resume", "run", "--steps", "100000", "--quiet", "--no-track", cwd=tmp_path)
     _wait_for(tmp_path / "run" / LOCK)
     time.sleep(1)
