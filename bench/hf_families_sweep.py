@@ -8,7 +8,7 @@ accept the model or refuse it in one line (checked as the launcher checks them).
     .venv/bin/python bench/hf_families_sweep.py            # resumes: architectures already in the JSON are kept
     .venv/bin/python bench/hf_families_sweep.py --fresh    # all again
 
-Each architecture runs in a child process (a few at a time, each stopped after --timeout seconds); the
+Each architecture runs in a child process (a few at a time, stopped after TIMEOUT seconds an architecture); the
 JSON is written after every batch, so a stopped sweep keeps what it measured.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import json
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,7 +28,10 @@ from common import RESULTS, fmt_bytes, run_line, save  # noqa: E402
 NAME = "hf_families_sweep"
 COMMAND = ".venv/bin/python bench/hf_families_sweep.py"
 TARGET_PCT = 0.3
-CHUNK = 4
+CHUNK = {"checks": 4, "plan": 1}
+TIMEOUT = {"checks": 240.0, "plan": 600.0}
+"""Seconds an architecture may take in a child before the child is stopped (the plan of a model with a
+sequential scan, Mamba's on a CPU, takes minutes)."""
 
 
 def architectures() -> list[str]:
@@ -37,7 +40,7 @@ def architectures() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _run_chunk(phase: str, archs: list[str], timeout: float) -> list[dict]:
+def _run_chunk(phase: str, archs: list[str], timeout: float) -> tuple[list[str], list[dict]]:
     """Rows of `archs` from one child process; an architecture still running at the timeout is recorded as
     such and the ones after it are left for the next batch (absent from the rows)."""
     env = {"PYTHONPATH": str(HERE.parent / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
@@ -53,15 +56,14 @@ def _run_chunk(phase: str, archs: list[str], timeout: float) -> list[dict]:
     done = {r["arch"] for r in rows}
     left = [a for a in archs if a not in done]
     if left:  # the first one not reported is the one that stopped (or crashed) the child
-        rows.append({"arch": left[0], "status": "fails", "reason": stopped or "the child process died"})
-    return rows
+        rows.append({"arch": left[0], "status": "fails", "reason": f"{phase}: " + (stopped or "the child process died")})
+    return archs, rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fresh", action="store_true", help="measure every architecture again")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per batch of architectures")
     args = ap.parse_args()
     path = RESULTS / f"{NAME}.json"
     have = {} if args.fresh or not path.exists() else {r["arch"]: r for r in json.loads(path.read_text())["rows"]}
@@ -73,22 +75,33 @@ def main() -> None:
 
 
 def _phase(phase: str, have: dict, todo: list[str], args) -> None:
-    """Run `phase` over `todo`, CHUNK architectures a child, args.jobs children at a time; each batch's rows
-    merged into `have` (a plan's row over its checks' row) and saved. Every batch settles at least one
-    architecture (a stopped child's first unreported one is recorded as such), so the loop ends."""
-    def settled(a: str) -> bool:
-        r = have.get(a, {})
-        return bool(r) and (phase == "checks" or r.get("planned") or "reason" in r)
+    """Run `phase` over `todo` in child processes (CHUNK[phase] architectures each, args.jobs at a time, a
+    new one started as one ends); each child's rows merged into `have` (a plan's row over its checks' row)
+    and saved. A child settles at least one architecture (a stopped child's first unreported one is
+    recorded as such; the ones after it go back in the queue), so the loop ends."""
+    queue, size = list(todo), CHUNK[phase]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        pending: set = set()
 
-    while todo:
-        chunks = [todo[i:i + CHUNK] for i in range(0, min(len(todo), CHUNK * args.jobs), CHUNK)]
-        with ThreadPoolExecutor(args.jobs) as pool:
-            for rows in pool.map(lambda c: _run_chunk(phase, c, args.timeout), chunks):
-                for r in rows:
-                    have[r["arch"]] = {**have.get(r["arch"], {}), **r}
-        todo = [a for a in todo if not settled(a)]
-        _save(have)
-        print(f"{phase}: {len(have)} rows, {len(todo)} to go", flush=True)
+        def submit() -> None:
+            chunk = queue[:size]
+            del queue[:size]
+            pending.add(pool.submit(_run_chunk, phase, chunk, TIMEOUT[phase] * len(chunk)))
+
+        while queue and len(pending) < args.jobs:
+            submit()
+        while pending:
+            job = next(as_completed(pending))
+            pending.remove(job)
+            chunk, rows = job.result()
+            for r in rows:
+                have[r["arch"]] = {**have.get(r["arch"], {}), **r}
+            reported = {r["arch"] for r in rows}
+            queue[:0] = [a for a in chunk if a not in reported]
+            _save(have)
+            print(f"{phase}: {len(have)} rows, {len(queue) + size * len(pending)} or fewer to go", flush=True)
+            if queue:
+                submit()
 
 
 def _save(have: dict) -> None:
@@ -100,21 +113,58 @@ def _save(have: dict) -> None:
                 "target_pct": TARGET_PCT})
 
 
+_TAGS = (("has none", "no tensor plan"), ("which memfit does not shard", "plan styles memfit does not shard"),
+         ("is not one of them", "family not cut"), ("does not divide", "heads do not divide"),
+         ("need at least", "too few blocks"), ("is too small", "budget too small"),
+         ("not all alike", "blocks not all alike"), ("differ", "blocks not all alike"))
+
+
 def _short(text: str | None) -> str:
-    """A check's cell: accepts, memfit's refusal (its first clause), or what escaped."""
+    """A check's cell: accepts, memfit's refusal (a tag; the full lines are listed under the table), or what
+    escaped."""
     if not text:
         return "-"
     if text == "accepts":
         return "accepts"
     kind, _, why = text.partition(": ")
-    return f"{'refused' if kind == 'refuses' else kind}: {why.split(';')[0]}".replace("|", "/")
+    tag = next((t for key, t in _TAGS if key in why), why.split(";")[0][:80])
+    return f"{'refused' if kind == 'refuses' else kind}: {tag}".replace("|", "/")
+
+
+def refusals(result: dict) -> str:
+    """Each distinct refusal line memfit gave in the sweep, in full, with the architectures it was given for."""
+    seen: dict[str, list[str]] = {}
+    for r in result["rows"]:
+        for key in ("tensor", "pipeline", "fit", "blocks", "estimate", "measured"):
+            v = r.get(key)
+            if isinstance(v, str) and v.startswith("refuses: "):
+                line = v[len("refuses: "):].replace(repr(r["arch"]), "<model_type>")
+                seen.setdefault(line, []).append(r["arch"])
+    lines = ["| memfit's line | architectures |", "|---|---|"]
+    lines += [f"| {line.replace('|', '/')} | {len(archs)}: {', '.join(archs[:12])}{' ...' if len(archs) > 12 else ''} |"
+              for line, archs in sorted(seen.items(), key=lambda kv: -len(kv[1]))]
+    return "\n".join(lines) + "\n"
 
 
 def _fit_cell(r: dict) -> str:
     if r.get("applied") is not None:
         ok = "within" if r["applied"] <= r["budget"] else "OVER"
         return f"{fmt_bytes(r['budget'])}: measured {fmt_bytes(r['applied'])} ({ok})"
-    return _short(r.get("fit") or r.get("applied_error") or r.get("measured") or r.get("estimate"))
+    for key in ("applied_error", "fit"):
+        if isinstance(r.get(key), str) and r[key].split(":")[0] in ("refuses", "traceback"):
+            return _short(r[key])
+    if "timed out" in r.get("reason", ""):
+        return r["reason"]
+    return "not yet planned" if "err_pct" in r else "-"
+
+
+def _err_cell(r: dict) -> str:
+    if r.get("err_pct") is not None:
+        return f"{r['err_pct']:+.3f}%"
+    for key in ("estimate", "measured"):
+        if isinstance(r.get(key), str):
+            return _short(r[key])
+    return r.get("reason", "-")
 
 
 def table(result: dict) -> str:
@@ -122,9 +172,9 @@ def table(result: dict) -> str:
     lines = ["| architecture | parameters | repeated blocks | estimate vs allocator | plan at 60% of the plain peak "
              "| tensor, 2 ranks | pipeline, 2 ranks |", "|---|---:|---|---:|---|---|---|"]
     for r in rows:
-        err = f"{r['err_pct']:+.2f}%" if r.get("err_pct") is not None else _short(r.get("estimate") or r.get("reason"))
-        lines.append(f"| {r['arch']} | {r.get('params', 0):,} | {r.get('blocks', '-') if 'x' in str(r.get('blocks')) else _short(r.get('blocks'))} "
-                     f"| {err} | {_fit_cell(r)} | {_short(r.get('tensor'))} | {_short(r.get('pipeline'))} |")
+        blocks = r.get("blocks", "-") if " x " in str(r.get("blocks")) else _short(r.get("blocks"))
+        lines.append(f"| {r['arch']} | {r.get('params', 0):,} | {blocks} | {_err_cell(r)} | {_fit_cell(r)} "
+                     f"| {_short(r.get('tensor'))} | {_short(r.get('pipeline'))} |")
     return "\n".join(lines) + "\n\n" + _verdict(result) + "\n"
 
 
@@ -169,11 +219,13 @@ def render(result: dict) -> str:
         "step measured by the tracker. Tensor / pipeline: the launcher's checks for 2 processes.",
         "",
     ]
-    return "\n".join(head) + "\n" + table(result) + "\nSkipped:\n\n" + skipped(result)
+    return ("\n".join(head) + "\n" + table(result) + "\nmemfit's refusals in full:\n\n" + refusals(result)
+            + "\nSkipped:\n\n" + skipped(result))
 
 
 def snippets(result: dict) -> dict[str, str]:
-    return {"hf_families_sweep": table(result), "hf_families_skipped": skipped(result)}
+    return {"hf_families_sweep": table(result) + "\nmemfit's refusals in full:\n\n" + refusals(result),
+            "hf_families_skipped": skipped(result)}
 
 
 if __name__ == "__main__":
