@@ -1,8 +1,10 @@
 """Architectures from the sweep over every causal LM transformers builds (bench/hf_families_sweep.py) that
 memfit did not handle: each now planned within its budget, or refused in one line that says what would
 work. A model whose repeated blocks are not all alike (RWKV's first block holds an extra layer norm) is
-refused by memfit.fit in one line naming the odd block, where it raised an internal exception; the default
-tier checks that on a plain module, the slow tier on the architectures the sweep found.
+refused by memfit.fit in one line naming the odd block, where it raised an internal exception; a forward
+that reads a tensor's value in Python (JetMoE's expert sizes, XLM's length check), which the estimate's
+trace cannot answer, is named in the estimate's one line with what measures it instead. The default tier
+checks both on plain modules, the slow tier on the architectures the sweep found.
 """
 from __future__ import annotations
 
@@ -62,6 +64,28 @@ def test_the_refusals_advice_runs_and_the_estimate_holds():
     assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
 
 
+class _Reads(nn.Module):
+    """A forward that reads a value in Python, as XLM's `assert lengths.max().item() <= slen` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.abs().max().item() < 1e9
+        return self.fc(x).square().mean()
+
+
+def test_a_value_read_in_the_forward_is_named_in_one_line_with_what_measures_it():
+    from memfit.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        memfit.estimate(_Reads(), torch.randn(2, 8))
+    text = str(err.value)
+    assert "\n" not in text and "reads a tensor's value in Python" in text
+    assert "test_hf_family_sweep.py" in text and "x.abs().max().item()" in text and "memfit.track" in text
+
+
 ESTIMATE_PCT = 0.3
 """memfit's claim on unseen families: the estimate within 0.3% of the CPU allocator's peak."""
 
@@ -79,3 +103,12 @@ def test_sweep_architecture_estimated_and_planned_or_refused_in_one_line(arch):
         assert row["applied"] <= row["budget"], row
     else:  # refused: one line that says what would work
         assert row["fit"].startswith("refuses: ") and "\n" not in row["fit"], row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,read", [("jetmoe", "expert_size.tolist()"), ("xlm", "lengths.max().item()")])
+def test_sweep_architecture_reading_values_is_refused_in_one_line_naming_the_read(arch, read):
+    import hf_family_tiny as tiny
+
+    row = tiny.run_one(arch, plan=False)
+    assert row["estimate"].startswith("refuses: ") and read in row["estimate"] and "memfit.track" in row["estimate"]
