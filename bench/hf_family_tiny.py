@@ -45,14 +45,19 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
     """The config dict with every size field set small; per-layer lists cut to the first LAYERS entries;
     sub-configs (a text config inside a multimodal one) shrunk the same way."""
     old_layers = next((d[k] for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
+    keep = _layers_kept(d, old_layers)
     out = {}
     for k, v in d.items():
         if isinstance(v, dict) and "model_type" in v:
             out[k] = _shrink(v)
+        elif k in _LAYER_KEYS and isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[k] = min(v, keep)
         elif k in _FIELD and isinstance(v, int) and not isinstance(v, bool) and v > 0:
             out[k] = min(v, _FIELD[k]) if k not in _HEAD_KEYS else _FIELD[k]
-        elif isinstance(v, list) and old_layers and len(v) == old_layers and old_layers > LAYERS:
-            out[k] = v[:LAYERS]
+        elif k.endswith("token_id") and isinstance(v, int) and v >= VOCAB:
+            out[k] = VOCAB - 1  # special tokens stay inside the smaller vocabulary
+        elif isinstance(v, list) and old_layers and len(v) == old_layers and old_layers > keep:
+            out[k] = v[:keep]
         else:
             out[k] = v
     if "sliding_window" in out and isinstance(out["sliding_window"], int):
@@ -61,6 +66,18 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
         if isinstance(out.get(key), int):
             out[key] = min(out[key], 1)
     return out
+
+
+def _layers_kept(d: dict[str, Any], old_layers: int | None) -> int:
+    """LAYERS, or as many as it takes for a per-layer kind list (layer_types: sliding and full attention,
+    linear attention, ...) to keep every kind it names."""
+    kinds = d.get("layer_types")
+    if not (isinstance(kinds, list) and old_layers and len(kinds) == old_layers):
+        return LAYERS
+    first = {}
+    for i, kind in enumerate(kinds):
+        first.setdefault(str(kind), i)
+    return max(LAYERS, max(first.values()) + 1)
 
 
 def tiny_config(model_type: str):
