@@ -5,57 +5,23 @@ layout, resumes bitwise from a DCP save at step 2, and what cannot run is refuse
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from hf_family_configs import write_config
+from hf_layout_runs import FAST, runs_against_one_process
 from memfit.cli import main
 
-FAST = ["--seq", "32", "--eval-batches", "2", "--quiet", "--warmup", "1", "--steps", "3", "--device", "cpu"]
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-ENV = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-LAYOUTS = {"pp2-dp2": ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2"],
-           "pp2-tp2": ["--pp", "2", "--tp", "2", "--schedule", "gpipe", "--microbatches", "2"]}
 ENGINE = ["--strategy", "pipeline", "--engine", "fsdp2"]
-
-
-def _four(config: str, out: Path, layout: str) -> dict:
-    """metrics.json of a 4-rank run with --batch 2 per process (a global batch of 8)."""
-    proc = subprocess.run([sys.executable, "-m", "memfit", "train", "--model", config, *FAST, "--batch", "2",
-                           "--nproc", "4", *ENGINE, *LAYOUTS[layout], "--out", str(out)],
-                          env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "metrics.json").read_text())
-
-
-def _estimate(config: str, layout: str, capsys) -> dict[int, int]:
-    """`memfit estimate` of the run's layout: rank -> total bytes."""
-    capsys.readouterr()
-    assert main(["estimate", config, "--batch", "2", "--seq", "32", *ENGINE, "--world", "4", *LAYOUTS[layout],
-                 "--json"]) == 0
-    ranks = json.loads(capsys.readouterr().out)["ranks"]
-    return {r: row["total"] for row in ranks for r in row["rank_ids"]}
+LAYOUTS = {"pp2-dp2": [*ENGINE, "--pp", "2", "--schedule", "1f1b", "--microbatches", "2"],
+           "pp2-tp2": [*ENGINE, "--pp", "2", "--tp", "2", "--schedule", "gpipe", "--microbatches", "2"]}
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_3d_runs_match_one_process_and_the_estimate(tmp_path, capsys):
-    config = write_config(tmp_path, "llama")
-    assert main(["train", "--model", config, *FAST, "--batch", "8", "--out", str(tmp_path / "one")]) == 0
-    one = json.loads((tmp_path / "one" / "metrics.json").read_text())
-    for layout in LAYOUTS:
-        m = _four(config, tmp_path / layout, layout)
-        # fp32 reassociation only (micro-batches summed in another order, TP partial sums, dp reduce-scatter
-        # sums): observed <= 1e-7 relative over 3 steps; 1e-5 is the model-parallel runs' bound
-        assert m["steps"]["loss"] == pytest.approx(one["steps"]["loss"], rel=1e-5), layout
-        ranks = m["memory"]["step_breakdown"]["ranks"]
-        assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
-        est = _estimate(config, layout, capsys)
+    for layout, ranks, est in runs_against_one_process(tmp_path, capsys, "llama", 4, LAYOUTS):
         for r in ranks:  # torch's MemTracker peak of each rank at the tracked step against the per-rank estimate
-            assert r["breakdown"]["params"] < one["memory"]["step_breakdown"]["breakdown"]["params"]
             assert abs(est[r["rank"]] - r["peak_bytes"]) <= 0.03 * r["peak_bytes"], (layout, r, est)
 
 

@@ -4,20 +4,14 @@ makes data parallelism's gradient traffic dearer than a pipeline's sends), the r
 that the runtime is measured against, and `memfit train --plan` runs it on 2 processes."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from cluster_plan_run import train_cluster_plan
 from memfit.plan.cluster_fit import plan_cluster
 from memfit.plan.cluster_search import virtual_counts
 
 TINY = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=384,vocab=256"
 ARGS = dict(batch=8, seq=32, device="cpu", interconnect="1")
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-ENV = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "MEMFIT_NO_CACHE": "1"}
 
 
 def test_virtual_counts_follow_torchs_rules():
@@ -59,14 +53,5 @@ def test_interleaved_plan_trains_on_two_ranks(tmp_path):
     est = pipeline_ranks(parse_model(TINY), 4, 32, 2, lay.accum, "interleaved",
                          virtual_stages=lay.virtual_stages)
     assert cp.traced_peak == max(r["total"] for r in est)
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"plan": cp.plan, "cluster": cp.to_json()}))
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "memfit", "train", "--model", TINY, "--plan", str(path), "--seq", "32",
-                           "--steps", "2", "--warmup", "1", "--eval-batches", "1", "--device", "cpu", "--quiet",
-                           "--out", str(out)], env=ENV, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    step = json.loads((out / "metrics.json").read_text())["memory"]["step_breakdown"]
+    _, step = train_cluster_plan(TINY, cp, tmp_path)
     assert step["world"] == 2 and step["strategy"] == "pipeline"
-    peaks = [r["peak_bytes"] for r in step["ranks"]]
-    assert len(peaks) == 2 and max(peaks) <= cp.budget, (peaks, cp.budget)

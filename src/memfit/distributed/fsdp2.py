@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,30 @@ def clip_across_meshes(params, limit: float) -> float:
         for g in grads:
             (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
     return norm
+
+
+def sum_over_tp(model: nn.Module, names: list[str], group) -> None:
+    """Sum the gradients of the plan's replicated_with_grad_allreduce weights over "tp": each TP rank's
+    gradient covers its own heads only."""
+    for name in names:
+        p = model.get_parameter(name)
+        if p.grad is not None:
+            dist.all_reduce(p.grad.to_local(), group=group)
+
+
+def clip_then_step(opt: Any, clip_norm: Callable[[], float]) -> StepResult:
+    """The step's tail shared by the FSDP2 engines: when `opt.clip` is set, `clip_norm()` clips and returns
+    the global norm, and a non-finite one skips the step (gradients dropped, weights untouched); then
+    `opt.inner` steps and the gradients are freed."""
+    norm = None
+    if opt.clip is not None:
+        norm = clip_norm()
+        if not math.isfinite(norm):
+            opt.zero_grad()
+            return StepResult(stepped=False, grad_norm=norm)
+    opt.inner.step()
+    opt.zero_grad()
+    return StepResult(stepped=True, grad_norm=norm)
 
 
 class FSDP2Optimizer:
@@ -163,20 +187,10 @@ class FSDP2Optimizer:
         loss.backward()
 
     def step(self) -> StepResult:
-        norm = None
-        for name in self.tp_summed:  # each TP rank's gradient covers its own heads only
-            p = self.model.get_parameter(name)
-            if p.grad is not None:
-                dist.all_reduce(p.grad.to_local(), group=self.tp_group)
-        if self.clip is not None:
-            norm = (float(nn.utils.clip_grad_norm_(self.model.parameters(), self.clip).full_tensor())
-                    if self.tp == 1 else clip_across_meshes(self.model.parameters(), self.clip))
-            if not math.isfinite(norm):
-                self.zero_grad()
-                return StepResult(stepped=False, grad_norm=norm)
-        self.inner.step()
-        self.zero_grad()
-        return StepResult(stepped=True, grad_norm=norm)
+        sum_over_tp(self.model, self.tp_summed, self.tp_group)
+        return clip_then_step(self, lambda: (
+            float(nn.utils.clip_grad_norm_(self.model.parameters(), self.clip).full_tensor())
+            if self.tp == 1 else clip_across_meshes(self.model.parameters(), self.clip)))
 
     def zero_grad(self) -> None:
         self.inner.zero_grad(set_to_none=True)

@@ -240,23 +240,14 @@ class Mesh3DOptimizer:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> StepResult:
-        for name in self.tp_summed:  # each TP rank's gradient covers its own heads only
-            p = self.model.get_parameter(name)
-            if p.grad is not None:
-                dist.all_reduce(p.grad.to_local(), group=self.tp_group)
+        from memfit.distributed.fsdp2 import clip_then_step, sum_over_tp
+
+        sum_over_tp(self.model, self.tp_summed, self.tp_group)
         if self.tied is not None and self.tied.grad is not None:  # the same (dp, tp) shard on both ends
             g = self.tied.grad
             dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.tied_group)
-        norm = None
-        if self.clip is not None:
-            skip = self.tied if self.rank != 0 else None
-            norm = clip_3d(self.params, self.clip, self.dp * self.tp, skip)
-            if not math.isfinite(norm):
-                self.zero_grad()
-                return StepResult(stepped=False, grad_norm=norm)
-        self.inner.step()
-        self.zero_grad()
-        return StepResult(stepped=True, grad_norm=norm)
+        skip = self.tied if self.rank != 0 else None
+        return clip_then_step(self, lambda: clip_3d(self.params, self.clip, self.dp * self.tp, skip))
 
     def zero_grad(self) -> None:
         self.inner.zero_grad(set_to_none=True)

@@ -105,6 +105,23 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _forward_failed(exc: BaseException) -> str:
+    """One line for a forward that failed on the example; a value read in Python (.item(), .tolist()), which
+    a trace without values cannot answer, is named where the model reads it, with what measures it instead."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    if isinstance(exc, DataDependentOutputException):
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if "/torch/" not in f.filename and "/memfit/" not in f.filename]  # the model's own code
+        where = f" ({frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
+        return (f"the model's forward reads a tensor's value in Python{where}, which memfit's estimate (a trace "
+                "without values) cannot answer; measure a real step instead: memfit.track(model, optimizer) "
+                "around one training step on the device")
+    return f"the model's forward failed on the example: {type(exc).__name__}: {_one_line(exc)}"
+
+
 def fake_like(obj: Any, device: torch.device) -> Any:
     """The example with every tensor replaced by an empty one of the same shape and dtype."""
     if isinstance(obj, torch.Tensor):
@@ -181,8 +198,7 @@ def example_step(example: Any, loss_fn: Callable | None, real: bool = False) -> 
             except ConfigError:
                 raise
             except Exception as exc:
-                raise ConfigError(f"the model's forward failed on the example: {type(exc).__name__}: "
-                                  f"{_one_line(exc)}") from None
+                raise ConfigError(_forward_failed(exc)) from None
             loss = extract_loss(out, batch, loss_fn)
         del out  # a user's loop drops the output (logits) before backward too
         opt.backward(loss)

@@ -38,6 +38,26 @@ def block_signature(block: nn.Module) -> tuple:
         (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in block.named_parameters())
 
 
+def chain_mismatch(model: nn.Module) -> str:
+    """Why `model` is not a chain of identical blocks, in words (for a one-line refusal)."""
+    from memfit.apply.checkpoint import find_blocks
+
+    try:
+        blocks = find_blocks(model)
+    except ConfigError as exc:
+        return str(exc)
+    sigs = [block_signature(b) for b in blocks]
+    common = max(set(sigs), key=sigs.count)
+    odd = [i for i, s in enumerate(sigs) if s != common]
+    first = dict((n, sh) for n, sh, *_ in sigs[odd[0]][1:]) if odd else {}
+    usual = dict((n, sh) for n, sh, *_ in common[1:])
+    extra = sorted(set(first) - set(usual)) or sorted(set(usual) - set(first)) or \
+        sorted(n for n in first if first[n] != usual.get(n))
+    what = f" ({', '.join(extra[:3])})" if extra else ""
+    return (f"block{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} of the {len(blocks)} "
+            f"{type(blocks[0]).__name__} blocks differ{'s' if len(odd) == 1 else ''} from the others{what}")
+
+
 def identical_blocks(model: nn.Module) -> nn.ModuleList | None:
     from memfit.apply.checkpoint import find_blocks
 

@@ -205,14 +205,12 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
     problem.keep_output = bool(keep_output)
     problem.host_limit, problem.host_source = host_limit(host_memory, device)
     _check_weights(problem, limit, precision, allowed)
-    from memfit.plan.search import search
-
     problem.costs = costs  # memfit.profile BlockCosts measured at the full batch, or None for the FLOP model
     problem.device = device
     from memfit.core.progress import progress
 
     with progress(f"planning {problem.name}"):
-        plan = search(problem, limit, allowed, optimizer, precision, verify)
+        plan = _search(problem, limit, allowed, optimizer, precision, verify)
     plan.device, plan.keep_output, plan.seq = device, problem.keep_output, problem.seq
     plan.global_batch, plan.model_digest = problem.batch, problem.digest()
     if precision_note:
@@ -225,6 +223,24 @@ def fit(model: Any, example: Any = None, budget: Any = None, *, optimizer: str =
                          keep_output=keep_output, host_memory=host_memory, lora=lora)
     plan.notes += _lora_notes(lora)
     return plan
+
+
+def _search(problem: Any, limit: int, allowed: Any, optimizer: str, precision: str, verify: bool) -> Plan:
+    """memfit.plan.search, with a model that is not a chain of identical blocks refused in one line."""
+    from memfit.measure.timeline import NotAChain
+    from memfit.plan.search import search
+
+    try:
+        return search(problem, limit, allowed, optimizer, precision, verify)
+    except NotAChain as exc:
+        why = str(exc)
+        if problem.spec is None and hasattr(problem.model, "parameters"):
+            from memfit.measure.blocks import chain_mismatch
+
+            why = chain_mismatch(problem.model)
+        raise PlanError(f"memfit.fit plans each repeated block of a chain of identical blocks; {problem.name}: "
+                        f"{why}. Estimate it with memfit.estimate, and checkpoint its blocks with "
+                        f"memfit.checkpoint(model, 'full') or a policy of your own") from None
 
 
 def _lora_notes(lora: Any) -> list[str]:
