@@ -136,14 +136,13 @@ whole profiles and plans with MEMFIT_WARMUP_UPDATE=1, the full update)."""
 
 def _adam_state(inner: Any) -> bool:
     """Make torch Adam's or AdamW's state as its first step would (False, nothing done, for any other
-    optimizer). The step counter is counted up as the step's update counts it."""
+    optimizer). The step counter stays at 0 (counting it up is an operation on a constant, the costliest kind
+    under FakeTensorMode): the traced step's update then counts it to 1, not 2, which only changes Python
+    floats (the bias corrections), not which tensors the update makes."""
     if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
     for group in inner.param_groups:
-        steps: list[torch.Tensor] = []
-        inner._init_group(group, [], [], [], [], [], steps)
-        for s in steps:
-            s += 1
+        inner._init_group(group, [], [], [], [], [], [])
     return True
 
 
