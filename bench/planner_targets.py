@@ -32,7 +32,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 LLAMA_405B = "llama:layers=126,hidden=16384,heads=128,kv_heads=8,ffn=53248,vocab=128256,seq=8192"
-CALL_TARGETS = ("HF model via fit_trainer",)
+CALL_TARGETS = ("HF model via fit_trainer", "HF model via fit_trainer, shortcuts off")
+SHORTCUTS_OFF = ("MEMFIT_TRACKED_WARMUP", "MEMFIT_WARMUP_UPDATE", "MEMFIT_TRACKED_DETACH", "MEMFIT_WALK_UPDATE")
+"""The switches that turn the tracing shortcuts off (tests/test_plan_speed_shortcuts.py: the same plans)."""
 """Targets whose CPU seconds are the memfit call's within the process (printed by `one` after CALL_MARK)."""
 CALL_MARK = "memfit call CPU s: "
 TIMEOUT_S = 1800
@@ -41,6 +43,8 @@ ALLOW_8B = "recompute,selective,offload-cpu,offload-disk,accumulate,chunked-head
 TARGETS = {  # name: (argv after python, CPU-second target)
     "gpt2 plan (README)": (["-m", "memfit", "plan", "gpt2", "--budget", "6GiB", "--batch", "8", "--seq", "1024"], 20),
     "HF model via fit_trainer": ([str(HERE / "planner_speed.py"), "--one", "hf_trainer"], 10),
+    # the same with the tracing shortcuts of issue 33 turned off (SHORTCUTS_OFF): a reference, no target
+    "HF model via fit_trainer, shortcuts off": ([str(HERE / "planner_speed.py"), "--one", "hf_trainer_off"], None),
     "llama-3-8b, one GPU, optimizer offload": ([str(HERE / "planner_speed.py"), "--one", "llama8b"], 60),
     "llama-2-70b --gpus auto": (["-m", "memfit", "plan", "llama-2-70b", "--budget", "80GiB", "--gpus", "auto"], 30),
     # (fp32 405B fits no count up to 256 devices at seq 4096; bf16-master as bench/cluster_paper.py plans it)
@@ -51,6 +55,8 @@ TARGETS = {  # name: (argv after python, CPU-second target)
 
 def one(which: str) -> None:
     """In this process: the API targets (fit_trainer on a tiny HF model; the 8B one-GPU plan)."""
+    if which == "hf_trainer_off":
+        os.environ.update({k: "1" for k in SHORTCUTS_OFF})  # (read when memfit is imported)
     import memfit
 
     if which == "llama8b":
@@ -110,8 +116,9 @@ def _spread(v: list[float]) -> dict:
 
 
 def targets(rounds: int, only: list[str] | None = None, jobs: int = 1) -> dict:
-    """Each target's runs in order (cold, then warm on the same cache folder, `rounds` times); with
-    `jobs` > 1 that many targets run side by side (CPU seconds stay each process's own; wall grows)."""
+    """Each target's runs in order (cold, then warm on the same cache folder), `rounds` times: with one job
+    round by round, every target once a round in a shuffled order; with `jobs` > 1 that many targets run
+    side by side, each its rounds in a row (CPU seconds stay each process's own; wall grows)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from common import load
@@ -120,8 +127,8 @@ def targets(rounds: int, only: list[str] | None = None, jobs: int = 1) -> dict:
     runs: dict = {n: {"cold": [], "warm": []} for n in names}
     load_before = load()
 
-    def target(n: str) -> None:
-        for r in range(rounds):
+    def target(n: str, which: range | None = None) -> None:
+        for r in which if which is not None else range(rounds):
             cache = tempfile.mkdtemp(prefix="memfit-targets-")
             try:
                 for kind in ("cold", "warm"):  # the warm run reads what the cold one stored
@@ -135,8 +142,14 @@ def targets(rounds: int, only: list[str] | None = None, jobs: int = 1) -> dict:
 
     order = names[:]
     random.Random(0).shuffle(order)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(target, order))
+    if jobs == 1:
+        for r in range(rounds):
+            for n in order:
+                target(n, range(r, r + 1))
+            random.Random(r + 1).shuffle(order)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(target, order))
     out = {}
     for n in names:
         row = {"command": "python " + " ".join(TARGETS[n][0]).replace(str(ROOT) + "/", ""), "target_cpu_s": TARGETS[n][1],
@@ -148,7 +161,8 @@ def targets(rounds: int, only: list[str] | None = None, jobs: int = 1) -> dict:
                 row[f"{kind}_call_cpu_s"] = _spread([g.get("call_cpu", float("nan")) for g in runs[n][kind]])
         row["target_applies_to"] = "call" if n in CALL_TARGETS else "process"
         measure = row["cold_call_cpu_s" if n in CALL_TARGETS else "cold_cpu_s"]["max"]
-        row["met"] = measure <= TARGETS[n][1] and all(c == 0 for c in row["exit_codes"])
+        ok = all(c == 0 for c in row["exit_codes"])
+        row["met"] = (measure <= TARGETS[n][1] and ok) if TARGETS[n][1] is not None else None
         out[n] = row
     return {"rounds": rounds, "jobs": jobs, "load_before": load_before, "load_after": load(), "targets": out}
 
@@ -193,8 +207,10 @@ def table(d: dict) -> str:
             rr = r["rerun"]
             notes.append(f"\\* {n}: run again alone on {rr['date']} (`--targets --rounds {rr['rounds']} --only "
                          f"\"{n}\"`; 1-minute load {rr['load_before'][0]:.1f} before and {rr['load_after'][0]:.1f} after).")
+        target = f"{r['target_cpu_s']} ({applies})" if r["target_cpu_s"] is not None else "- (reference)"
+        met = "-" if r["met"] is None else "yes" if r["met"] else "no"
         lines.append(f"| {n}{mark}: `{r['command']}` | {f(r['cold_cpu_s'])} | {call} | {f(r['warm_cpu_s'])} | "
-                     f"{f(r['cold_wall_s'])} | {r['target_cpu_s']} ({applies}) | {'yes' if r['met'] else 'no'} |")
+                     f"{f(r['cold_wall_s'])} | {target} | {met} |")
     if notes:
         lines += [""] + notes
     return "\n".join(lines) + "\n"

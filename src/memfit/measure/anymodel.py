@@ -208,11 +208,12 @@ ops need not pass the tracker's dispatch (tests/test_plan_speed_shortcuts.py com
 def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimizer: str, checkpoint: Any,
               device: str, steps: int = 2, tracker: Callable[..., MemoryTracker] | None = None,
               prepare: Callable[[nn.Module], None] | None = None, window: Any = None,
-              offload: str | None = None, step_in_backward: bool = False) -> RunResult:
+              offload: str | None = None, step_in_backward: bool = False, update: bool = True) -> RunResult:
     """Build the model, apply the policy and optimizer, run `steps` steps inside a tracker; the tracker's
     peak window is the last step. Call inside FakeTensorMode to predict, outside to measure.
     `offload`: the optimizer's state on the host ("cpu"), as TrainingOptimizer(offload=...);
-    `step_in_backward` as TrainingOptimizer(step_in_backward=...)."""
+    `step_in_backward` as TrainingOptimizer(step_in_backward=...). update=False: the measured step's
+    optimizer step only drops the gradients (for traces that read the blocks' stretches alone)."""
     from memfit.apply.checkpoint import checkpoint as apply_checkpoint
     from memfit.apply.optimizer import TrainingOptimizer
 
@@ -238,6 +239,8 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
                         step(model, opt)
                     continue
                 tr.reset_peak()
+                if not update:
+                    opt.step = lambda closure=None: opt.zero_grad()  # (this instance, this last step only)
                 with window if window is not None else contextlib.nullcontext():
                     step(model, opt)
     finally:
