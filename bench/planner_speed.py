@@ -161,7 +161,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=1, help="--targets: targets run side by side")
     ap.add_argument("--one", help=argparse.SUPPRESS)
-    ap.add_argument("--only", action="append", help=argparse.SUPPRESS)
+    ap.add_argument("--only", action="append", metavar="NAME", help="--targets: rerun this target alone (repeatable); "
+                    "its row is replaced in the saved JSON")
     args = ap.parse_args()
     if args.one:
         from planner_targets import one
@@ -169,10 +170,12 @@ def main() -> None:
         one(args.one)
         return
     if args.targets:
-        from planner_targets import targets
+        from planner_targets import TARGETS, save_targets, targets
 
-        got = targets(args.rounds, args.only, args.jobs)
-        print(save("planner_targets", got))
+        unknown = [n for n in args.only or () if n not in TARGETS]
+        if unknown:
+            ap.error(f"--only {unknown[0]!r}: not a target; the targets are {', '.join(map(repr, TARGETS))}")
+        print(save_targets(targets(args.rounds, args.only, args.jobs), args.only))
         return
     print("estimate (fresh processes)", flush=True)
     est = estimate_cli()

@@ -29,13 +29,14 @@ invisible here; `memfit.measure.allocator` measures them for comparison.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook as _register_step_post_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.host import (ACTIVE as _ACTIVE, host_allocations, host_empty, inner_tensors, mark_host, storage,
@@ -48,6 +49,9 @@ __all__ = ["MemoryTracker", "track", "mark_host", "host_allocations", "host_empt
 
 
 _DEVICE = torch.ops.prim.device.default
+UNTRACKED_DETACH = os.environ.get("MEMFIT_TRACKED_DETACH", "") != "1"
+"""A saved tensor's detach() skips this tracker's dispatch when the tracker is the innermost mode (its
+records would repeat the ones around it; tests/test_plan_speed_shortcuts.py compares whole profiles)."""
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -172,7 +176,14 @@ class MemoryTracker(TorchDispatchMode, StorageLedger):
                 self._save(inner)
             return t.detach()
         # detach(): same storage, but no reference from the saved value back to its own grad_fn.
-        return t.detach() if self._save(t) else t
+        if not self._save(t):
+            return t
+        if UNTRACKED_DETACH and _get_current_dispatch_mode() is self:
+            # A view of a storage just registered: nothing for this tracker to count, so it goes straight to
+            # the modes below (a fake step saves hundreds of tensors; this halves their dispatches).
+            with _pop_mode_temporarily():
+                return t.detach()
+        return t.detach()
 
     def _save(self, t: torch.Tensor) -> bool:
         """t's storage is held for backward: an activation unless it is already a model state.

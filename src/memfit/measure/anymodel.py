@@ -215,16 +215,21 @@ class RunResult:
 
 QUICK_WARMUP = os.environ.get("MEMFIT_FULL_WARMUP", "") != "1"
 """A step that says how to make its state alone (step.warmup) warms up with that (tests compare both)."""
+UNTRACKED_WARMUP = os.environ.get("MEMFIT_TRACKED_WARMUP", "") != "1"
+"""That state-only warm-up runs before the tracker is entered (only the fake mode sees its ops): the tracker
+counts the optimizer state that exists at `__enter__`, and nothing else of the warm-up outlives it, so its
+ops need not pass the tracker's dispatch (tests/test_plan_speed_shortcuts.py compares both)."""
 
 
 def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimizer: str, checkpoint: Any,
               device: str, steps: int = 2, tracker: Callable[..., MemoryTracker] | None = None,
               prepare: Callable[[nn.Module], None] | None = None, window: Any = None,
-              offload: str | None = None, step_in_backward: bool = False) -> RunResult:
+              offload: str | None = None, step_in_backward: bool = False, update: bool = True) -> RunResult:
     """Build the model, apply the policy and optimizer, run `steps` steps inside a tracker; the tracker's
     peak window is the last step. Call inside FakeTensorMode to predict, outside to measure.
     `offload`: the optimizer's state on the host ("cpu"), as TrainingOptimizer(offload=...);
-    `step_in_backward` as TrainingOptimizer(step_in_backward=...)."""
+    `step_in_backward` as TrainingOptimizer(step_in_backward=...). update=False: the measured step's
+    optimizer step only drops the gradients (for traces that read the blocks' stretches alone)."""
     from memfit.apply.checkpoint import checkpoint as apply_checkpoint
     from memfit.apply.optimizer import TrainingOptimizer
 
@@ -237,16 +242,21 @@ def run_steps(build: Callable[[], nn.Module], step: Step, precision: str, optimi
     if not (isinstance(checkpoint, str) and checkpoint == "none"):
         apply_checkpoint(model, checkpoint)
     opt = TrainingOptimizer(model, optimizer, precision=precision, offload=offload, step_in_backward=step_in_backward)
-    tr = (tracker or MemoryTracker)(model, opt, dev)
     try:
+        warm = getattr(step, "warmup", None) if QUICK_WARMUP and steps > 1 else None
+        warmed = UNTRACKED_WARMUP and warm is not None and warm(model, opt)
+        tr = (tracker or MemoryTracker)(model, opt, dev)
         with tr:
             for i in range(steps):
                 if i < steps - 1:
-                    warm = getattr(step, "warmup", None) if QUICK_WARMUP else None
-                    if i != 0 or warm is None or not warm(model, opt):
+                    if i == 0 and warmed:
+                        continue
+                    if i != 0 or warm is None or UNTRACKED_WARMUP or not warm(model, opt):
                         step(model, opt)
                     continue
                 tr.reset_peak()
+                if not update:
+                    opt.step = lambda closure=None: opt.zero_grad()  # (this instance, this last step only)
                 with window if window is not None else contextlib.nullcontext():
                     step(model, opt)
     finally:

@@ -299,15 +299,15 @@ def _tracker_factory(holder: dict) -> Callable[..., TimelineTracker]:
 
 
 def _trace(build_k: Callable[[int], nn.Module], k: int, step, pattern, precision, optimizer, device,
-           sib: bool = False) -> StepStretches:
+           sib: bool = False, update: bool = True) -> StepStretches:
     from memfit.measure.anymodel import run_steps
     from memfit.measure.fake_mode import fake_mode
 
-    holder: dict = {}
+    holder, update = {}, update or sib  # (update=False: see run_steps; an update in backward is in the blocks')
     with fake_mode():
         run_steps(lambda: build_k(k), step, precision, optimizer, list(pattern), device,
-                  tracker=_tracker_factory(holder), step_in_backward=sib)
-    return stretches(holder["t"], k)
+                  tracker=_tracker_factory(holder), step_in_backward=sib, update=update)
+    return stretches(holder["t"], k, update)
 
 
 def profile_chain(build_k: Callable[[int], nn.Module], n_blocks: int, step, precision: str, optimizer: str,

@@ -195,8 +195,9 @@ def _runs(record: list) -> tuple[list, list[int]]:
     return [(k, s, p, b) for k, s, p, _, b in runs], first
 
 
-def stretches(tracker: TimelineTracker, n_blocks: int) -> StepStretches:
-    """Cut the last step's record into the canonical stretches (raises NotAChain otherwise)."""
+def stretches(tracker: TimelineTracker, n_blocks: int, update: bool = True) -> StepStretches:
+    """Cut the last step's record into the canonical stretches (raises NotAChain otherwise). update=False:
+    the step had no optimizer update, so the optimizer stretch may be empty."""
     rec = tracker.record
     if not rec:
         raise NotAChain("empty record")
@@ -216,7 +217,7 @@ def stretches(tracker: TimelineTracker, n_blocks: int) -> StepStretches:
     for r, creator, nbytes, cat in tracker.frees:
         j = bisect.bisect_left(bounds, r)
         owner.setdefault(j, []).append((creator, nbytes, cat))
-    return _assemble(groups, runs, starts, n_blocks, tracker.peak_bytes, owner)
+    return _assemble(groups, runs, starts, n_blocks, tracker.peak_bytes, owner, update)
 
 
 def _frees_in(idx: list[int], owner: dict[int, list]) -> dict[int, Vec]:
@@ -235,7 +236,7 @@ def _stretch(idx: list[int], runs, starts) -> Stretch:
     return Stretch(vsub(runs[best][2], s), vsub(starts[idx[-1] + 1], s), vsub(runs[busy][3], s))
 
 
-def _assemble(groups, runs, starts, n: int, peak: int, owner: dict) -> StepStretches:
+def _assemble(groups, runs, starts, n: int, peak: int, owner: dict, update: bool = True) -> StepStretches:
     fwd_blocks = [g for g in groups if g[0][0] == "blk" and not g[0][1]]
     bwd_blocks = [g for g in groups if g[0][0] == "blk" and g[0][1]]
     if [g[0][2] for g in fwd_blocks] != list(range(n)) or [g[0][2] for g in bwd_blocks] != list(range(n - 1, -1, -1)):
@@ -264,12 +265,12 @@ def _assemble(groups, runs, starts, n: int, peak: int, owner: dict) -> StepStret
         raise NotAChain("no head stretch between the last block's forward and its backward")
     tail = idx(bl + 1, len(groups))
     last_bw = max((k for k, j in enumerate(tail) if runs[j][0][0]), default=None)
-    if last_bw is None or last_bw == len(tail) - 1:
+    if last_bw is None or (last_bw == len(tail) - 1 and update):
         raise NotAChain("no optimizer stretch after backward")
     pre = idx(0, f0)
     if not pre:
         raise NotAChain("no stretch before the first block")
-    mk = lambda ix: _stretch(ix, runs, starts)  # noqa: E731
+    mk = lambda ix: _stretch(ix, runs, starts) if ix else Stretch(ZERO, ZERO)  # noqa: E731  (no update: none)
     parts = {"pre_fwd": pre, "post_fwd": head[:first_bw], "post_bwd": head[first_bw:],
              "pre_bwd": tail[:last_bw + 1], "opt": tail[last_bw + 1:]}
     deferred = {name: _frees_in(ix, owner) for name, ix in parts.items()}

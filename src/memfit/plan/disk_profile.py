@@ -16,6 +16,7 @@ disk kinds are single blocks. docs/planner.md has the derivation the solver (pla
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -231,8 +232,14 @@ def _walk_trace(src, walk: Sequence[BlockAction], run: tuple):
 
     key = (src.key, run, tuple(str(a) for a in walk))
     if key not in _WALKS:
-        _WALKS[key] = _trace(src.build_k, len(walk) + 2, src.step, [KEEP, *walk, KEEP], *run)
+        # Only the blocks' stretches of a walk are read: its step runs without the optimizer's update.
+        _WALKS[key] = _trace(src.build_k, len(walk) + 2, src.step, [KEEP, *walk, KEEP], *run, update=not WALKS_NO_UPDATE)
     return _WALKS[key]
+
+
+WALKS_NO_UPDATE = os.environ.get("MEMFIT_WALK_UPDATE", "") != "1"
+"""A walk's traced step leaves out the optimizer's update, about a third of its operations (MEMFIT_WALK_UPDATE=1
+keeps it; tests/test_plan_speed_shortcuts.py compares the blocks' stretches with and without)."""
 
 
 _WALKS: dict[tuple, object] = {}
