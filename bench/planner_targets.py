@@ -182,6 +182,7 @@ def save_targets(got: dict, only: list[str] | None) -> Path:
         row["rerun"] = {"date": datetime.date.today().isoformat(), "argv": sys.argv[1:], "load_before": got["load_before"],
                         "load_after": got["load_after"], "rounds": got["rounds"]}
         d["targets"][n] = row
+    d["targets"] = {n: d["targets"][n] for n in [*TARGETS, *d["targets"]] if n in d["targets"]}  # (TARGETS' order)
     path.write_text(json.dumps(d, indent=1, sort_keys=False))
     return path
 
@@ -197,22 +198,25 @@ def table(d: dict) -> str:
              "| target | cold CPU s, process | cold CPU s, the call | warm CPU s, process | cold wall s | target (CPU s) "
              "| met |", "|---|---:|---:|---:|---:|---:|---|"]
     f = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"  # noqa: E731
-    notes = []
+    notes: list[str] = []
     for n, r in d["targets"].items():
         call = f(r["cold_call_cpu_s"]) if "cold_call_cpu_s" in r else "-"
         applies = "the call" if r.get("target_applies_to") == "call" else "process"
         mark = ""
         if "rerun" in r:
-            mark = " *"
             rr = r["rerun"]
-            notes.append(f"\\* {n}: run again alone on {rr['date']} (`--targets --rounds {rr['rounds']} --only "
-                         f"\"{n}\"`; 1-minute load {rr['load_before'][0]:.1f} before and {rr['load_after'][0]:.1f} after).")
+            note = (f"run again on {rr['date']} without the other targets (`python bench/planner_speed.py "
+                    + " ".join(f'"{a}"' if " " in a else a for a in rr["argv"]) + f"`, those rows in the same rounds; "
+                    f"1-minute load {rr['load_before'][0]:.1f} before and {rr['load_after'][0]:.1f} after).")
+            if note not in notes:
+                notes.append(note)
+            mark = " " + "\\*" * (notes.index(note) + 1)
         target = f"{r['target_cpu_s']} ({applies})" if r["target_cpu_s"] is not None else "- (reference)"
         met = "-" if r["met"] is None else "yes" if r["met"] else "no"
         lines.append(f"| {n}{mark}: `{r['command']}` | {f(r['cold_cpu_s'])} | {call} | {f(r['warm_cpu_s'])} | "
                      f"{f(r['cold_wall_s'])} | {target} | {met} |")
     if notes:
-        lines += [""] + notes
+        lines += [""] + ["\\*" * (i + 1) + " " + x for i, x in enumerate(notes)]
     return "\n".join(lines) + "\n"
 
 
