@@ -141,8 +141,11 @@ def _adam_state(inner: Any) -> bool:
     floats (the bias corrections), not which tensors the update makes."""
     if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
-    for group in inner.param_groups:
-        inner._init_group(group, [], [], [], [], [], [])
+    try:
+        for group in inner.param_groups:
+            inner._init_group(group, [], [], [], [], [], [])
+    except TypeError:  # a torch whose private _init_group takes other arguments: the whole update makes it
+        return False
     return True
 
 
