@@ -41,6 +41,8 @@ def scratch(tmp_path, monkeypatch) -> Iterator[Path]:
     monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches its first answer: ask again
     assert tempfile.gettempdir() == str(folder)
     _BEFORE[folder] = set(alive(descendants(os.getpid())))
+    _THREADS_BEFORE.clear()
+    _THREADS_BEFORE.update(threading.enumerate())
     yield folder
     _BEFORE.pop(folder, None)
 
@@ -86,9 +88,13 @@ def alive_after(pids: list[int], seconds: float) -> list[int]:
     return live
 
 
+_THREADS_BEFORE: set[threading.Thread] = set()
+"""The threads alive when the test began (an earlier test in this worker may have left its own)."""
+
+
 def memfit_threads() -> list[str]:
-    """memfit's live threads in this process (disk spill's and optimizer offload's writers)."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("memfit-")]
+    """memfit's threads started during this test and still alive (disk spill's and optimizer offload's writers)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("memfit-") and t not in _THREADS_BEFORE]
 
 
 def spill_recorder(monkeypatch) -> list[Path]:

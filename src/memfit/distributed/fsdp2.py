@@ -148,7 +148,7 @@ class FSDP2Optimizer:
         ("dp", "tp") mesh whose "tp" dimension the model's tensor plan is put on first."""
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        self.tp, self.dp, self.dp_rank, self.tp_summed = tp, dist.get_world_size(group), 0, []
+        self.tp, self.dp, self.dp_rank, self.tp_summed, self.tp_group = tp, dist.get_world_size(group), 0, [], None
         if tp == 1:
             return DeviceMesh.from_group(group, device.type)
         from memfit.distributed.hf_tensor import heads_of, hf_tp_plan, shard_hf
