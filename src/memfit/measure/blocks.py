@@ -39,7 +39,7 @@ def block_signature(block: nn.Module) -> tuple:
 
 
 def chain_mismatch(model: nn.Module) -> str:
-    """Why `model` is not a chain of identical blocks, in words (for a one-line refusal)."""
+    """Which of `model`'s blocks differ from the others, in words (for a one-line refusal); "" when all are alike."""
     from memfit.apply.checkpoint import find_blocks
 
     try:
@@ -49,6 +49,8 @@ def chain_mismatch(model: nn.Module) -> str:
     sigs = [block_signature(b) for b in blocks]
     common = max(set(sigs), key=sigs.count)
     odd = [i for i, s in enumerate(sigs) if s != common]
+    if not odd:
+        return ""
     first = dict((n, sh) for n, sh, *_ in sigs[odd[0]][1:]) if odd else {}
     usual = dict((n, sh) for n, sh, *_ in common[1:])
     extra = sorted(set(first) - set(usual)) or sorted(set(usual) - set(first)) or \

@@ -237,7 +237,7 @@ def _search(problem: Any, limit: int, allowed: Any, optimizer: str, precision: s
         if problem.spec is None and hasattr(problem.model, "parameters"):
             from memfit.measure.blocks import chain_mismatch
 
-            why = chain_mismatch(problem.model)
+            why = chain_mismatch(problem.model) or why  # alike blocks: the chain broke elsewhere (exc says where)
         raise PlanError(f"memfit.fit plans each repeated block of a chain of identical blocks; {problem.name}: "
                         f"{why}. Estimate it with memfit.estimate, and checkpoint its blocks with "
                         f"memfit.checkpoint(model, 'full') or a policy of your own") from None
