@@ -141,7 +141,13 @@ def test_gpt_with_chunked_head_matches_the_plain_model_bit_for_bit():
 
 def _hf(kind: str):
     transformers = pytest.importorskip("transformers")
-    if kind == "gpt2":
+    if kind == "bert-generation":  # its lm_head module holds the LM head's weight alone: chunkable
+        cfg = transformers.BertGenerationConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                intermediate_size=128, vocab_size=1000, is_decoder=True)
+    elif kind == "roberta":
+        cfg = transformers.RobertaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                         intermediate_size=128, vocab_size=1000, is_decoder=True)
+    elif kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64,
                                       bos_token_id=0, eos_token_id=0)
     else:
@@ -150,7 +156,7 @@ def _hf(kind: str):
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert-generation"])
 def test_hugging_face_causal_lm_loss_and_gradients_match_bit_for_bit(kind):
     torch.manual_seed(0)
     plain = _hf(kind)
@@ -186,6 +192,10 @@ def test_bad_requests_raise_config_errors():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ConfigError, match="softcapping"):
         chunk_head(model, 2)
+    # RoBERTa's LM head module runs a dense layer and a LayerNorm before its decoder weight: chunking the decoder
+    # alone on the base model's output would compute another model's loss
+    with pytest.raises(ConfigError, match="lm_head has layers of its own"):
+        chunk_head(_hf("roberta"), 2)
 
 
 @pytest.mark.slow

@@ -83,6 +83,15 @@ def _check_hf(model: nn.Module) -> None:
     if not isinstance(head, nn.Linear) or not hasattr(model, "base_model") or model.base_model is model:
         raise ConfigError(f"cannot chunk the head of {type(model).__name__}: expected memfit's GPT or a Hugging Face "
                           "causal LM (a base model plus an nn.Linear lm_head)")
+    # The chunked head feeds the base model's last hidden state straight to lm_head: a module with weights
+    # between them (ELECTRA's generator_predictions: dense, activation, LayerNorm) would be skipped.
+    own = {id(p) for p in head.parameters()} | {id(p) for p in model.base_model.parameters()}
+    between = [n for n, m in model.named_children()
+               if m is not model.base_model and any(id(p) not in own for p in m.parameters())]
+    if between:
+        raise ConfigError(f"cannot chunk the head of {type(model).__name__}: its {between[0]} has layers of its own "
+                          "between the base model's output and the LM head's weight; leave chunked-head out of "
+                          "--allow for this model")
     cfg = getattr(model, "config", None)
     found = [a for a in _LOGIT_TRANSFORMS if getattr(cfg, a, None) not in (None, 1, 1.0)]
     if found:
