@@ -129,11 +129,16 @@ def _applied_peak(model, plan, batch) -> int:
     import memfit
 
     opt = plan.apply(model, lr=1e-3)
+    # The plan's loop: its micro-batches (plan.accumulation of plan.micro_batch rows), the output held as
+    # `out = model(...)` holds it, one update per step
+    micro = [{k: v[i:i + plan.micro_batch] for k, v in batch.items()}
+             for i in range(0, plan.micro_batch * plan.accumulation, plan.micro_batch)]
     with memfit.track(model, opt) as tr:
         for _ in range(2):  # the second step holds the optimizer state: the steady-state peak
-            with opt.autocast():
-                out = model(**batch)
-            opt.backward(out.loss)
+            for i, mb in enumerate(micro):
+                with opt.autocast():
+                    out = model(**mb)
+                opt.backward(out.loss, final=i == len(micro) - 1)
             opt.step()
             del out
     return tr.peak_bytes

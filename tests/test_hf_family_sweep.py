@@ -91,7 +91,13 @@ ESTIMATE_PCT = 0.3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["rwkv", "bart", "bloom", "gpt_bigcode", "mpt"])
+@pytest.mark.parametrize("arch", ["rwkv", "bart", "bloom", "gpt_bigcode", "mpt",
+                                  # GPT-Neo's layers know their index as layer_id (the chain's copies appended to
+                                  # one KV-cache slot); Gemma-3's language model reads its text config's use_cache
+                                  # (recomputed sliding layers updated the cache again); ELECTRA's generator head
+                                  # has layers of its own before the LM head (the chunked head skipped them);
+                                  # Cohere's plan accumulates (the sweep ran its micro-batches)
+                                  "gpt_neo", "gemma3", "electra", "cohere"])
 def test_sweep_architecture_estimated_and_planned_or_refused_in_one_line(arch):
     import hf_family_tiny as tiny
 
@@ -112,3 +118,20 @@ def test_sweep_architecture_reading_values_is_refused_in_one_line_naming_the_rea
 
     row = tiny.run_one(arch, plan=False)
     assert row["estimate"].startswith("refuses: ") and read in row["estimate"] and "memfit.track" in row["estimate"]
+
+
+def test_copied_blocks_get_their_own_kv_cache_index_whatever_the_attribute_is_called():
+    """A chain longer than the model appends copies of its blocks; GPT-Neo's attention keeps its index as
+    `layer_id` (not `layer_idx`): copies that kept index 1 appended their keys to one KV-cache slot, and the
+    profile traced 128 keys against a 64-position mask."""
+    transformers = pytest.importorskip("transformers")
+    from memfit.measure.blocks import truncate
+
+    cfg = transformers.GPTNeoConfig(num_layers=2, hidden_size=32, num_heads=2, vocab_size=64, max_position_embeddings=32,
+                                    attention_types=[[["global", "local"], 1]], window_size=8)
+    model = truncate(transformers.GPTNeoForCausalLM(cfg), 4)
+    ids = [m.layer_id for m in model.modules() if isinstance(getattr(m, "layer_id", None), int)]
+    assert sorted(set(ids)) == [0, 1, 2, 3]
+    x = torch.randint(0, 64, (2, 16))
+    out = model(input_ids=x, use_cache=True)  # (the copies' weights are uninitialised: only shapes are checked)
+    assert out.logits.shape == (2, 16, 64)

@@ -239,8 +239,14 @@ def checkpoint(
     if any(a.mode != "keep" and not a.cache for a in actions):
         # Hugging Face models would append to a KV cache again while recomputing; they switch it off too
         # (+cache leaves it, as torch's checkpoint_wrapper does: apply.policy).
-        config = getattr(model, "config", None)
-        if config is not None and getattr(config, "use_cache", False):
-            config.use_cache = False
+        # Every config the model's modules read: a multimodal model's language model reads its text config.
+        configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+        for c in list(configs.values()):
+            text = c.get_text_config() if callable(getattr(c, "get_text_config", None)) else None
+            if text is not None:
+                configs[id(text)] = text
+        for config in configs.values():
+            if getattr(config, "use_cache", False):
+                config.use_cache = False
     object.__setattr__(blocks, "_memfit_applied", Applied(actions, store))
     return model

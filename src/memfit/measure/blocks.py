@@ -92,9 +92,10 @@ def truncate(model: nn.Module, k: int) -> nn.Module:
         source = blocks[len(blocks) % n]
         dev = next(iter(source.parameters())).device
         new = _materialise(_meta_copy(source), dev)
-        for m in new.modules():  # Hugging Face layers know their index (KV cache slots)
-            if isinstance(getattr(m, "layer_idx", None), int):
-                m.layer_idx = len(blocks)
+        for m in new.modules():  # Hugging Face layers know their index (KV cache slots; GPT-Neo's is layer_id)
+            for name in ("layer_idx", "layer_id"):
+                if type(getattr(m, name, None)) is int:
+                    setattr(m, name, len(blocks))
         blocks.append(new)
     return model
 
