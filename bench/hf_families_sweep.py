@@ -64,14 +64,37 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fresh", action="store_true", help="measure every architecture again")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--again", nargs="+", metavar="ARCH", help="measure these architectures again (after a fix), "
+                    "each replaced row marked with its own date and arguments; the rest of the file is kept")
     args = ap.parse_args()
     path = RESULTS / f"{NAME}.json"
     have = {} if args.fresh or not path.exists() else {r["arch"]: r for r in json.loads(path.read_text())["rows"]}
+    if args.again and path.exists():
+        return _again(path, have, args.again)
     archs = architectures()
     # first the estimate and the checks of every architecture (seconds each), then the plans (the slow part)
     _phase("checks", have, [a for a in archs if a not in have], args)
     _phase("plan", have, [a for a in archs if have[a]["status"] != "skipped" and "err_pct" in have[a]
                           and not have[a].get("planned") and "timed out" not in have[a].get("reason", "")], args)
+
+
+def _again(path: Path, have: dict, archs: list[str]) -> None:
+    """The named architectures' checks and plan again (one child each), their rows replaced in the saved
+    file, which keeps its own run record; each new row carries `rerun` (date and arguments)."""
+    import datetime
+
+    d = json.loads(path.read_text())
+    for arch in archs:
+        for phase in ("checks", "plan"):
+            if phase == "plan" and not ("err_pct" in have.get(arch, {}) and have[arch].get("status") != "skipped"):
+                break
+            _, rows = _run_chunk(phase, [arch], TIMEOUT[phase])
+            for r in rows:
+                have[r["arch"]] = {**({} if phase == "checks" else have.get(r["arch"], {})), **r}
+        have[arch]["rerun"] = {"date": datetime.date.today().isoformat(), "argv": sys.argv[1:]}
+        print(f"{arch}: {have[arch].get('status')}", flush=True)
+    d["rows"] = [have[a] for a in sorted(have)]
+    path.write_text(json.dumps(d, indent=1))
 
 
 def _phase(phase: str, have: dict, todo: list[str], args) -> None:

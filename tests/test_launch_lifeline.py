@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from proc_tree import descendants
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 GONE_WITHIN_S = 5.0
 """How long a rank may outlive its launcher: the watchdog polls every 0.5 s and the parent-death
@@ -93,20 +95,6 @@ def test_without_a_launcher_nothing_is_bound():
 SMALL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
 def _memfit(*argv: str, tmp: Path, **kw) -> subprocess.Popen:
     env = _env(OMP_NUM_THREADS="1", TMPDIR=str(tmp))
     return subprocess.Popen([sys.executable, "-m", "memfit", *argv], env=env, **kw)
@@ -128,7 +116,7 @@ def test_kill_9_of_the_launcher_takes_every_rank_and_a_torn_save_is_removed_on_r
     while time.monotonic() < end and not (out / state.CHECKPOINT).exists():
         assert launcher.poll() is None, launcher.communicate()
         time.sleep(0.2)
-    ranks = _descendants(launcher.pid)
+    ranks = descendants(launcher.pid)
     assert len([p for p in ranks if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]) >= 2
     launcher.kill()
     launcher.wait(30)

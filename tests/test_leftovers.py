@@ -18,6 +18,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from proc_tree import descendants
 from memfit.cli import main
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds processes through /proc")
@@ -50,21 +51,6 @@ def scratch(tmp_path, monkeypatch) -> Iterator[Path]:
 def new_processes(scratch: Path, seconds: float = 0.0) -> list[int]:
     """Processes below this one, started during the test, still running (`seconds` from now)."""
     return alive_after([p for p in descendants(os.getpid()) if p not in _BEFORE[scratch]], seconds)
-
-
-def descendants(pid: int) -> list[int]:
-    """The live processes below `pid` (its children, theirs, ...)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
 
 
 def alive(pids: list[int]) -> list[int]:
