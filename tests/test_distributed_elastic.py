@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from proc_tree import descendants
+
 TINY = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 ENV = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
@@ -28,21 +30,13 @@ def _train(out: Path, *extra: str) -> subprocess.Popen:
 
 def _ranks(pid: int) -> list[int]:
     """The launcher's worker processes (spawned by torch.multiprocessing), found through /proc."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            for k in kids:
-                todo.append(k)
-                try:
-                    if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes():
-                        found.append(k)
-                except OSError:
-                    pass
+    found = []
+    for k in descendants(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes():
+                found.append(k)
+        except OSError:
+            pass
     return sorted(found)
 
 
